@@ -1,0 +1,273 @@
+"""Kimi K2.6 / DeepSeek-V3 text model built only from `ops.*` (plus plain linear projections).
+
+Module and buffer names mirror the checkpoint's (after its `model.` / `language_model.model.` prefix), except
+two stacked forms the loader fills: `mlp.gate_up.weight` (gate rows then up rows of a dense MLP or shared
+expert) and `mlp.experts.{gate_up,down}_{packed,scale}` (all routed experts, compressed-tensors INT4).
+Every tensor holds this rank's shard (see `Parallel`).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ops
+from model.cache import LatentCache
+from model.parallel import Parallel
+
+
+class Tensors(nn.Module):
+    """A leaf holding named buffers (`weight`, `e_score_correction_bias`, ...)."""
+
+    def __init__(self, **tensors):
+        super().__init__()
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor)
+
+
+def _empty(shape, dtype, device):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+class Attention(nn.Module):
+    """MLA with the absorbed decode/verify form: q_lat = W_UK^T q_nope attends the 576-wide latent cache."""
+
+    def __init__(self, cfg, par, dtype, device):
+        super().__init__()
+        self.cfg = cfg
+        _, self.heads = par.shard(cfg.num_attention_heads, "attention heads")
+        D, H, R = cfg.hidden_size, self.heads, cfg.kv_lora_rank
+        if cfg.q_lora_rank:
+            self.q_a_proj = Tensors(weight=_empty((cfg.q_lora_rank, D), dtype, device))
+            self.q_a_layernorm = Tensors(weight=_empty((cfg.q_lora_rank,), dtype, device))
+            self.q_b_proj = Tensors(weight=_empty((H * cfg.qk_head_dim, cfg.q_lora_rank), dtype, device))
+        else:
+            self.q_proj = Tensors(weight=_empty((H * cfg.qk_head_dim, D), dtype, device))
+        self.kv_a_proj_with_mqa = Tensors(weight=_empty((cfg.cache_entry_dim, D), dtype, device))
+        self.kv_a_layernorm = Tensors(weight=_empty((R,), dtype, device))
+        self.kv_b_proj = Tensors(weight=_empty((H * (cfg.qk_nope_head_dim + cfg.v_head_dim), R), dtype, device))
+        self.o_proj = Tensors(weight=_empty((D, H * cfg.v_head_dim), dtype, device))
+        inv_freq, self.rope_factor = ops.yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.naive = False  # tests flip this to compare with the expanded (non-absorbed) form
+
+    def project_q(self, x):
+        cfg = self.cfg
+        if cfg.q_lora_rank:
+            qa = ops.rms_norm(F.linear(x, self.q_a_proj.weight), self.q_a_layernorm.weight, cfg.latent_norm_eps)
+            q = F.linear(qa, self.q_b_proj.weight)
+        else:
+            q = F.linear(x, self.q_proj.weight)
+        return q.view(x.shape[0], self.heads, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
+
+    def forward(self, x, meta, kv):
+        """x: [N = B*T, D] normed hidden; kv: this layer's cache [B, L_max, 576]. Returns [N, D] (partial)."""
+        cfg, N = self.cfg, x.shape[0]
+        q_nope, q_pe = self.project_q(x)
+        ckv = F.linear(x, self.kv_a_proj_with_mqa.weight)
+        latent = ops.rms_norm(ckv[:, : cfg.kv_lora_rank], self.kv_a_layernorm.weight, cfg.latent_norm_eps)
+        k_pe = ops.apply_rope(ckv[:, None, cfg.kv_lora_rank :], meta.positions, self.inv_freq, self.rope_factor)
+        q_pe = ops.apply_rope(q_pe, meta.positions, self.inv_freq, self.rope_factor)
+        ops.write_kv(kv, torch.cat([latent, k_pe[:, 0]], -1).view(meta.B, meta.T, -1), meta.starts)
+        w_kv = self.kv_b_proj.weight.view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w_uk, w_uv = w_kv[:, : cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim :]
+        if self.naive:
+            o_lat = naive_latent_attention(q_nope, q_pe, w_uk, kv, meta, cfg.softmax_scale, cfg.kv_lora_rank)
+        else:
+            q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
+            q = torch.cat([q_lat, q_pe], -1).view(meta.B, meta.T, self.heads, cfg.cache_entry_dim)
+            o_lat = ops.mla_attention(q, kv, meta.lens_after, meta.tree_mask, cfg.softmax_scale, cfg.kv_lora_rank)
+        o = torch.einsum("nhc,hdc->nhd", o_lat.reshape(N, self.heads, cfg.kv_lora_rank), w_uv)
+        return F.linear(o.reshape(N, -1), self.o_proj.weight)
+
+
+def naive_latent_attention(q_nope, q_pe, w_uk, kv, meta, scale, rank):
+    """The expanded MLA of the paper: per-head keys k_nope = W_UK c, scores q_nope.k_nope + q_pe.k_pe, in fp32.
+
+    Returns the latent context sum_j p_j c_j [N, H, rank], which W_UV maps to the head output in both forms.
+    """
+    H = q_nope.shape[1]
+    out = torch.empty(meta.B, meta.T, H, rank, dtype=q_nope.dtype, device=q_nope.device)
+    visible_new = ops.tree_mask_dense(meta.tree_mask, meta.T) if meta.tree_mask is not None else None
+    for b, length in enumerate(meta.lens_after.tolist()):
+        c, k_pe = kv[b, :length, :rank].float(), kv[b, :length, rank:].float()
+        k_nope = torch.einsum("hdc,lc->lhd", w_uk.float(), c)
+        rows = slice(b * meta.T, (b + 1) * meta.T)
+        scores = (torch.einsum("thd,lhd->htl", q_nope[rows].float(), k_nope)
+                  + torch.einsum("thr,lr->htl", q_pe[rows].float(), k_pe)) * scale
+        visible = torch.ones(meta.T, length, dtype=torch.bool, device=c.device)
+        new = visible_new[b] if visible_new is not None else torch.ones(meta.T, meta.T, dtype=torch.bool).tril()
+        visible[:, length - meta.T :] = new.to(c.device)
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[b] = torch.einsum("htl,lc->thc", probs, c).to(out.dtype)
+    return out.view(-1, H, rank)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden, intermediate, par, dtype, device, what):
+        super().__init__()
+        _, local = par.shard(intermediate, what)
+        self.gate_up = Tensors(weight=_empty((2 * local, hidden), dtype, device))
+        self.down_proj = Tensors(weight=_empty((hidden, local), dtype, device))
+
+    def forward(self, x):
+        return ops.mlp(x, self.gate_up.weight, self.down_proj.weight)
+
+
+class Experts(nn.Module):
+    """All routed experts of a layer, stacked, in the checkpoint's INT4 form until `prepare` re-lays them."""
+
+    def __init__(self, cfg, par, device):
+        super().__init__()
+        E, D = cfg.n_routed_experts, cfg.hidden_size
+        _, local = par.shard(cfg.moe_intermediate_size, "moe_intermediate_size", multiple=32)
+        self.register_buffer("gate_up_packed", _empty((E, 2 * local, D // 8), torch.int32, device))
+        self.register_buffer("gate_up_scale", _empty((E, 2 * local, D // 32), torch.bfloat16, device))
+        self.register_buffer("down_packed", _empty((E, D, local // 8), torch.int32, device))
+        self.register_buffer("down_scale", _empty((E, D, local // 32), torch.bfloat16, device))
+        self.prepared = None
+
+    def prepare(self, keep_checkpoint_form=True):
+        """Hand the experts to the current moe backend (once per backend switch)."""
+        self.prepared = ops.prepare_moe(self.gate_up_packed, self.gate_up_scale, self.down_packed, self.down_scale)
+        if not keep_checkpoint_form:
+            for name in ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale"):
+                setattr(self, name, None)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg, par, dtype, device):
+        super().__init__()
+        self.cfg = cfg
+        E = cfg.n_routed_experts
+        self.gate = Tensors(weight=_empty((E, cfg.hidden_size), dtype, device),
+                            e_score_correction_bias=_empty((E,), torch.float32, device))
+        self.experts = Experts(cfg, par, device)
+        self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, par,
+                                       dtype, device, "shared expert intermediate")
+
+    def forward(self, x):
+        cfg = self.cfg
+        weights, ids = ops.route(x, self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok,
+                                 cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob)
+        return ops.moe(x, ids, weights, self.experts.prepared) + self.shared_experts(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer, par, dtype, device):
+        super().__init__()
+        self.eps, self.par = cfg.rms_norm_eps, par
+        self.input_layernorm = Tensors(weight=_empty((cfg.hidden_size,), dtype, device))
+        self.post_attention_layernorm = Tensors(weight=_empty((cfg.hidden_size,), dtype, device))
+        self.self_attn = Attention(cfg, par, dtype, device)
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoE(cfg, par, dtype, device)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, par, dtype, device, "intermediate_size")
+
+    def forward(self, h, meta, kv):
+        attn = self.self_attn(ops.rms_norm(h, self.input_layernorm.weight, self.eps), meta, kv)
+        h = h + self.par.all_reduce(attn)
+        mlp = self.mlp(ops.rms_norm(h, self.post_attention_layernorm.weight, self.eps))
+        return h + self.par.all_reduce(mlp)
+
+
+@dataclass
+class StepMeta:
+    """What every layer needs to place and mask the T new tokens of each of B sequences."""
+
+    B: int
+    T: int
+    positions: torch.Tensor  # [B*T] int64
+    starts: torch.Tensor  # [B] int32: where the new tokens go in the cache
+    lens_after: torch.Tensor  # [B] int32: starts + T
+    tree_mask: torch.Tensor | None  # [B, T, ceil(T/32)] int32, None = causal
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [B, R, vocab (this rank's slice unless ranks are joined)]
+    hidden: torch.Tensor | None  # [B, T, len(hidden_layers) * D]: outputs of the requested layers
+
+
+class KimiModel(nn.Module):
+    def __init__(self, cfg, parallel=None, dtype=torch.bfloat16, device="cpu"):
+        super().__init__()
+        self.cfg, self.par = cfg, parallel or Parallel()
+        self.dtype, self.device = dtype, torch.device(device)
+        V, D = cfg.vocab_size, cfg.hidden_size
+        _, v_local = self.par.shard(V, "vocab_size")
+        self.embed_tokens = Tensors(weight=_empty((V, D), dtype, device))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.par, dtype, device) for i in range(cfg.num_hidden_layers))
+        self.norm = Tensors(weight=_empty((D,), dtype, device))
+        self.lm_head = Tensors(weight=_empty((v_local, D), dtype, device))
+
+    def moe_layers(self):
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+
+    def prepare(self, keep_checkpoint_form=True):
+        """Lay the experts out for the current moe backend; call again after switching it."""
+        for moe in self.moe_layers():
+            moe.experts.prepare(keep_checkpoint_form)
+        return self
+
+    def set_naive_attention(self, naive):
+        for layer in self.layers:
+            layer.self_attn.naive = naive
+
+    def new_cache(self, batch, max_len, dtype=None):
+        return LatentCache.for_model(self.cfg, batch, max_len, dtype or self.dtype, self.device)
+
+    @torch.no_grad()
+    def forward(self, tokens, positions, cache, tree_mask=None, logit_rows=None, hidden_layers=()):
+        """Run T new tokens per sequence through the model, writing their cache entries (not committing them).
+
+        tokens, positions: [B, T] int64; cache: LatentCache whose `lens` says where the tokens go; tree_mask:
+        [B, T, ceil(T/32)] int32 (None = causal); logit_rows: [B, R] int64 rows of T to score (None = all);
+        hidden_layers: layer indices whose outputs to return, concatenated in that order.
+        """
+        B, T = tokens.shape
+        if positions.shape != tokens.shape:
+            raise ValueError(f"forward: positions {tuple(positions.shape)} do not match tokens {tuple(tokens.shape)}")
+        if B > cache.batch:
+            raise ValueError(f"forward: batch {B} exceeds the cache's {cache.batch} rows")
+        bad = [i for i in hidden_layers if not 0 <= i < self.cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"forward: hidden_layers {bad} out of range 0..{self.cfg.num_hidden_layers - 1}")
+        cache.check_room(T, range(B))
+        starts = cache.lens[:B]
+        meta = StepMeta(B, T, positions.reshape(-1), starts, starts + T, tree_mask)
+        h = F.embedding(tokens.reshape(-1), self.embed_tokens.weight)
+        kept = {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, meta, cache.kv[i])
+            if i in hidden_layers:
+                kept[i] = h
+        h = ops.rms_norm(h, self.norm.weight, self.cfg.rms_norm_eps).view(B, T, -1)
+        if logit_rows is not None:
+            h = h.gather(1, logit_rows[..., None].expand(-1, -1, h.shape[-1]))
+        logits = self.par.all_gather_last(F.linear(h, self.lm_head.weight))
+        hidden = torch.cat([kept[i] for i in hidden_layers], -1).view(B, T, -1) if hidden_layers else None
+        return ForwardOutput(logits, hidden)
+
+    @torch.no_grad()
+    def init_random_(self, seed=0, std=0.02):
+        """Fill every weight with seeded random values (benchmarks and tests without a checkpoint)."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        for name, buf in self.named_buffers():
+            if buf is None or name.endswith("inv_freq"):
+                continue
+            like = dict(generator=gen, device=self.device)
+            if name.endswith("_packed"):
+                src = torch.randint(-2**31, 2**31, buf.shape, dtype=torch.int64, **like).to(torch.int32)
+            elif name.endswith("_scale"):
+                src = torch.rand(buf.shape, **like) * 0.004 + 0.001
+            elif "norm" in name:
+                src = 1.0 + 0.1 * torch.randn(buf.shape, **like)
+            elif name.endswith("e_score_correction_bias"):
+                src = 0.1 * torch.randn(buf.shape, **like)
+            else:
+                src = std * torch.randn(buf.shape, **like)
+            buf.copy_(src)
+        return self

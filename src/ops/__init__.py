@@ -1,0 +1,20 @@
+"""The op boundary: one public function per hot op, a torch reference for each, and the backend table.
+
+The model calls only these functions; `ops.use(...)` / `--kernels` / SPEC_KERNELS choose torch or Triton per op.
+"""
+
+from ops._backend import current, dispatch, has_triton, op_names, table, use, use_spec, using
+from ops.attention import causal_tree_mask, mla_attention, pack_tree_mask, tree_mask_dense, write_kv
+from ops.mlp import mlp
+from ops.moe import PackedExperts, moe, pack_int4, prepare_moe, route, unpack_int4
+from ops.norm import rms_norm
+from ops.rope import apply_rope, yarn_inv_freq, yarn_mscale
+from ops import _backend
+
+_backend.apply_env()
+
+__all__ = [
+    "apply_rope", "causal_tree_mask", "current", "dispatch", "has_triton", "mla_attention", "mlp", "moe",
+    "op_names", "pack_int4", "pack_tree_mask", "PackedExperts", "prepare_moe", "rms_norm", "route", "table",
+    "tree_mask_dense", "unpack_int4", "use", "use_spec", "using", "write_kv", "yarn_inv_freq", "yarn_mscale",
+]

@@ -1,0 +1,121 @@
+"""The per-op backend table: which implementation (torch reference or Triton kernel) each op runs.
+
+Set it in code (`ops.use(moe="triton")`), from a spec string (`ops.use_spec("moe=triton,attention=torch")`,
+what the CLI flag `--kernels` passes), or from the environment variable SPEC_KERNELS (same syntax, read at
+import). An op without an explicit choice runs Triton when a CUDA device is present and the op has a kernel,
+the torch reference otherwise.
+"""
+
+import importlib
+import os
+
+import torch
+
+BACKENDS = ("torch", "triton")
+ENV_VAR = "SPEC_KERNELS"
+
+_torch_impls: dict = {}
+_triton_impls: dict = {}  # name -> "module:function", imported on first use
+_choice: dict = {}
+_follows: dict = {}  # companion function -> the op whose backend it follows (prepare_moe -> moe)
+
+
+def register(name, torch_impl, triton_impl=None, follows=None):
+    """Declare op `name` with its torch reference and optionally its Triton launcher ("module:function").
+
+    A companion (`follows="moe"`) has no switch of its own: it runs whatever backend its op runs.
+    """
+    _torch_impls[name] = torch_impl
+    if triton_impl is not None:
+        _triton_impls[name] = triton_impl
+    if follows is not None:
+        _follows[name] = follows
+
+
+def op_names():
+    return tuple(sorted(n for n in _torch_impls if n not in _follows))
+
+
+def has_triton(name):
+    return name in _triton_impls
+
+
+def _triton_runnable():
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use(**choices):
+    """Choose backends per op, e.g. `use(moe="triton", attention="torch")`; `None` restores the default."""
+    for name, backend in choices.items():
+        if name not in op_names():
+            raise ValueError(f"unknown op {name!r}; known ops: {', '.join(op_names())}")
+        if backend is None:
+            _choice.pop(name, None)
+            continue
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r} for op {name!r}; choose one of {BACKENDS}")
+        if backend == "triton" and not has_triton(name):
+            raise ValueError(f"op {name!r} has no Triton kernel; only 'torch' is available")
+        _choice[name] = backend
+
+
+def use_spec(spec):
+    """Apply a spec string `op=backend,op=backend`; `all=triton` sets every op that has a kernel."""
+    choices = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, sep, backend = item.partition("=")
+        if not sep:
+            raise ValueError(f"bad kernel choice {item!r}: expected op=backend")
+        name, backend = name.strip(), backend.strip()
+        if name == "all":
+            choices.update({n: backend for n in op_names() if backend == "torch" or has_triton(n)})
+        else:
+            choices[name] = backend
+    use(**choices)
+
+
+def current(name):
+    """The backend op `name` runs now."""
+    name = _follows.get(name, name)
+    if name in _choice:
+        return _choice[name]
+    return "triton" if has_triton(name) and torch.cuda.is_available() else "torch"
+
+
+def table():
+    return {name: current(name) for name in op_names()}
+
+
+def dispatch(name):
+    """The callable implementing op `name` under the current backend."""
+    if current(name) == "torch":
+        return _torch_impls[name]
+    if not _triton_runnable():
+        raise RuntimeError(f"op {name!r} is set to triton but there is no CUDA device (and TRITON_INTERPRET!=1)")
+    impl = _triton_impls[name]
+    if isinstance(impl, str):
+        module, _, attr = impl.partition(":")
+        impl = getattr(importlib.import_module(module), attr)
+        _triton_impls[name] = impl
+    return impl
+
+
+class using:
+    """Context manager: `with ops.using(moe="triton"): ...` restores the previous choices on exit."""
+
+    def __init__(self, **choices):
+        self.choices = choices
+
+    def __enter__(self):
+        self.saved = dict(_choice)
+        use(**self.choices)
+
+    def __exit__(self, *exc):
+        _choice.clear()
+        _choice.update(self.saved)
+
+
+def apply_env():
+    spec = os.environ.get(ENV_VAR)
+    if spec:
+        use_spec(spec)

@@ -1,0 +1,51 @@
+import os
+
+import pytest
+import torch
+
+import ops
+
+_real_empty, _real_empty_like = torch.empty, torch.empty_like
+
+
+def _nan_fill(t):
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    return t
+
+
+@pytest.fixture(autouse=True)
+def nan_empty(monkeypatch):
+    """Fill float torch.empty/empty_like with NaN, so an output element a kernel forgets to write fails."""
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: _nan_fill(_real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _nan_fill(_real_empty_like(*a, **k)))
+
+
+@pytest.fixture(autouse=True)
+def restore_backends():
+    """Each test starts from the default backend table."""
+    saved = dict(ops._backend._choice)
+    yield
+    ops._backend._choice.clear()
+    ops._backend._choice.update(saved)
+
+
+def interpreting():
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def gpu():
+    return torch.cuda.is_available()
+
+
+def kernel_dtypes():
+    """Dtypes to test Triton kernels with: the interpreter gets bf16 tl.dot wrong, so fp16/fp32 there."""
+    return [torch.bfloat16, torch.float16] if gpu() else [torch.float16, torch.float32]
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+requires_triton = pytest.mark.skipif(not (gpu() or interpreting()), reason="needs CUDA or TRITON_INTERPRET=1")
+requires_gpu = pytest.mark.skipif(not gpu(), reason="needs CUDA")

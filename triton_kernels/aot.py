@@ -1,0 +1,52 @@
+"""Ahead-of-time compilation for architectures this machine cannot run (sm_120), to check resource limits.
+
+`compile_for(kernel, signature, constexprs, arch=120, num_warps=4, num_stages=2)` compiles a @triton.jit
+kernel for the given arch without a GPU and returns its shared memory, registers and spill bytes, read
+from ptxas's report.
+"""
+
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+SM120_SHARED_LIMIT = 101_376  # bytes of shared memory per block on sm_120
+
+
+@dataclass
+class Resources:
+    shared: int
+    registers: int
+    spill_bytes: int
+
+
+def _ptxas_report(ptx, arch):
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(arch).path if callable(get_ptxas) else get_ptxas()
+    target = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        proc = subprocess.run([ptxas, "-v", f"-arch={target}", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                              capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"ptxas failed: {proc.stderr.strip()}")
+    report = proc.stderr
+    regs = re.search(r"Used (\d+) registers", report)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    return (int(regs.group(1)) if regs else 0), sum(spills)
+
+
+def compile_for(kernel, signature, constexprs, arch=120, num_warps=4, num_stages=2):
+    """Compile `kernel` for sm_<arch> and report its resources (no GPU needed)."""
+    src = ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    registers, spills = _ptxas_report(compiled.asm["ptx"], arch)
+    return Resources(shared=compiled.metadata.shared, registers=registers, spill_bytes=spills)
