@@ -26,7 +26,8 @@ def yarn_inv_freq(rope_dim, theta, scaling=None):
     if low == high:
         high += 0.001
     ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    inv_freq = (1.0 / base) * ((1 - ramp) + ramp / factor)
+    keep = 1 - ramp  # weight of the original frequency; operation order as HF's, so the result is bit-equal
+    inv_freq = 1.0 / (factor * base) * (1 - keep) + 1.0 / base * keep
     return inv_freq, yarn_attention_factor(scaling)
 
 

@@ -1,0 +1,115 @@
+"""The model built from ops: absorbed vs naive MLA, tree verification vs per-path runs, cache bookkeeping."""
+
+import pytest
+import torch
+
+import ops
+from model.config import preset
+from model.model import KimiModel
+from tests.conftest import rel_err
+
+
+def tiny_model(name="tiny", seed=0):
+    return KimiModel(preset(name), dtype=torch.float32).init_random_(seed).prepare()
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-grouped"])
+def test_absorbed_equals_naive_mla(name):
+    model = tiny_model(name)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    positions = torch.arange(9).expand(2, 9)
+    absorbed = model(tokens, positions, model.new_cache(2, 32)).logits
+    model.set_naive_attention(True)
+    naive = model(tokens, positions, model.new_cache(2, 32)).logits
+    assert rel_err(absorbed, naive) < 1e-5
+
+
+def random_tree(n, generator):
+    """Parents of a random tree over nodes 0..n-1 (node 0 the root, each parent earlier than its child)."""
+    return [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, n)]
+
+
+def ancestors(parents, i):
+    path = [i]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def test_tree_verify_equals_each_root_to_node_path():
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, model.cfg.vocab_size, (11,), generator=gen).tolist()
+    n = 37  # crosses a 32-bit mask word
+    parents = random_tree(n, gen)
+    tree_tokens = torch.randint(0, model.cfg.vocab_size, (n,), generator=gen)
+    depths = torch.tensor([len(ancestors(parents, i)) - 1 for i in range(n)])
+
+    cache = model.new_cache(1, 64)
+    model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache)
+    cache.advance([len(prompt)])
+    visible = torch.zeros(1, n, n, dtype=torch.bool)
+    for i in range(n):
+        visible[0, i, ancestors(parents, i)] = True
+    out = model(tree_tokens[None], (len(prompt) + depths)[None], cache, tree_mask=ops.pack_tree_mask(visible))
+
+    for i in range(n):
+        path = ancestors(parents, i)
+        chain = prompt + tree_tokens[path].tolist()
+        ref_cache = model.new_cache(1, 64)
+        ref = model(torch.tensor([chain]), torch.arange(len(chain))[None], ref_cache).logits[0, -1]
+        assert rel_err(out.logits[0, i], ref) < 1e-5, f"node {i}"
+
+
+def test_logit_rows_and_hidden_layers():
+    model = tiny_model()
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 5))
+    positions = torch.arange(5).expand(2, 5)
+    full = model(tokens, positions, model.new_cache(2, 8), hidden_layers=(2, 0))
+    rows = torch.tensor([[4], [1]])
+    some = model(tokens, positions, model.new_cache(2, 8), logit_rows=rows, hidden_layers=(0,))
+    assert rel_err(some.logits[:, 0], full.logits[[0, 1], [4, 1]]) < 1e-6
+    D = model.cfg.hidden_size
+    assert full.hidden.shape == (2, 5, 2 * D) and rel_err(some.hidden, full.hidden[..., D:]) < 1e-6
+
+
+def test_decode_with_cache_equals_full_prefill():
+    model = tiny_model("tiny-grouped")
+    seq = torch.randint(0, model.cfg.vocab_size, (1, 12))
+    full = model(seq, torch.arange(12)[None], model.new_cache(1, 16)).logits[0]
+    cache = model.new_cache(1, 16)
+    model(seq[:, :6], torch.arange(6)[None], cache)
+    cache.advance([6])
+    for t in range(6, 12):
+        step = model(seq[:, t : t + 1], torch.tensor([[t]]), cache).logits[0, 0]
+        cache.advance([1])
+        assert rel_err(step, full[t]) < 1e-5
+
+
+def test_bad_inputs_raise_clear_errors():
+    model = tiny_model()
+    cache = model.new_cache(1, 8)
+    with pytest.raises(ValueError, match="exceed the context of 8"):
+        model(torch.zeros(1, 9, dtype=torch.long), torch.arange(9)[None], cache)
+    with pytest.raises(ValueError, match="positions"):
+        model(torch.zeros(1, 3, dtype=torch.long), torch.arange(4)[None], cache)
+    with pytest.raises(ValueError, match="hidden_layers"):
+        model(torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None], cache, hidden_layers=(7,))
+    with pytest.raises(ValueError, match="batch 2 exceeds"):
+        model(torch.zeros(2, 3, dtype=torch.long), torch.arange(3).expand(2, 3), cache)
+    with pytest.raises(ValueError, match="tree_mask"):
+        model(torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None], cache,
+              tree_mask=torch.zeros(1, 3, 2, dtype=torch.int32))
+
+
+def test_one_tp_rank_holds_its_shard():
+    from model.parallel import Parallel
+
+    cfg = preset("tiny")
+    rank = KimiModel(cfg, Parallel(2, 1), dtype=torch.float32)
+    attn = rank.layers[0].self_attn
+    assert attn.heads == cfg.num_attention_heads // 2
+    assert rank.lm_head.weight.shape[0] == cfg.vocab_size // 2
+    assert rank.layers[1].mlp.experts.down_packed.shape[-1] == cfg.moe_intermediate_size // 2 // 8
+    with pytest.raises(ValueError, match="does not split"):
+        KimiModel(cfg, Parallel(3, 0), dtype=torch.float32)
