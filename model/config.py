@@ -139,6 +139,8 @@ class ModelConfig:
         text = hf.get("text_config", hf)
         known = {f.name for f in fields(cls)} - {"quantization", "rope_scaling", "latent_norm_eps"}
         kwargs = {k: text[k] for k in known if k in text and text[k] is not None}
+        if "q_lora_rank" in text and text["q_lora_rank"] is None:  # null means no q LoRA, not the default
+            kwargs["q_lora_rank"] = None
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if isinstance(kwargs.get(key), list):
                 kwargs[key] = kwargs[key][0]
