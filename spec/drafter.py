@@ -1,0 +1,390 @@
+"""The DFlash drafter (z-lab/dflash): Qwen3-style layers that draft a whole block of tokens in one pass.
+
+The block is [bonus token, MASK x (block_size-1)], embedded with the target's embedding. Every drafter layer
+attends non-causally from the block to [context ; block]: the context entries are k/v projections of the
+target's features (outputs of decoder layers `target_layer_ids`, concatenated, then `fc` and `hidden_norm`),
+one entry per committed token at that token's position; block token j sits at position len + j. Queries come
+from the block only. The target's lm_head scores block rows 1..block_size-1: the per-depth marginals q_1..q_L.
+
+The context K/V live in a `DraftCache` (one row per sequence, like the target's latent cache): after each
+verify only the accepted tokens' features are appended. The block's K/V are written after the committed
+context for the pass and overwritten by the next append.
+
+RoPE is Qwen3's rotate-half form; it runs through `ops.apply_rope` (interleaved pairs) by viewing the two
+halves as pairs, which rotates the same (x[i], x[i + hd/2]) pairs by the same angles.
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ops
+from ops._backend import dispatch, register
+from model.model import Tensors
+
+
+def default_target_layer_ids(num_target_layers, num_draft_layers):
+    """z-lab's spread of feature layers when a config names none: evenly from layer 1 to num_target_layers-3."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    return tuple(int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 262144
+    num_target_layers: int | None = None
+    extra: dict = field(default_factory=dict, compare=False)  # other config.json keys, written back as they were
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "vocab_size"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"drafter config: {name} must be positive, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise ValueError(f"drafter config: block_size must be at least 2, got {self.block_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"drafter config: {self.num_attention_heads} heads do not group over "
+                             f"{self.num_key_value_heads} key/value heads")
+        if self.head_dim % 2:
+            raise ValueError(f"drafter config: head_dim must be even, got {self.head_dim}")
+        if not self.target_layer_ids:
+            raise ValueError("drafter config: target_layer_ids is empty")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"drafter config: mask_token_id {self.mask_token_id} outside the vocabulary "
+                             f"of {self.vocab_size}")
+        kind = (self.rope_scaling or {}).get("type", (self.rope_scaling or {}).get("rope_type", "default"))
+        if kind not in ("default", "yarn"):
+            raise ValueError(f"drafter config: unsupported rope_scaling type {kind!r} (default or yarn)")
+
+    @property
+    def draft_len(self):
+        """L: tokens drafted per block (the block minus its bonus token)."""
+        return self.block_size - 1
+
+    @classmethod
+    def from_hf(cls, hf):
+        """From z-lab's config.json: block_size top-level or in dflash_config; mask_token_id and
+        target_layer_ids in dflash_config; head_dim and num_key_value_heads optional."""
+        dflash = hf.get("dflash_config") or {}
+
+        def need(key, *sources):
+            for source in sources:
+                if source.get(key) is not None:
+                    return source[key]
+            raise ValueError(f"drafter config: missing {key!r}")
+
+        heads = need("num_attention_heads", hf)
+        layers = need("num_hidden_layers", hf)
+        ids = dflash.get("target_layer_ids", hf.get("target_layer_ids"))
+        if ids is None:
+            ids = default_target_layer_ids(need("num_target_layers", hf), layers)
+        rope = hf.get("rope_scaling") or hf.get("rope_parameters")
+        theta = hf.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        if rope and rope.get("rope_type", rope.get("type")) in (None, "default"):
+            rope = None
+        known = {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "intermediate_size", "vocab_size", "block_size", "dflash_config", "rms_norm_eps", "rope_theta",
+                 "rope_scaling", "rope_parameters", "max_position_embeddings", "num_target_layers"}
+        return cls(
+            hidden_size=need("hidden_size", hf), num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or need("hidden_size", hf) // heads,
+            intermediate_size=need("intermediate_size", hf), vocab_size=need("vocab_size", hf),
+            block_size=need("block_size", hf, dflash), mask_token_id=need("mask_token_id", dflash, hf),
+            target_layer_ids=tuple(int(i) for i in ids), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta), rope_scaling=dict(rope) if rope else None,
+            max_position_embeddings=hf.get("max_position_embeddings", 262144),
+            num_target_layers=hf.get("num_target_layers"),
+            extra={k: v for k, v in hf.items() if k not in known},
+        )
+
+    @classmethod
+    def from_file(cls, path):
+        path = Path(path)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            hf = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"drafter config: {path} does not exist") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"drafter config: {path} is not valid JSON: {err}") from None
+        return cls.from_hf(hf)
+
+    def to_hf(self, block_size_in_dflash_config=False):
+        """z-lab's config.json layout (Qwen3 keys plus block_size and dflash_config)."""
+        hf = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "attention_bias": False,
+              "hidden_act": "silu", "tie_word_embeddings": False, **self.extra}
+        hf.update({k: v for k, v in asdict(self).items() if k not in ("extra", "mask_token_id", "target_layer_ids")})
+        hf["dflash_config"] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if block_size_in_dflash_config:
+            hf["dflash_config"]["block_size"] = hf.pop("block_size")
+        if self.num_target_layers is None:
+            del hf["num_target_layers"]
+        return hf
+
+
+def check_drafter_fits(dcfg, tcfg):
+    """Raise ValueError if a drafter cannot run on a target (hidden size, vocabulary, feature layers)."""
+    if dcfg.hidden_size != tcfg.hidden_size:
+        raise ValueError(f"drafter hidden_size {dcfg.hidden_size} does not match the target's {tcfg.hidden_size}")
+    if dcfg.vocab_size != tcfg.vocab_size:
+        raise ValueError(f"drafter vocab_size {dcfg.vocab_size} does not match the target's {tcfg.vocab_size}")
+    bad = [i for i in dcfg.target_layer_ids if not 0 <= i < tcfg.num_hidden_layers]
+    if bad:
+        raise ValueError(f"drafter target_layer_ids {bad} out of range for a target of "
+                         f"{tcfg.num_hidden_layers} layers")
+
+
+# --- the drafter's attention op -------------------------------------------------------------------------------
+
+def drafter_attention(q, k_cache, v_cache, lens, max_len, scale):
+    """Non-causal GQA attention of a block of queries over each sequence's first lens[b] cache entries.
+
+    q: [B, S, H, hd]; k_cache, v_cache: [B, L_max, KVH, hd] (H a multiple of KVH; query head h reads kv head
+    h // (H/KVH)); lens: [B] int32 entries visible to every query of row b (context then the block itself);
+    max_len: host int >= max(lens) bounding the work without a device sync; scale: softmax scale.
+    Returns [B, S, H, hd] in q's dtype.
+    """
+    B, S, H, hd = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.shape[0] < B or k_cache.shape[-1] != hd or H % k_cache.shape[2]:
+        raise ValueError(f"drafter_attention: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
+                         f"{tuple(v_cache.shape)} do not fit")
+    if lens.shape != (B,) or lens.dtype != torch.int32 or not 0 < max_len <= k_cache.shape[1]:
+        raise ValueError(f"drafter_attention: lens {tuple(lens.shape)} {lens.dtype} / max_len {max_len} do not fit")
+    return dispatch("drafter_attention")(q, k_cache, v_cache, lens, max_len, scale)
+
+
+def drafter_attention_torch(q, k_cache, v_cache, lens, max_len, scale):
+    B, S, H, hd = q.shape
+    group = H // k_cache.shape[2]
+    k = k_cache[:B, :max_len].float().repeat_interleave(group, dim=2)  # [B, M, H, hd]
+    v = v_cache[:B, :max_len].float().repeat_interleave(group, dim=2)
+    scores = torch.einsum("bshd,bmhd->bhsm", q.float(), k) * scale
+    visible = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [B, M]
+    probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
+    return torch.einsum("bhsm,bmhd->bshd", probs, v).to(q.dtype)
+
+
+register("drafter_attention", drafter_attention_torch)
+
+
+def rope_half(x, positions, inv_freq, factor):
+    """Qwen3 RoPE (x[i], x[i + hd/2] rotate by frequency i) through ops.apply_rope. x: [N, H, hd]."""
+    N, H, hd = x.shape
+    pairs = x.view(N, H, 2, hd // 2).transpose(-1, -2).reshape(N, H, hd)
+    out = ops.apply_rope(pairs, positions, inv_freq, factor)
+    return out.view(N, H, hd // 2, 2).transpose(-1, -2).reshape(N, H, hd)
+
+
+# --- the context cache ----------------------------------------------------------------------------------------
+
+class DraftCache:
+    """Per drafter layer K/V of the context: k, v [layers, B, L_max, KVH, hd]; lens [B] int32 (device) counts
+    committed context entries, host_lens mirrors it (updated by the caller after its one read per step)."""
+
+    def __init__(self, k, v, lens, host_lens):
+        self.k, self.v, self.lens, self.host_lens = k, v, lens, host_lens
+
+    @classmethod
+    def empty(cls, cfg, batch, max_len, dtype, device):
+        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(batch, dtype=torch.int32, device=device), [0] * batch)
+
+    @property
+    def batch(self):
+        return self.k.shape[1]
+
+    @property
+    def max_len(self):
+        return self.k.shape[2]
+
+    def row(self, b):
+        """A one-sequence view of row b sharing storage (its host_lens is a copy: write it back)."""
+        return DraftCache(self.k[:, b : b + 1], self.v[:, b : b + 1], self.lens[b : b + 1], [self.host_lens[b]])
+
+    def check_room(self, new):
+        for b, n in enumerate(self.host_lens):
+            if n + new > self.max_len:
+                raise ValueError(f"draft cache: sequence {b} holds {n} entries; {new} more exceed {self.max_len}")
+
+    def set_host_lens(self, host_lens):
+        self.host_lens = list(host_lens)
+
+
+def _scatter_rows(cache, values, starts):
+    """cache[b, starts[b] + t] = values[b, t]. cache: [B, L_max, ...]; values: [B, T, ...]; starts: [B]."""
+    B, T = values.shape[:2]
+    rows = torch.arange(B, device=values.device)[:, None].expand(B, T)
+    cols = starts.long()[:, None] + torch.arange(T, device=values.device)[None, :]
+    cache[rows, cols] = values.to(cache.dtype)
+
+
+# --- the model ------------------------------------------------------------------------------------------------
+
+def _empty(shape, dtype, device):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg, dtype, device):
+        super().__init__()
+        D, H, KVH, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = Tensors(weight=_empty((H * hd, D), dtype, device))
+        self.k_proj = Tensors(weight=_empty((KVH * hd, D), dtype, device))
+        self.v_proj = Tensors(weight=_empty((KVH * hd, D), dtype, device))
+        self.o_proj = Tensors(weight=_empty((D, H * hd), dtype, device))
+        self.q_norm = Tensors(weight=_empty((hd,), dtype, device))
+        self.k_norm = Tensors(weight=_empty((hd,), dtype, device))
+
+    def keys_values(self, x, positions, rope):
+        """x: [N, D] -> roped, k-normed keys [N, KVH, hd] and values [N, KVH, hd]."""
+        cfg = self.cfg
+        k = F.linear(x, self.k_proj.weight).view(x.shape[0], cfg.num_key_value_heads, cfg.head_dim)
+        k = rope_half(ops.rms_norm(k, self.k_norm.weight, cfg.rms_norm_eps), positions, *rope)
+        v = F.linear(x, self.v_proj.weight).view(x.shape[0], cfg.num_key_value_heads, cfg.head_dim)
+        return k, v
+
+    def forward(self, x, positions, rope, k_cache, v_cache, starts, lens_after, max_len):
+        """x: [B, S, D] normed block; writes the block's K/V at starts.. and attends over lens_after entries."""
+        cfg = self.cfg
+        B, S, _ = x.shape
+        flat = x.reshape(B * S, -1)
+        q = F.linear(flat, self.q_proj.weight).view(B * S, cfg.num_attention_heads, cfg.head_dim)
+        q = rope_half(ops.rms_norm(q, self.q_norm.weight, cfg.rms_norm_eps), positions, *rope)
+        k, v = self.keys_values(flat, positions, rope)
+        _scatter_rows(k_cache, k.view(B, S, *k.shape[1:]), starts)
+        _scatter_rows(v_cache, v.view(B, S, *v.shape[1:]), starts)
+        o = drafter_attention(q.view(B, S, *q.shape[1:]), k_cache, v_cache, lens_after, max_len,
+                              cfg.head_dim ** -0.5)
+        return F.linear(o.reshape(B, S, -1), self.o_proj.weight)
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg, dtype, device):
+        super().__init__()
+        D = cfg.hidden_size
+        self.cfg = cfg
+        self.input_layernorm = Tensors(weight=_empty((D,), dtype, device))
+        self.post_attention_layernorm = Tensors(weight=_empty((D,), dtype, device))
+        self.self_attn = DrafterAttention(cfg, dtype, device)
+        self.mlp = nn.Module()
+        self.mlp.gate_up = Tensors(weight=_empty((2 * cfg.intermediate_size, D), dtype, device))
+        self.mlp.down_proj = Tensors(weight=_empty((D, cfg.intermediate_size), dtype, device))
+
+    def forward(self, h, positions, rope, k_cache, v_cache, starts, lens_after, max_len):
+        eps = self.cfg.rms_norm_eps
+        h = h + self.self_attn(ops.rms_norm(h, self.input_layernorm.weight, eps), positions, rope, k_cache,
+                               v_cache, starts, lens_after, max_len)
+        x = ops.rms_norm(h, self.post_attention_layernorm.weight, eps)
+        return h + ops.mlp(x.reshape(-1, x.shape[-1]), self.mlp.gate_up.weight, self.mlp.down_proj.weight).view_as(h)
+
+
+class DFlashDrafter(nn.Module):
+    """The drafter's own weights (names as in the z-lab checkpoint, gate/up stacked as `mlp.gate_up`); the
+    embedding and lm_head come from the target through `bind`."""
+
+    def __init__(self, cfg, dtype=torch.bfloat16, device="cpu"):
+        super().__init__()
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        D, n = cfg.hidden_size, len(cfg.target_layer_ids)
+        self.fc = Tensors(weight=_empty((D, n * D), dtype, device))
+        self.hidden_norm = Tensors(weight=_empty((D,), dtype, device))
+        self.layers = nn.ModuleList(DrafterLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        self.norm = Tensors(weight=_empty((D,), dtype, device))
+        inv_freq, factor = ops.yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq.to(self.device), persistent=False)
+        self.rope_factor = factor
+        self.target = None
+
+    @property
+    def block_size(self):
+        return self.cfg.block_size
+
+    @property
+    def target_layer_ids(self):
+        return self.cfg.target_layer_ids
+
+    def bind(self, target):
+        """Use `target`'s embedding, lm_head and tensor-parallel group (checks that the drafter fits it)."""
+        check_drafter_fits(self.cfg, target.cfg)
+        object.__setattr__(self, "target", target)  # a reference, not a submodule: its weights are not ours
+        return self
+
+    def new_cache(self, batch, max_len):
+        return DraftCache.empty(self.cfg, batch, max_len, self.dtype, self.device)
+
+    @torch.no_grad()
+    def append_context(self, cache, features, counts, host_counts=None):
+        """Append target features to each sequence's context: rows t < counts[b] of features[b].
+
+        features: [B, C, n*D] (outputs of target_layer_ids, concatenated); counts: [B] int32 on the device.
+        All C rows are written (rows past counts[b] land beyond the committed length and are overwritten
+        later); lens += counts. host_counts (list) updates host_lens now; without it the caller sets them.
+        """
+        B, C, _ = features.shape
+        cache.check_room(C)
+        ctx = ops.rms_norm(F.linear(features.to(self.dtype), self.fc.weight), self.hidden_norm.weight,
+                           self.cfg.rms_norm_eps).reshape(B * C, -1)
+        positions = (cache.lens[:B, None] + torch.arange(C, device=self.device)).reshape(-1)
+        rope = (self.inv_freq, self.rope_factor)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.keys_values(ctx, positions, rope)
+            _scatter_rows(cache.k[i], k.view(B, C, *k.shape[1:]), cache.lens[:B])
+            _scatter_rows(cache.v[i], v.view(B, C, *v.shape[1:]), cache.lens[:B])
+        cache.lens[:B] += counts.to(torch.int32)
+        if host_counts is not None:
+            cache.set_host_lens([n + c for n, c in zip(cache.host_lens, host_counts)] + cache.host_lens[B:])
+
+    @torch.no_grad()
+    def draft(self, cache, bonus):
+        """Draft one block per sequence after its committed context; returns logits [B, L, V] for depths 1..L.
+
+        bonus: [B] int64, the token at position cache.lens[b] (the root of the next tree). Commits nothing.
+        """
+        if self.target is None:
+            raise RuntimeError("drafter: call bind(target) first")
+        B, S = bonus.shape[0], self.cfg.block_size
+        cache.check_room(S)
+        block = torch.full((B, S), self.cfg.mask_token_id, dtype=torch.int64, device=self.device)
+        block[:, 0] = bonus
+        h = F.embedding(block, self.target.embed_tokens.weight).to(self.dtype)  # [B, S, D]
+        starts = cache.lens[:B]
+        positions = (starts[:, None] + torch.arange(S, device=self.device)).reshape(-1)
+        lens_after, max_len = starts + S, max(cache.host_lens[:B]) + S
+        rope = (self.inv_freq, self.rope_factor)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, rope, cache.k[i], cache.v[i], starts, lens_after, max_len)
+        h = ops.rms_norm(h[:, 1:], self.norm.weight, self.cfg.rms_norm_eps)
+        return self.target.par.all_gather_last(F.linear(h, self.target.lm_head.weight))
+
+    @torch.no_grad()
+    def init_random_(self, seed=0, std=0.02):
+        """Seeded random weights (tests and the embedded default)."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        for name, buf in self.named_buffers():
+            if name == "inv_freq":
+                continue
+            noise = torch.randn(buf.shape, generator=gen, device=self.device)
+            buf.copy_(1.0 + 0.1 * noise if "norm" in name else std * noise)
+        return self
