@@ -9,6 +9,7 @@ from ops.mlp import mlp
 from ops.moe import PackedExperts, moe, pack_int4, prepare_moe, route, unpack_int4
 from ops.norm import rms_norm
 from ops.rope import apply_rope, yarn_inv_freq, yarn_mscale
+from ops.tree import Tree, accept, build_tree, compact, draft_topk
 from ops import _backend
 
 _backend.apply_env()
@@ -17,4 +18,5 @@ __all__ = [
     "apply_rope", "causal_tree_mask", "current", "dispatch", "has_triton", "mla_attention", "mlp", "moe",
     "op_names", "pack_int4", "pack_tree_mask", "PackedExperts", "prepare_moe", "rms_norm", "route", "table",
     "tree_mask_dense", "unpack_int4", "use", "use_spec", "using", "write_kv", "yarn_inv_freq", "yarn_mscale",
+    "Tree", "accept", "build_tree", "compact", "draft_topk",
 ]
