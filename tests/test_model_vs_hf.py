@@ -10,12 +10,21 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from model.checkpoint import load_model
-from model.checkpoint_writer import write_checkpoint
+from model.checkpoint_writer import random_tensors, write_checkpoint
 from model.config import preset
 from model.parallel import Parallel
 from tests.conftest import rel_err
 
 PRESETS = ("tiny", "tiny-grouped")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine run ~100x faster without intra-op threads (which spin-wait)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def hf_config(cfg):
@@ -60,7 +69,7 @@ def hf_checkpoint(name, path, seed=0, prefix="language_model."):
 def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param) / "ckpt"
     cfg, hf = hf_checkpoint(request.param, path)
-    return cfg, hf, load_model(path, dtype=torch.float32, progress=False), path
+    return cfg, hf, load_model(path, dtype=torch.float32, progress=False)
 
 
 def prompt(cfg, n, seed=1):
@@ -68,7 +77,7 @@ def prompt(cfg, n, seed=1):
 
 
 def test_prefill_logits_match_hf(pair):
-    cfg, hf, ours, _ = pair
+    cfg, hf, ours = pair
     tokens = prompt(cfg, 13)
     with torch.no_grad():
         ref = hf(tokens).logits
@@ -78,7 +87,7 @@ def test_prefill_logits_match_hf(pair):
 
 
 def test_cached_decode_matches_hf_full_sequence(pair):
-    cfg, hf, ours, _ = pair
+    cfg, hf, ours = pair
     tokens = prompt(cfg, 13, seed=2)
     with torch.no_grad():
         ref = hf(tokens).logits[0]
@@ -111,13 +120,14 @@ def _tp_rank(rank, port, path, tokens, results):
         dist.destroy_process_group()
 
 
-def test_two_gloo_ranks_match_one(pair):
-    cfg, _, ours, path = pair
-    if cfg.n_group > 1:
-        pytest.skip("one preset is enough for the process-group test")
+def test_two_gloo_ranks_match_one(tmp_path):
+    """Two processes joined by a gloo group, each loading its TP shard, give the single-rank logits."""
+    cfg = preset("tiny")
+    write_checkpoint(tmp_path / "ckpt", cfg, random_tensors(cfg, seed=6), shard_size_bytes=300_000)
+    ours = load_model(tmp_path / "ckpt", dtype=torch.float32, progress=False)
     tokens = prompt(cfg, 7, seed=3)
     ref = ours(tokens, torch.arange(7)[None], ours.new_cache(1, 7)).logits
     results = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_tp_rank, args=(_free_port(), str(path), tokens, results), nprocs=2, join=True)
+    mp.spawn(_tp_rank, args=(_free_port(), str(tmp_path / "ckpt"), tokens, results), nprocs=2, join=True)
     for rank in range(2):
         assert rel_err(results[rank], ref) < 1e-5
