@@ -73,7 +73,7 @@ def build_tree(logprobs, tokens, root_tokens, budget):
     check_dtype("root_tokens", root_tokens, torch.int64)
     if budget < 1:
         raise ValueError(f"build_tree: budget {budget} must be >= 1")
-    return dispatch("tree_build")(logprobs, tokens, root_tokens, budget)
+    return Tree(*dispatch("tree_build")(logprobs, tokens, root_tokens, budget), max_depth=logprobs.shape[1])
 
 
 def accept(tree, target_logits, temperature, top_p=1.0, top_k=0, seeds=None, step=0):
@@ -230,8 +230,8 @@ def build_tree_torch(logprobs, tokens, root_tokens, budget):
             alive[:, n] = ok & (d < L)
             rank[:, n], cdepth[:, n], prev[:, n], pscore[:, n] = 0, d + 1, -1, s
     num_nodes = (parents >= 0).sum(-1) + 1
-    return Tree(out_tok, parents.to(i32), depths.to(i32), ancestor_mask(parents, L), first_child.to(i32),
-                next_sibling.to(i32), num_nodes.to(i32), L)
+    return (out_tok, parents.to(i32), depths.to(i32), ancestor_mask(parents, L), first_child.to(i32),
+            next_sibling.to(i32), num_nodes.to(i32))
 
 
 def ancestor_mask(parents, L):
@@ -298,7 +298,7 @@ def compact_torch(kv, starts, path, path_len, hidden):
     return torch.where(valid[..., None], gathered, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
 
 
-register("draft_topk", draft_topk_torch)
-register("tree_build", build_tree_torch)
-register("accept", accept_torch)
-register("compact", compact_torch)
+register("draft_topk", draft_topk_torch, "triton_kernels.ddtree:draft_topk")
+register("tree_build", build_tree_torch, "triton_kernels.ddtree:build_tree")
+register("accept", accept_torch, "triton_kernels.ddtree:accept")
+register("compact", compact_torch, "triton_kernels.ddtree:compact")

@@ -1,0 +1,369 @@
+"""DDTree on the GPU: drafter top-k keys, best-first tree build, target sampling + walk, KV compaction.
+
+Semantics (tie rules, hash, key layouts) are those of `ops.tree`; the derivations are in README.md (DDTree).
+No launcher reads a tensor back to the host.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_BUDGET = 512  # the build packs slot and rank into 9 bits each
+MAX_DEPTH = 15  # and the depth into 4 bits
+
+# Configs as data per arch (compute capability major*10+minor): BLOCK over the vocabulary, warps of the
+# vocabulary kernels, target program count of the split vocabulary passes, warps of the one-program-per-tree
+# build (its heap lives in registers: one warp keeps every reduction inside shuffles).
+CONFIGS = {
+    90: dict(block_v=2048, warps_v=8, programs=1056, build_warps=1),
+    120: dict(block_v=1024, warps_v=4, programs=752, build_warps=1),
+}
+
+
+@triton.jit
+def _ordered(x):
+    """fp32 -> int32 with the same order; -0.0 maps to +0.0."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _unordered(o):
+    bits = tl.where(o < 0, o ^ 0x7FFFFFFF, o)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mix32(x):
+    """The mixer of ops.tree.mix32 on uint32 (wrapping products)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x5BD1E995
+    return x ^ (x >> 16)
+
+
+# ---- draft top-k: sortable keys + log-sum-exp partials, torch.topk on the keys, decode ----
+
+@triton.jit(do_not_specialize=["V", "CHUNK", "SPLIT"])
+def _topk_keys_kernel(x_ptr, key_ptr, pmax_ptr, psum_ptr, V, CHUNK, SPLIT, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    x_row = x_ptr + row.to(tl.int64) * V
+    key_row = key_ptr + row.to(tl.int64) * V
+    m_run = tl.full([], float("-inf"), tl.float32)
+    s_run = tl.zeros([], tl.float32)
+    start = c * CHUNK
+    for off in range(start, start + CHUNK, BLOCK):
+        offs = off + tl.arange(0, BLOCK)  # [BLOCK]
+        ok = offs < V
+        x = tl.load(x_row + offs, mask=ok, other=float("-inf")).to(tl.float32)
+        key = (_ordered(x).to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)  # lower id wins ties
+        tl.store(key_row + offs, key, mask=ok)
+        m_new = tl.maximum(m_run, tl.max(x, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(x - m_safe), 0)
+        m_run = m_new
+    tl.store(pmax_ptr + row * SPLIT + c, m_run)
+    tl.store(psum_ptr + row * SPLIT + c, s_run)
+
+
+@triton.jit(do_not_specialize=["K", "SPLIT"])
+def _topk_decode_kernel(top_ptr, pmax_ptr, psum_ptr, lp_ptr, tok_ptr, K, SPLIT, SP: tl.constexpr, KP: tl.constexpr):
+    row = tl.program_id(0)
+    cs = tl.arange(0, SP)
+    pm = tl.load(pmax_ptr + row * SPLIT + cs, mask=cs < SPLIT, other=float("-inf"))  # [SP]
+    ps = tl.load(psum_ptr + row * SPLIT + cs, mask=cs < SPLIT, other=0.0)
+    m = tl.max(pm, 0)
+    lse = m + tl.log(tl.sum(ps * tl.exp(pm - m), 0))
+    ks = tl.arange(0, KP)
+    key = tl.load(top_ptr + row.to(tl.int64) * K + ks, mask=ks < K, other=0)  # [KP] int64
+    hi = key >> 32
+    token = 2147483647 - (key - (hi << 32))
+    tl.store(lp_ptr + row * K + ks, _unordered(hi.to(tl.int32)) - lse, mask=ks < K)
+    tl.store(tok_ptr + row.to(tl.int64) * K + ks, token, mask=ks < K)
+
+
+# ---- tree build: one program per tree, the heap as a register frontier indexed by parent node ----
+
+@triton.jit
+def _pack(score, slot, rank, depth, prev):
+    """Heap key: [ordered score : 32 | 511 - slot : 9 | rank : 9 | depth : 4 | prev sibling : 10]."""
+    low = ((511 - slot).to(tl.int64) << 23) | (rank.to(tl.int64) << 14) | (depth.to(tl.int64) << 10) | prev
+    return (_ordered(score).to(tl.int64) << 32) | low
+
+
+@triton.jit
+def _dead_key():
+    return tl.full([], -2147483648, tl.int64) << 32
+
+
+@triton.jit(do_not_specialize=["N", "K", "KS", "L", "W"])
+def _tree_build_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_ns, o_mask, o_num,
+                       N, K, KS, L, W, NP: tl.constexpr, NP1: tl.constexpr, WP: tl.constexpr,
+                       ROWS: tl.constexpr):
+    b = tl.program_id(0)
+    N1 = N + 1
+    lp_b = lp_ptr + b.to(tl.int64) * L * KS
+    tok_b = tok_ptr + b.to(tl.int64) * L * KS
+    base = b.to(tl.int64) * N1
+    nodes = tl.arange(0, NP1)  # [NP1]
+    in_tree = nodes < N1
+    root = tl.load(root_ptr + b)
+    tl.store(o_tok + base + nodes, tl.where(nodes == 0, root, 0), mask=in_tree)
+    tl.store(o_par + base + nodes, tl.full([NP1], -1, tl.int32), mask=in_tree)
+    tl.store(o_dep + base + nodes, tl.zeros([NP1], tl.int32), mask=in_tree)
+    tl.store(o_fc + base + nodes, tl.full([NP1], -1, tl.int32), mask=in_tree)
+    tl.store(o_ns + base + nodes, tl.full([NP1], -1, tl.int32), mask=in_tree)
+    tl.debug_barrier()
+
+    slots = tl.arange(0, NP)  # [NP] slot p: the next candidate child of node p
+    dead = tl.full([NP], -2147483648, tl.int64) << 32
+    zero = tl.zeros([], tl.int32)
+    keys = tl.where(slots == 0, _pack(tl.load(lp_b), zero, zero, zero + 1, zero), dead)  # [NP] int64
+    pscore = tl.zeros([NP], tl.float32)  # score of node p
+    count = tl.full([], 1, tl.int32)
+    for n in range(1, N + 1):
+        best = tl.max(keys, 0)
+        ok = best != _dead_key()
+        hi = best >> 32
+        low = best - (hi << 32)
+        score = _unordered(hi.to(tl.int32))
+        slot = (511 - ((low >> 23) & 511)).to(tl.int32)
+        rank = ((low >> 14) & 511).to(tl.int32)
+        depth = ((low >> 10) & 15).to(tl.int32)
+        prev = (low & 1023).to(tl.int32)
+        ps = tl.max(tl.where(slots == slot, pscore, float("-inf")), 0)
+        tok = tl.load(tok_b + (depth - 1) * KS + rank, mask=ok, other=0)
+        tl.store(o_tok + base + n, tok, mask=ok)
+        tl.store(o_par + base + n, slot, mask=ok)
+        tl.store(o_dep + base + n, depth, mask=ok)
+        tl.store(o_fc + base + slot, n, mask=ok & (rank == 0))
+        tl.store(o_ns + base + prev, n, mask=ok & (rank > 0))
+        has_sib = ok & (rank + 1 < K)
+        lp_sib = tl.load(lp_b + (depth - 1) * KS + rank + 1, mask=has_sib, other=0.0)
+        sib = tl.where(has_sib, _pack(ps + lp_sib, slot, rank + 1, depth, zero + n), _dead_key())
+        has_child = ok & (depth < L) & (n < N)
+        lp_child = tl.load(lp_b + depth * KS, mask=has_child, other=0.0)
+        child = tl.where(has_child, _pack(score + lp_child, zero + n, zero, depth + 1, zero), _dead_key())
+        keys = tl.where(slots == slot, sib, keys)
+        keys = tl.where(slots == n, child, keys)
+        pscore = tl.where(slots == n, score, pscore)
+        count += ok.to(tl.int32)
+    tl.store(o_num + b, count)
+    tl.debug_barrier()
+
+    words = tl.arange(0, WP)  # [WP]
+    for r0 in range(0, N1, ROWS):
+        rows = r0 + tl.arange(0, ROWS)  # [ROWS]
+        cur = rows
+        acc = tl.zeros([ROWS, WP], tl.int32)
+        for _ in range(L + 1):
+            live = (cur >= 0) & (rows < N1)
+            bit = tl.full([ROWS], 1, tl.int32) << (cur & 31)
+            hit = (words[None, :] == (cur >> 5)[:, None]) & live[:, None]  # [ROWS, WP]
+            acc = acc | tl.where(hit, bit[:, None], 0)
+            cur = tl.load(o_par + base + cur, mask=live, other=-1)
+        out = o_mask + (base + rows)[:, None] * W + words[None, :]
+        tl.store(out, acc, mask=(rows < N1)[:, None] & (words < W)[None, :])
+
+
+# ---- accept: per-node sampling over vocabulary splits, then one program per tree reduces and walks ----
+
+@triton.jit(do_not_specialize=["V", "N1", "CHUNK", "SPLIT", "inv_t"])
+def _sample_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx_ptr, V, N1, CHUNK, SPLIT, inv_t,
+                   GREEDY: tl.constexpr, HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)  # b * (N+1) + node
+    c = tl.program_id(1)
+    b = row // N1
+    node = row - b * N1
+    limit = tl.where(node < tl.load(num_ptr + b), V, 0)  # padding nodes read nothing
+    seed = tl.load(seed_ptr + b)
+    step = tl.load(step_ptr + b)
+    key = _mix32(seed.to(tl.uint32) ^ 0x243F6A88)
+    key = _mix32(key ^ (seed >> 32).to(tl.uint32))
+    key = _mix32(key ^ step.to(tl.uint32))
+    key = _mix32(key ^ (step >> 32).to(tl.uint32))
+    key = _mix32(key ^ node.to(tl.uint32))
+    floor = float("-inf")
+    if HAS_FLOOR:
+        floor = tl.load(floor_ptr + row)
+    x_row = x_ptr + row.to(tl.int64) * V
+    start = c * CHUNK
+    best = tl.full([], float("-inf"), tl.float32)
+    best_idx = start
+    for off in range(start, start + CHUNK, BLOCK):
+        offs = off + tl.arange(0, BLOCK)  # [BLOCK]
+        ok = offs < limit
+        x = tl.load(x_row + offs, mask=ok, other=float("-inf")).to(tl.float32)
+        if GREEDY:
+            k = x
+        else:
+            xs = x * inv_t
+            h = _mix32(_mix32(key ^ offs.to(tl.uint32)) ^ 0x85A308D3)
+            u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+            k = tl.where(ok & (xs >= floor), xs - tl.log(-tl.log(u)), float("-inf"))
+        m = tl.max(k, 0)
+        i = tl.min(tl.where(k == m, offs, 2147483647), 0)
+        take = m > best
+        best = tl.where(take, m, best)
+        best_idx = tl.where(take, i, best_idx)
+    tl.store(pval_ptr + row * SPLIT + c, best)
+    tl.store(pidx_ptr + row * SPLIT + c, best_idx)
+
+
+@triton.jit(do_not_specialize=["N1", "L", "SPLIT"])
+def _walk_kernel(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, N1, L, SPLIT,
+                 NP1: tl.constexpr, SP: tl.constexpr):
+    b = tl.program_id(0)
+    nodes = tl.arange(0, NP1)  # [NP1]
+    cs = tl.arange(0, SP)  # [SP]
+    rows = b * N1 + nodes
+    ok = (nodes < N1)[:, None] & (cs < SPLIT)[None, :]
+    pv = tl.load(pval_ptr + rows[:, None] * SPLIT + cs[None, :], mask=ok, other=float("-inf"))  # [NP1, SP]
+    pi = tl.load(pidx_ptr + rows[:, None] * SPLIT + cs[None, :], mask=ok, other=0)
+    first = tl.min(tl.where(pv == tl.max(pv, 1)[:, None], cs[None, :], SP), 1)  # [NP1] earliest best split
+    sampled = tl.sum(tl.where(cs[None, :] == first[:, None], pi, 0), 1)  # [NP1]
+    toks = tl.load(tok_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
+    pars = tl.load(par_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
+    path_b = path_ptr + b * (L + 1)
+    tl.store(path_b, 0)
+    cur = tl.zeros([], tl.int32)
+    walking = tl.full([], 1, tl.int32)
+    length = tl.full([], 1, tl.int32)
+    for d in range(1, L + 1):
+        t = tl.sum(tl.where(nodes == cur, sampled, 0), 0)
+        child = tl.min(tl.where((pars == cur) & (toks == t), nodes, NP1), 0)
+        walking = walking & (child < NP1).to(tl.int32)
+        tl.store(path_b + d, tl.where(walking != 0, child, -1))
+        cur = tl.where(walking != 0, child, cur)
+        length += walking
+    tl.store(len_ptr + b, length)
+    tl.store(next_ptr + b, tl.sum(tl.where(nodes == cur, sampled, 0), 0).to(tl.int64))
+
+
+# ---- compaction: programs (layer, b) move cache rows, programs (layers + chunk, b) gather hidden rows ----
+
+@triton.jit(do_not_specialize=["layers", "L1", "D", "F", "s_layer", "s_b", "s_pos", "h_b", "h_n"])
+def _compact_kernel(kv_ptr, starts_ptr, path_ptr, len_ptr, hid_ptr, out_ptr, layers, L1, D, F,
+                    s_layer, s_b, s_pos, h_b, h_n, LP: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr):
+    p = tl.program_id(0)
+    b = tl.program_id(1)
+    i = tl.arange(0, LP)  # [LP] path position
+    valid = (i < tl.load(len_ptr + b)) & (i < L1)
+    src = tl.load(path_ptr + b * L1 + i, mask=valid, other=0).to(tl.int64)
+    if p < layers:
+        start = tl.load(starts_ptr + b).to(tl.int64)
+        base = kv_ptr + p.to(tl.int64) * s_layer + b.to(tl.int64) * s_b
+        for d0 in range(0, D, BD):
+            cols = d0 + tl.arange(0, BD)  # [BD]
+            m = valid[:, None] & (cols < D)[None, :]
+            rows = tl.load(base + (start + src)[:, None] * s_pos + cols[None, :], mask=m)  # [LP, BD]
+            tl.debug_barrier()  # every source read before any destination (one may be another's source)
+            tl.store(base + (start + i)[:, None] * s_pos + cols[None, :], rows, mask=m)
+    else:
+        cols = (p - layers) * BF + tl.arange(0, BF)  # [BF]
+        m = valid[:, None] & (cols < F)[None, :]
+        h = tl.load(hid_ptr + b.to(tl.int64) * h_b + src[:, None] * h_n + cols[None, :], mask=m, other=0.0)
+        out = out_ptr + (b.to(tl.int64) * L1 + i)[:, None] * F + cols[None, :]
+        tl.store(out, h, mask=(i < L1)[:, None] & (cols < F)[None, :])
+
+
+# ---- launchers ----
+
+def _arch(device):
+    if device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return 120 if major * 10 + minor >= 120 else 90
+
+
+def _num_sms(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _split(rows, V, block, programs):
+    """Vocabulary splits per row so that rows x splits fills about `programs` programs; chunk a BLOCK multiple."""
+    split = max(1, min(triton.cdiv(V, block), triton.cdiv(programs, rows), 64))
+    chunk = triton.cdiv(triton.cdiv(V, split), block) * block
+    return triton.cdiv(V, chunk), chunk
+
+
+def draft_topk(logits, k):
+    B, L, V = logits.shape
+    x = logits.contiguous()
+    cfg = CONFIGS[_arch(x.device)]
+    block = min(cfg["block_v"], triton.next_power_of_2(V))
+    rows = B * L
+    split, chunk = _split(rows, V, block, cfg["programs"])
+    keys = torch.empty(rows, V, dtype=torch.int64, device=x.device)
+    pmax = torch.empty(rows, split, dtype=torch.float32, device=x.device)
+    psum = torch.empty(rows, split, dtype=torch.float32, device=x.device)
+    _topk_keys_kernel[(rows, split)](x, keys, pmax, psum, V, chunk, split, BLOCK=block, num_warps=cfg["warps_v"])
+    top = keys.topk(k, dim=-1).values  # [rows, k] distinct keys: the order is exact
+    lp = torch.empty(B, L, k, dtype=torch.float32, device=x.device)
+    tokens = torch.empty(B, L, k, dtype=torch.int64, device=x.device)
+    _topk_decode_kernel[(rows,)](top, pmax, psum, lp, tokens, k, split, SP=triton.next_power_of_2(split),
+                                 KP=triton.next_power_of_2(k), num_warps=4)
+    return lp, tokens
+
+
+def build_tree(logprobs, tokens, root_tokens, budget):
+    B, L, KS = logprobs.shape
+    if budget > MAX_BUDGET or L > MAX_DEPTH:
+        raise ValueError(f"build_tree (triton): budget {budget} <= {MAX_BUDGET} and L {L} <= {MAX_DEPTH} required")
+    N = budget
+    N1 = N + 1
+    W = triton.cdiv(N1, 32)
+    dev = logprobs.device
+    lp, tok = logprobs.contiguous(), tokens.contiguous()
+    tokens_out = torch.empty(B, N1, dtype=torch.int64, device=dev)
+    parents, depths, first_child, next_sibling = (torch.empty(B, N1, dtype=torch.int32, device=dev) for _ in range(4))
+    mask = torch.empty(B, N1, W, dtype=torch.int32, device=dev)
+    num_nodes = torch.empty(B, dtype=torch.int32, device=dev)
+    _tree_build_kernel[(B,)](
+        lp, tok, root_tokens.contiguous(), tokens_out, parents, depths, first_child, next_sibling, mask, num_nodes,
+        N, min(KS, N), KS, L, W,
+        NP=triton.next_power_of_2(N), NP1=triton.next_power_of_2(N1), WP=triton.next_power_of_2(W), ROWS=32,
+        num_warps=CONFIGS[_arch(dev)]["build_warps"])
+    return tokens_out, parents, depths, mask, first_child, next_sibling, num_nodes
+
+
+def accept(tree, target_logits, temperature, floor, seeds, step):
+    B, N1, V = target_logits.shape
+    L = tree.max_depth
+    x = target_logits.contiguous()
+    cfg = CONFIGS[_arch(x.device)]
+    block = min(cfg["block_v"], triton.next_power_of_2(V))
+    rows = B * N1
+    split, chunk = _split(rows, V, block, cfg["programs"])
+    pval = torch.empty(rows, split, dtype=torch.float32, device=x.device)
+    pidx = torch.empty(rows, split, dtype=torch.int32, device=x.device)
+    inv_t = 1.0 / temperature if temperature > 0 else 1.0
+    _sample_kernel[(rows, split)](
+        x, tree.num_nodes, seeds.contiguous(), step.contiguous(), floor if floor is not None else pval, pval, pidx,
+        V, N1, chunk, split, inv_t, GREEDY=temperature == 0, HAS_FLOOR=floor is not None, BLOCK=block,
+        num_warps=cfg["warps_v"])
+    path = torch.empty(B, L + 1, dtype=torch.int32, device=x.device)
+    path_len = torch.empty(B, dtype=torch.int32, device=x.device)
+    next_token = torch.empty(B, dtype=torch.int64, device=x.device)
+    NP1 = triton.next_power_of_2(max(N1, L + 1))
+    _walk_kernel[(B,)](pval, pidx, tree.tokens, tree.parents, path, path_len, next_token, N1, L, split,
+                       NP1=NP1, SP=triton.next_power_of_2(split), num_warps=4)
+    return path, path_len, next_token
+
+
+def compact(kv, starts, path, path_len, hidden):
+    layers, _, _, D = kv.shape
+    B, L1 = path.shape
+    F = hidden.shape[-1]
+    if kv.stride(-1) != 1 or hidden.stride(-1) != 1:
+        raise ValueError("compact (triton): kv and hidden need a contiguous last dim")
+    out = torch.empty(B, L1, F, dtype=hidden.dtype, device=hidden.device)
+    BF = min(1024, triton.next_power_of_2(F))
+    grid = (layers + triton.cdiv(F, BF), B)
+    _compact_kernel[grid](kv, starts, path.contiguous(), path_len, hidden, out, layers, L1, D, F,
+                          kv.stride(0), kv.stride(1), kv.stride(2), hidden.stride(0), hidden.stride(1),
+                          LP=triton.next_power_of_2(L1), BD=min(128, triton.next_power_of_2(D)), BF=BF, num_warps=4)
+    return out
