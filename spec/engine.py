@@ -1,0 +1,236 @@
+"""The DDTree engine: prefill, then per step for the whole batch: draft, tree build, verify, accept, compact, emit.
+
+Each sequence of a batch owns one row of the target's latent cache and of the drafter's context cache, its
+own tree and its own length. A step reads the device once (tokens emitted and how many); everything else
+stays on the device. A sequence that finishes (stop token, max tokens, context end) stays in the batch as
+padding until all have finished: its rows are still drafted and verified but its lengths no longer advance
+and nothing more is emitted for it.
+
+Sampling goes through `ops.accept` everywhere (also for the first token after prefill and for target-only
+decoding, as a tree of one node), so a run is a deterministic function of (seed, step, node).
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import ops
+from ops.tree import Tree
+
+MAX_BUDGET = 512
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass
+class GenerationResult:
+    output_ids: list  # per sequence: the generated tokens (a stop token that ended it included)
+    accept_lengths: list  # per sequence: tokens committed per verify step (root counted; 1 per step without spec)
+    finish_reasons: list  # per sequence: "stop", "length" (max new tokens) or "context"
+    steps: int  # decode steps run for the batch
+    prefill_s: float
+    decode_s: float
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self):
+        return sum(len(ids) for ids in self.output_ids)
+
+    @property
+    def mean_accept_length(self):
+        flat = [n for lengths in self.accept_lengths for n in lengths]
+        return sum(flat) / len(flat) if flat else 0.0
+
+    @property
+    def tokens_per_s(self):
+        total = self.prefill_s + self.decode_s
+        return self.tokens / total if total > 0 else 0.0
+
+
+def root_tree(tokens):
+    """A tree of one node per sequence (the root): sampling the next token with `ops.accept`."""
+    B, dev = tokens.shape[0], tokens.device
+    none = torch.full((B, 1), -1, dtype=torch.int32, device=dev)
+    return Tree(tokens=tokens[:, None].long(), parents=none, depths=torch.zeros(B, 1, dtype=torch.int32, device=dev),
+                mask=torch.ones(B, 1, 1, dtype=torch.int32, device=dev), first_child=none, next_sibling=none.clone(),
+                num_nodes=torch.ones(B, dtype=torch.int32, device=dev), max_depth=0)
+
+
+def cache_row(cache, b):
+    """A one-sequence view of row b of a LatentCache sharing its storage (host_lens is a copy)."""
+    view = object.__new__(type(cache))
+    view.kv, view.lens, view.host_lens = cache.kv[:, b : b + 1], cache.lens[b : b + 1], [cache.host_lens[b]]
+    return view
+
+
+class Engine:
+    """Speculative (DDTree) or target-only decoding of batches of token prompts with a KimiModel target."""
+
+    def __init__(self, target, drafter=None, budget=32):
+        if not 1 <= budget <= MAX_BUDGET:
+            raise ValueError(f"tree budget must be in 1..{MAX_BUDGET}, got {budget}")
+        self.target, self.drafter, self.budget = target, drafter, budget
+        self.device = target.device
+
+    @property
+    def context_len(self):
+        return self.target.cfg.max_position_embeddings
+
+    def check_prompts(self, prompts):
+        if not prompts:
+            raise ValueError("no prompt given")
+        vocab = self.target.cfg.vocab_size
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) >= self.context_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; the context holds {self.context_len} "
+                                 "(a prompt must leave room for at least one new token)")
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary of {vocab}: {bad[:5]}")
+
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens, sampling=None, stop_ids=(), spec=True, on_tokens=None):
+        """Generate for a batch of token-id prompts. on_tokens(b, new_ids) is called as tokens are emitted."""
+        sampling = sampling or SamplingParams()
+        if spec and self.drafter is None:
+            raise ValueError("speculative decoding needs a drafter")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.check_prompts(prompts)
+        run = _Run(self, prompts, max_new_tokens, sampling, set(stop_ids), spec, on_tokens)
+        return run.execute()
+
+
+class _Run:
+    """The state of one generate call: caches, per-sequence outputs, liveness."""
+
+    def __init__(self, engine, prompts, max_new, sampling, stop_ids, spec, on_tokens):
+        self.e, self.prompts, self.max_new, self.sampling = engine, prompts, max_new, sampling
+        self.stop_ids, self.spec, self.on_tokens = stop_ids, spec, on_tokens
+        B, dev, target = len(prompts), engine.device, engine.target
+        self.limits = [min(engine.context_len, len(p) + max_new) for p in prompts]  # tokens a sequence may reach
+        slack = engine.budget + 1 if spec else 1
+        self.cache = target.new_cache(B, max(self.limits) + slack)
+        if spec:
+            block = engine.drafter.cfg.block_size
+            self.dcache = engine.drafter.new_cache(B, max(self.limits) + 2 * block)
+        self.seeds = torch.tensor([sampling.seed + b for b in range(B)], dtype=torch.int64, device=dev)
+        self.outputs = [[] for _ in range(B)]
+        self.accept = [[] for _ in range(B)]
+        self.reasons = [None] * B
+        self.live = [True] * B
+        self.live_dev = torch.ones(B, dtype=torch.int32, device=dev)
+        self.hidden_layers = tuple(engine.drafter.target_layer_ids) if spec else ()
+
+    def sample(self, tree, logits, step):
+        s = self.sampling
+        return ops.accept(tree, logits, s.temperature, s.top_p, s.top_k, self.seeds, step)
+
+    def execute(self):
+        t0 = time.perf_counter()
+        bonus = self.prefill()
+        t1 = time.perf_counter()
+        steps = 0
+        while any(self.live):
+            steps += 1
+            bonus = self.spec_step(bonus, steps) if self.spec else self.plain_step(bonus, steps)
+        if self.e.device.type == "cuda":
+            torch.cuda.synchronize(self.e.device)
+        t2 = time.perf_counter()
+        return GenerationResult(self.outputs, self.accept, self.reasons, steps, t1 - t0, t2 - t1)
+
+    def prefill(self):
+        """One sequence at a time into its cache row (and the drafter's context); sample the first tokens."""
+        target, last = self.e.target, []
+        for b, prompt in enumerate(self.prompts):
+            P = len(prompt)
+            tokens = torch.tensor([prompt], dtype=torch.int64, device=self.e.device)
+            positions = torch.arange(P, device=self.e.device)[None]
+            row = cache_row(self.cache, b)
+            out = target(tokens, positions, row, logit_rows=torch.full((1, 1), P - 1, device=self.e.device),
+                         hidden_layers=self.hidden_layers)
+            row.advance([P])
+            self.cache.host_lens[b] = P
+            if self.spec:
+                drow = self.dcache.row(b)
+                self.e.drafter.append_context(drow, out.hidden, torch.tensor([P], dtype=torch.int32,
+                                                                             device=self.e.device), [P])
+                self.dcache.host_lens[b] = P
+            last.append(out.logits)
+        bonus_holder = torch.zeros(len(self.prompts), dtype=torch.int64, device=self.e.device)
+        _, _, first = self.sample(root_tree(bonus_holder), torch.cat(last), 0)
+        for b, token in enumerate(first.tolist()):
+            self.emit(b, [token])
+        return first
+
+    def spec_step(self, bonus, step):
+        e, cache = self.e, self.cache
+        B = len(self.prompts)
+        logits = e.drafter.draft(self.dcache, bonus)  # [B, L, V]
+        logprobs, tokens = ops.draft_topk(logits, min(e.budget, logits.shape[-1]))
+        tree = ops.build_tree(logprobs, tokens, bonus, e.budget)
+        positions = cache.lens[:B, None].long() + tree.depths.long()
+        out = e.target(tree.tokens, positions, cache, tree_mask=tree.mask, hidden_layers=self.hidden_layers)
+        path, path_len, nxt = self.sample(tree, out.logits, step)
+        hidden_path = ops.compact(cache.kv, cache.lens[:B], path, path_len, out.hidden)
+        commit = path_len.to(torch.int32) * self.live_dev
+        cache.lens[:B] += commit
+        e.drafter.append_context(self.dcache, hidden_path, commit)
+        path_tokens = tree.tokens.gather(1, path.long().clamp(min=0))  # [B, L+1], root first
+        host = torch.cat([commit[:, None].long(), path_tokens, nxt[:, None]], 1).tolist()  # the step's one read
+        counts = [row[0] for row in host]
+        cache.set_host_lens([n + c for n, c in zip(cache.host_lens, counts)])
+        self.dcache.set_host_lens([n + c for n, c in zip(self.dcache.host_lens, counts)])
+        for b, row in enumerate(host):
+            if self.live[b]:
+                self.accept[b].append(row[0])
+                self.emit(b, row[2 : 1 + row[0]] + [row[-1]])
+        return nxt
+
+    def plain_step(self, bonus, step):
+        cache, B = self.cache, len(self.prompts)
+        out = self.e.target(bonus[:, None], cache.lens[:B, None].long(), cache)
+        _, _, nxt = self.sample(root_tree(bonus), out.logits, step)
+        cache.lens[:B] += self.live_dev
+        host = nxt.tolist()  # the step's one read
+        cache.set_host_lens([n + int(alive) for n, alive in zip(cache.host_lens, self.live)])
+        for b, token in enumerate(host):
+            if self.live[b]:
+                self.accept[b].append(1)
+                self.emit(b, [token])
+        return nxt
+
+    def emit(self, b, tokens):
+        """Append tokens to sequence b up to its stop token, max tokens or context end; retire it when done."""
+        out, room = self.outputs[b], self.limits[b] - len(self.prompts[b]) - len(self.outputs[b])
+        new = []
+        for token in tokens[:room]:
+            new.append(token)
+            if token in self.stop_ids:
+                self.reasons[b] = "stop"
+                break
+        out.extend(new)
+        if self.reasons[b] is None and len(self.prompts[b]) + len(out) >= self.limits[b]:
+            self.reasons[b] = "length" if len(out) >= self.max_new else "context"
+        if new and self.on_tokens is not None:
+            self.on_tokens(b, new)
+        if self.reasons[b] is not None:
+            self.live[b] = False
+            self.live_dev[b] = 0
