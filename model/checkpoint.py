@@ -25,8 +25,6 @@ SINGLE_FILE = "model.safetensors"
 PREFIXES = (("language_model.model.", "language_model.lm_head.weight"), ("model.", "lm_head.weight"))
 GROUP = 32
 PACK = 8
-FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32"}
 EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight_(packed|scale|shape)$")
 
 
@@ -38,7 +36,7 @@ class Entry:
     dtypes: tuple  # safetensors dtype names, e.g. ("BF16", "F16", "F32")
 
 
-FLOAT = tuple(FLOAT_DTYPES)
+FLOAT = ("BF16", "F16", "F32")
 
 
 def checkpoint_entries(cfg):
@@ -238,6 +236,8 @@ def load_model(path, parallel=None, dtype=torch.bfloat16, device="cpu", progress
     missing = [n for n in local if n not in files]
     if missing:
         raise ValueError(f"checkpoint: {len(missing)} tensors missing from {path}, e.g. {missing[:5]}")
+    for file in sorted(by_file):  # headers only: a bad shape or dtype fails before any data is read
+        _validate(file, by_file[file], local, entries)
     with tqdm(total=len(local), unit="tensor", desc="loading", disable=not progress) as bar:
         for file in sorted(by_file):
             bar.set_postfix_str(file.name)
@@ -245,20 +245,25 @@ def load_model(path, parallel=None, dtype=torch.bfloat16, device="cpu", progress
     return model.prepare()
 
 
-def _load_file(file, names, local, entries, place, bar):
+def _validate(file, names, local, entries):
     with _open(file) as f:
         present = set(f.keys())
         for full in names:
             if full not in present:
                 raise ValueError(f"checkpoint: {full} is listed for {file.name} but not stored there")
-            name = local[full]
             view = f.get_slice(full)
-            _check(full, entries[name], view.get_shape(), view.get_dtype())
+            _check(full, entries[local[full]], view.get_shape(), view.get_dtype())
+
+
+def _load_file(file, names, local, entries, place, bar):
+    with _open(file) as f:
+        for full in names:
+            name = local[full]
             target, index = place(name)
             if target is None:
                 _check_weight_shape(full, f.get_tensor(full), entries, name)
             else:
-                target.copy_(_read(full, view, index))
+                target.copy_(_read(full, f.get_slice(full), index))
             bar.update()
 
 

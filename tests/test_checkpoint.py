@@ -8,7 +8,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import ops
-from model import checkpoint_writer
+from model import checkpoint, checkpoint_writer
 from model.checkpoint import INDEX_FILE, checkpoint_entries, load_model, quantize_int4
 from model.checkpoint_writer import random_tensors, write_checkpoint
 from model.config import preset
@@ -173,6 +173,14 @@ BODY = "language_model.model."
 def test_bad_tensors_raise_naming_them(ckpt, name, tensor, message):
     edit(ckpt, name, tensor)
     with pytest.raises(ValueError, match=message):
+        load_model(ckpt, progress=False)
+
+
+def test_bad_shape_in_the_last_shard_fails_before_reading_data(ckpt, monkeypatch):
+    last = max(weight_map(ckpt).items(), key=lambda item: item[1])[0]
+    edit(ckpt, last, torch.zeros(1, dtype=torch.bfloat16))
+    monkeypatch.setattr(checkpoint, "_load_file", lambda *a: pytest.fail("data read before validation"))
+    with pytest.raises(ValueError, match=f"{last} has shape \\(1,\\)"):
         load_model(ckpt, progress=False)
 
 
