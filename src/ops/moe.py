@@ -162,5 +162,5 @@ def moe_torch(x, topk_ids, topk_weights, experts):
 
 
 register("router", route_torch)
-register("moe", moe_torch)
-register("prepare_moe", prepare_moe_torch, follows="moe")
+register("moe", moe_torch, "triton_kernels.moe_w4a16:moe")
+register("prepare_moe", prepare_moe_torch, "triton_kernels.moe_w4a16:prepare_moe", follows="moe")

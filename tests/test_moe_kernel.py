@@ -1,0 +1,149 @@
+"""The Triton W4A16 MoE (triton_kernels/moe_w4a16.py) against the fp32 reference ops.moe_torch."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ops
+from ops.moe import PackedExperts, moe_torch, pack_int4
+from tests.conftest import gpu, kernel_dtypes, rel_err, requires_gpu, requires_triton
+
+moe_w4a16 = pytest.importorskip("triton_kernels.moe_w4a16")
+
+
+def device():
+    return torch.device("cuda" if gpu() else "cpu")
+
+
+def make_experts(E, D, I, seed=0):
+    """Random compressed-tensors experts with scales spread over two decades (a wrong group shows)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def one(N, K):
+        q = torch.randint(-8, 8, (E, N, K), generator=g)
+        scale = 10 ** (torch.rand(E, N, K // 32, generator=g) * 2 - 3)
+        return pack_int4(q).to(device()), scale.to(torch.bfloat16).to(device())
+
+    return (*one(2 * I, D), *one(D, I))
+
+
+def make_routing(M, E, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).int()
+    weights = torch.rand(M, k, generator=g)
+    return ids.to(device()), weights.to(device())
+
+
+def check(x, ids, weights, raw, dtype):
+    prepared = moe_w4a16.prepare_moe(*raw)
+    out = moe_w4a16.moe(x.to(dtype), ids, weights, prepared)
+    ref = moe_torch(x.to(dtype).float(), ids, weights, PackedExperts(*raw))
+    assert out.dtype == dtype and out.shape == x.shape
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("E,D,I", [(8, 512, 64), (6, 320, 96)], ids=lambda v: str(v))
+def test_repack_round_trip_is_exact(E, D, I):
+    raw = make_experts(E, D, I)
+    prepared = moe_w4a16.prepare_moe(*raw)
+    assert (prepared.num_experts, prepared.hidden, prepared.intermediate) == (E, D, I)
+    assert prepared.gate_up.shape == (E, triton_cdiv(D, 256) * 32, 2 * I)
+    for got, want in zip(moe_w4a16.unprepare_moe(prepared), raw):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", kernel_dtypes()[:1] if not gpu() else kernel_dtypes(), ids=str)
+@pytest.mark.parametrize("M", [1, 3, 17, 64], ids=lambda m: f"M{m}")
+def test_moe_matches_reference(M, dtype):
+    E, D, I, k = 8, 320, 96, 3  # D and I not multiples of the 256-wide slab: padding and group boundaries
+    raw = make_experts(E, D, I, seed=M)
+    ids, weights = make_routing(M, E, k, seed=M)
+    x = torch.randn(M, D, generator=torch.Generator().manual_seed(M)).to(device())
+    check(x, ids, weights, raw, dtype)
+
+
+@requires_triton
+def test_moe_degenerate_routing():
+    """Experts with no tokens, all tokens on one expert (more than one block of rows), top-k equal to E."""
+    dtype = kernel_dtypes()[0]
+    E, D, I, M = 4, 256, 64, 20
+    raw = make_experts(E, D, I, seed=1)
+    x = torch.randn(M, D, generator=torch.Generator().manual_seed(1)).to(device())
+    _, weights = make_routing(M, E, 2, seed=1)
+    one_expert = torch.stack([torch.full((M,), 2), torch.arange(M) % 2], 1).int().to(device())  # 1, 3 idle
+    check(x, one_expert, weights, raw, dtype)
+    everyone = torch.stack([torch.randperm(E) for _ in range(M)]).int().to(device())
+    check(x, everyone, torch.rand(M, E).to(device()), raw, dtype)
+
+
+@requires_triton
+def test_moe_through_the_op_boundary():
+    raw = make_experts(4, 256, 32, seed=2)
+    ids, weights = make_routing(5, 4, 2, seed=2)
+    x = torch.randn(5, 256).to(device()).to(kernel_dtypes()[0])
+    with ops.using(moe="triton"):
+        prepared = ops.prepare_moe(*raw)
+        assert prepared.backend == "triton"
+        out = ops.moe(x, ids, weights, prepared)
+    with ops.using(moe="torch"):
+        ref = ops.moe(x.float(), ids, weights, ops.prepare_moe(*raw))
+        with pytest.raises(ValueError, match="prepared for 'triton'"):
+            ops.moe(x, ids, weights, prepared)
+    assert rel_err(out, ref) < 1e-2
+
+
+@requires_triton
+def test_moe_rejects_bad_inputs():
+    prepared = moe_w4a16.prepare_moe(*make_experts(4, 256, 32))
+    ids, weights = make_routing(2, 4, 2)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        moe_w4a16.moe(torch.randn(2, 256).to(device()), ids, weights, prepared)
+    with pytest.raises(ValueError, match="int32"):
+        moe_w4a16.moe(torch.randn(2, 256).half().to(device()), ids.long(), weights, prepared)
+
+
+@requires_gpu
+@pytest.mark.parametrize("M", [1, 8, 64, 256], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("E,I", [(384, 256), (48, 2048)], ids=["tp8", "ep8"])
+def test_moe_k26_shapes_gpu(M, E, I):
+    raw = make_experts(E, 7168, I, seed=M)
+    ids, weights = make_routing(M, E, 8, seed=M)
+    x = torch.randn(M, 7168, device="cuda")
+    check(x, ids, weights, raw, torch.bfloat16)
+
+
+AOT_CHECK = """
+import json
+from triton_kernels.aot import compile_for
+from triton_kernels.moe_configs import CONFIGS
+from triton_kernels.moe_w4a16 import compile_specs
+print(json.dumps([(kernel.__name__, max_m, vars(compile_for(kernel, *launch)))
+                  for max_m, cfg in CONFIGS["sm_120"] for kernel, launch in compile_specs(cfg)]))
+"""
+
+
+def test_sm120_configs_fit():
+    """Every sm_120 config compiles for sm_120 within its shared memory and without spills.
+
+    Runs in a subprocess: under TRITON_INTERPRET=1 the kernels are interpreter objects that cannot be compiled.
+    """
+    from triton_kernels.aot import SM120_SHARED_LIMIT
+    from triton_kernels.moe_configs import CONFIGS
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", AOT_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == 2 * len(CONFIGS["sm_120"])
+    for name, max_m, res in results:
+        assert res["shared"] <= SM120_SHARED_LIMIT and res["spill_bytes"] == 0, (name, max_m, res)

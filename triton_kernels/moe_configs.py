@@ -1,0 +1,39 @@
+"""Launch configurations of the W4A16 MoE kernels, as data: per architecture, per bucket of M (tokens).
+
+Each entry: BM (token rows per block, >= 16 for tl.dot), and per kernel BN (N tile), waves (K splits are chosen
+so that about waves x SMs programs run, from the expected number of distinct experts touched), num_warps and
+num_stages. sm_120 entries must fit 101,376 bytes of shared memory without spills (tests/test_moe_kernel.py).
+"""
+
+import torch
+
+CONFIGS = {
+    "sm_90": [
+        (16, dict(BM=16, gate_up=dict(BN=32, waves=4, num_warps=4, num_stages=4),
+                  down=dict(BN=128, waves=4, num_warps=4, num_stages=2))),
+        (128, dict(BM=16, gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=4),
+                   down=dict(BN=128, waves=4, num_warps=4, num_stages=2))),
+        (None, dict(BM=16, gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=4),
+                    down=dict(BN=128, waves=2, num_warps=4, num_stages=2))),
+    ],
+    "sm_120": [
+        (16, dict(BM=16, gate_up=dict(BN=32, waves=4, num_warps=4, num_stages=3),
+                  down=dict(BN=128, waves=4, num_warps=4, num_stages=2))),
+        (None, dict(BM=16, gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=3),
+                    down=dict(BN=128, waves=2, num_warps=4, num_stages=2))),
+    ],
+}
+
+
+def arch_of(device):
+    """'sm_<major><minor>' of a CUDA device; sm_90 (the tuned default) elsewhere."""
+    if device.type != "cuda":
+        return "sm_90"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def config_for(device, M, table=None):
+    """The entry for M tokens on `device`'s architecture (sm_90's for an architecture without its own)."""
+    buckets = (table or CONFIGS).get(arch_of(device), CONFIGS["sm_90"])
+    return next(cfg for max_m, cfg in buckets if max_m is None or M <= max_m)

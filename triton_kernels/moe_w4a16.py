@@ -1,0 +1,367 @@
+"""Triton W4A16 grouped MoE: INT4 group-32 routed experts, bf16/fp16 activations (layout in README.md).
+
+Three launches per `moe` call, no host synchronisation:
+1. `_route_kernel`: program 0 groups the (token, slot) pairs by expert into blocks of BM rows, padded per expert;
+   the other programs zero the fp32 output and the split-K arrival counters.
+2. `_gate_up_kernel`: per (block, N tile, K split) gate and up partial GEMMs; the last split to arrive sums the
+   partials and writes h = silu(gate) * up for its tile.
+3. `_down_kernel`: per (block, N tile, K split) h @ W_down^T, scaled by the top-k weight and atomically added
+   into the token's fp32 output row (the reduction over k).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_kernels.moe_configs import config_for
+
+GROUP, PACK = 32, 8
+SLAB = 256  # K values per repacked slab: 32 words x 8 nibbles, one quantisation group per nibble slot
+SLAB_WORDS = SLAB // PACK
+SLOT_SHIFT = (0, 16, 4, 20, 8, 24, 12, 28)  # bit position of slot s's nibble in a repacked word
+MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}  # bit patterns of 128.0 (bf16) and 1024.0 (fp16)
+MAGIC_VALUE = {torch.bfloat16: 128.0, torch.float16: 1024.0}
+_GROUP, _SLAB, _SLAB_WORDS = tl.constexpr(GROUP), tl.constexpr(SLAB), tl.constexpr(SLAB_WORDS)
+
+
+@dataclass
+class TritonExperts:
+    """Routed experts repacked for the Triton kernels.
+
+    gate_up: [E, KD/8, 2I] int32, gate_up_scale: [E, KD/32, 2I]; down: [E, KI/8, D] int32, down_scale:
+    [E, KI/32, D], where KD and KI are D and I rounded up to 256 (padding nibbles hold q = 0, padding scales 0).
+    """
+
+    gate_up: torch.Tensor
+    gate_up_scale: torch.Tensor
+    down: torch.Tensor
+    down_scale: torch.Tensor
+    hidden: int
+    intermediate: int
+    backend: str = "triton"
+
+    @property
+    def num_experts(self):
+        return self.gate_up.shape[0]
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _unpack_slot(words, s: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, DTYPE: tl.constexpr):
+    """Slot s of repacked words [32, BN] int32 -> [32, BN] DTYPE holding q * 16**((s // 2) % 2), exactly."""
+    SHIFT: tl.constexpr = 8 * (s // 4)
+    MASK: tl.constexpr = 0x00F000F0 if (s // 2) % 2 else 0x000F000F
+    SCALE: tl.constexpr = 16 if (s // 2) % 2 else 1
+    pair = ((words >> SHIFT) & MASK) | (MAGIC * 65537)  # two 16-bit floats MAGIC_VALUE + SCALE * u per word
+    if s % 2:
+        pair = pair >> 16
+    v = pair.to(tl.int16).to(DTYPE, bitcast=True)  # [32, BN]
+    return v - (MAGIC_VALUE + 8.0 * SCALE)
+
+
+@triton.jit
+def _slab_dot(acc, a_ptrs, row_mask, k, K, words, s_ptrs, s_mask, stride_sg,
+              MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, DTYPE: tl.constexpr):
+    """acc [BM, BN] += A [BM, 256] @ dequant(words) [256, BN], scaling each group's partial product.
+
+    a_ptrs [BM, 32] point at the slab's first group (columns k [32]); A's columns at or past K read as 0.
+    """
+    for s in tl.static_range(8):
+        a_mask = row_mask[:, None] & (k + s * _GROUP < K)[None, :]
+        a = tl.load(a_ptrs + s * _GROUP, mask=a_mask, other=0.0).to(DTYPE)  # [BM, 32]
+        w = _unpack_slot(words, s, MAGIC, MAGIC_VALUE, DTYPE)  # [32, BN]
+        scale = tl.load(s_ptrs + s * stride_sg, mask=s_mask, other=0.0).to(tl.float32)  # [BN]
+        if (s // 2) % 2:
+            scale = scale * 0.0625
+        acc += tl.dot(a, w) * scale[None, :]
+    return acc
+
+
+@triton.jit(do_not_specialize=["P", "M"])
+def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr, rank_ptr,
+                  zero_ptr, n_zero, P, M, CAPACITY, NB_MAX,
+                  BM: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Program 0: sorted_ptr[slot] = pair id (or -1), block_expert_ptr[b] = expert of block b (or -1).
+
+    Other programs zero BLOCK-sized chunks of the int32/fp32 scratch at zero_ptr (n_zero 32-bit words).
+    """
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    if pid > 0:
+        i = (pid - 1).to(tl.int64) * BLOCK + offs
+        tl.store(zero_ptr + i, 0, mask=i < n_zero)
+        return
+    experts = tl.arange(0, E_PAD)
+    tl.store(counts_ptr + experts, 0)
+    for start in range(0, CAPACITY, BLOCK):
+        tl.store(sorted_ptr + start + offs, -1, mask=start + offs < CAPACITY)
+    for start in range(0, NB_MAX, BLOCK):
+        tl.store(block_expert_ptr + start + offs, -1, mask=start + offs < NB_MAX)
+    tl.debug_barrier()
+    for start in range(0, P, BLOCK):
+        p = start + offs
+        e = tl.load(ids_ptr + p, mask=p < P, other=0)  # [BLOCK]
+        rank = tl.atomic_add(counts_ptr + e, 1, mask=p < P)  # position of the pair among its expert's
+        tl.store(rank_ptr + p, rank, mask=p < P)
+    tl.debug_barrier()
+    counts = tl.atomic_add(counts_ptr + experts, 0)  # [E_PAD], read at L2
+    padded = (counts + BM - 1) // BM * BM
+    tl.store(offsets_ptr + experts, tl.cumsum(padded, 0) - padded)
+    tl.debug_barrier()
+    for start in range(0, P, BLOCK):
+        p = start + offs
+        e = tl.load(ids_ptr + p, mask=p < P, other=0)
+        slot = tl.load(offsets_ptr + e, mask=p < P, other=0) + tl.load(rank_ptr + p, mask=p < P, other=0)
+        tl.store(sorted_ptr + slot, p, mask=p < P)
+        tl.store(block_expert_ptr + slot // BM, e, mask=p < P)
+
+
+@triton.jit(do_not_specialize=["n_slabs_per_split"])
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_ptr, block_expert_ptr,
+                    D, I, n_slabs, n_slabs_per_split, stride_we, stride_se, stride_part,
+                    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
+                    MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr):
+    """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate."""
+    pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = tl.load(block_expert_ptr + pid_b)
+    if e < 0:
+        return
+    DTYPE = x_ptr.dtype.element_ty
+    rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
+    pair = tl.load(sorted_ptr + rows)
+    token = tl.where(pair >= 0, pair // TOP_K, 0).to(tl.int64)
+    n = pid_n * BN + tl.arange(0, BN)  # [BN] gate columns; up columns are n + I
+    n_mask = n < I
+    kw = tl.arange(0, _SLAB_WORDS)
+    kg = tl.arange(0, _GROUP)
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = s_ptr + e.to(tl.int64) * stride_se
+    two_i = 2 * I
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    first = pid_k * n_slabs_per_split
+    for slab in range(first, tl.minimum(first + n_slabs_per_split, n_slabs)):
+        w_ptrs = w_base + (kw + slab * _SLAB_WORDS)[:, None].to(tl.int64) * two_i + n[None, :]  # [32, BN]
+        words_g = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
+        words_u = tl.load(w_ptrs + I, mask=n_mask[None, :], other=0)
+        k = kg + slab * _SLAB  # [32]: the first group of this slab
+        a_ptrs = x_ptr + token[:, None] * D + k[None, :]  # [BM, 32]
+        s_ptrs = s_base + (slab * 8) * two_i + n
+        acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, words_g, s_ptrs, n_mask, two_i, MAGIC, MAGIC_VALUE, DTYPE)
+        acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, words_u, s_ptrs + I, n_mask, two_i, MAGIC, MAGIC_VALUE, DTYPE)
+    out = rows[:, None].to(tl.int64) * I + n[None, :]  # [BM, BN]
+    if SPLIT_K > 1:
+        part = part_ptr + pid_k.to(tl.int64) * stride_part + rows[:, None].to(tl.int64) * two_i + n[None, :]
+        tl.store(part, acc_g, mask=n_mask[None, :])
+        tl.store(part + I, acc_u, mask=n_mask[None, :])
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + pid_b * tl.num_programs(1) + pid_n, 1)
+        if arrived == SPLIT_K - 1:
+            acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+            part = part_ptr + rows[:, None].to(tl.int64) * two_i + n[None, :]
+            for j in range(SPLIT_K):
+                acc_g += tl.load(part + j * stride_part, mask=n_mask[None, :], other=0.0, cache_modifier=".cg")
+                acc_u += tl.load(part + j * stride_part + I, mask=n_mask[None, :], other=0.0, cache_modifier=".cg")
+            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+            tl.store(h_ptr + out, h.to(DTYPE), mask=n_mask[None, :])
+    else:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h_ptr + out, h.to(DTYPE), mask=n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["n_slabs_per_split"])
+def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
+                 D, I, n_slabs, n_slabs_per_split, stride_we, stride_se,
+                 TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr):
+    """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tile pid 1, K split pid 2."""
+    pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = tl.load(block_expert_ptr + pid_b)
+    if e < 0:
+        return
+    DTYPE = h_ptr.dtype.element_ty
+    rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair >= 0
+    n = pid_n * BN + tl.arange(0, BN)  # [BN] hidden columns
+    n_mask = n < D
+    kw = tl.arange(0, _SLAB_WORDS)
+    kg = tl.arange(0, _GROUP)
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = s_ptr + e.to(tl.int64) * stride_se
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    first = pid_k * n_slabs_per_split
+    for slab in range(first, tl.minimum(first + n_slabs_per_split, n_slabs)):
+        w_ptrs = w_base + (kw + slab * _SLAB_WORDS)[:, None].to(tl.int64) * D + n[None, :]  # [32, BN]
+        words = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
+        k = kg + slab * _SLAB
+        a_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + k[None, :]  # [BM, 32]
+        s_ptrs = s_base + (slab * 8) * D + n
+        acc = _slab_dot(acc, a_ptrs, valid, k, I, words, s_ptrs, n_mask, D, MAGIC, MAGIC_VALUE, DTYPE)
+    weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)  # [BM] fp32
+    token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
+    tl.atomic_add(out_ptr + token[:, None] * D + n[None, :], acc * weight[:, None], mask=valid[:, None] & n_mask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------- repack
+
+
+def _nibbles(packed):
+    """compressed-tensors words [..., K/8] int32 -> nibbles [..., K] int32 (u = q + 8)."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    return ((packed.unsqueeze(-1) >> shifts) & 0xF).flatten(-2)
+
+
+def _to_words(u, shifts):
+    """Nibbles [..., 8] (slot order) -> int32 words [...] with nibble j at bit shifts[j]."""
+    shifts = torch.tensor(shifts, device=u.device, dtype=torch.int64)
+    words = (u.to(torch.int64) << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def repack_int4(packed, scale):
+    """compressed-tensors [E, N, K/8] int32 + [E, N, K/32] -> slab words [E, KP/8, N] int32 + scales [E, KP/32, N].
+
+    KP = K rounded up to 256. Within slab t, word w of column n holds k = 256 t + 32 s + w in the nibble at bit
+    SLOT_SHIFT[s]; padding nibbles hold u = 8 (q = 0) and padding scales are 0.
+    """
+    E, N, K = packed.shape[0], packed.shape[1], packed.shape[2] * PACK
+    KP = triton.cdiv(K, SLAB) * SLAB
+    words = torch.empty((E, KP // PACK, N), dtype=torch.int32, device=packed.device)
+    for e in range(E):  # one expert at a time keeps the int64 temporaries small
+        u = torch.nn.functional.pad(_nibbles(packed[e]), (0, KP - K), value=8)  # [N, KP]
+        u = u.view(N, KP // SLAB, 8, SLAB_WORDS).permute(1, 3, 0, 2)  # [slab, w, N, slot]
+        words[e] = _to_words(u, SLOT_SHIFT).reshape(KP // PACK, N)
+    scales = torch.nn.functional.pad(scale, (0, KP // GROUP - K // GROUP)).transpose(1, 2).contiguous()
+    return words, scales
+
+
+def unpack_int4(words, scales, K):
+    """Exact inverse of `repack_int4`: -> compressed-tensors [E, N, K/8] int32 and [E, N, K/32]."""
+    E, KP8, N = words.shape
+    packed = torch.empty((E, N, K // PACK), dtype=torch.int32, device=words.device)
+    shifts = torch.tensor(SLOT_SHIFT, device=words.device, dtype=torch.int32)
+    for e in range(E):
+        u = (words[e].view(KP8 // SLAB_WORDS, SLAB_WORDS, N, 1) >> shifts) & 0xF  # [slab, w, N, slot]
+        u = u.permute(2, 0, 3, 1).reshape(N, KP8 * PACK)[:, :K]  # [N, K]
+        packed[e] = _to_words(u.reshape(N, K // PACK, PACK), range(0, 32, 4))
+    return packed, scales.transpose(1, 2)[:, :, : K // GROUP].contiguous()
+
+
+def prepare_moe(gate_up_packed, gate_up_scale, down_packed, down_scale):
+    """Repack compressed-tensors experts (see ops.prepare_moe) into `TritonExperts`."""
+    D, I = down_packed.shape[1], gate_up_packed.shape[1] // 2
+    gate_up, gate_up_s = repack_int4(gate_up_packed, gate_up_scale)
+    down, down_s = repack_int4(down_packed, down_scale)
+    return TritonExperts(gate_up, gate_up_s, down, down_s, hidden=D, intermediate=I)
+
+
+def unprepare_moe(experts):
+    """The compressed-tensors tensors `prepare_moe` was given: (gate_up_packed, gate_up_scale, down_packed, down_scale)."""
+    gate_up = unpack_int4(experts.gate_up, experts.gate_up_scale, experts.hidden)
+    down = unpack_int4(experts.down, experts.down_scale, experts.intermediate)
+    return (*gate_up, *down)
+
+
+# ----------------------------------------------------------------------------------------------- launcher
+
+
+def _sm_count(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _split(n_slabs, work, sms, waves=2):
+    """K splits so that about `waves` x SMs programs run, each split holding at least one slab."""
+    return max(1, min(n_slabs, triton.cdiv(waves * sms, max(work, 1))))
+
+
+def _expected_experts(E, pairs):
+    """Expected distinct experts touched by `pairs` uniformly random choices (a static estimate for the grid)."""
+    return min(E, pairs, max(1, round(E * (1 - (1 - 1 / E) ** pairs))))
+
+
+def moe(x, topk_ids, topk_weights, experts):
+    """Triton backend of ops.moe (see there): x [M, D] bf16/fp16, topk_ids [M, k] int32, topk_weights [M, k] fp32."""
+    if x.dtype not in MAGIC:
+        raise ValueError(f"moe (triton): x must be bfloat16 or float16, got {x.dtype}")
+    if topk_ids.dtype != torch.int32 or topk_weights.dtype != torch.float32:
+        raise ValueError(f"moe (triton): topk_ids must be int32 and topk_weights float32, "
+                         f"got {topk_ids.dtype} and {topk_weights.dtype}")
+    x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
+    M, D = x.shape
+    top_k, E, I = topk_ids.shape[1], experts.num_experts, experts.intermediate
+    P = M * top_k
+    cfg = config_for(x.device, M)
+    BM = cfg["BM"]
+    nb_max = triton.cdiv(P, BM) + min(E, P)
+    capacity = nb_max * BM
+    sms = _sm_count(x.device)
+    est_blocks = _expected_experts(E, P) + triton.cdiv(P, BM)
+
+    gu_bn = cfg["gate_up"]["BN"]
+    gu_tiles = triton.cdiv(I, gu_bn)
+    gu_slabs = experts.gate_up.shape[1] // SLAB_WORDS
+    gu_split = _split(gu_slabs, est_blocks * gu_tiles, sms, cfg["gate_up"]["waves"])
+    gu_per_split = triton.cdiv(gu_slabs, gu_split)
+    gu_split = triton.cdiv(gu_slabs, gu_per_split)
+    dn_bn = cfg["down"]["BN"]
+    dn_tiles = triton.cdiv(D, dn_bn)
+    dn_slabs = experts.down.shape[1] // SLAB_WORDS
+    dn_split = _split(dn_slabs, est_blocks * dn_tiles, sms, cfg["down"]["waves"])
+    dn_per_split = triton.cdiv(dn_slabs, dn_split)
+    dn_split = triton.cdiv(dn_slabs, dn_per_split)
+
+    dev = x.device
+    ints = torch.empty(2 * 1024 + P + capacity + nb_max, dtype=torch.int32, device=dev)
+    counts, offsets = ints[:1024], ints[1024:2048]
+    rank, sorted_pairs, block_expert = ints[2048 : 2048 + P], ints[2048 + P : 2048 + P + capacity], ints[2048 + P + capacity :]
+    n_counters = nb_max * gu_tiles if gu_split > 1 else 0
+    scratch = torch.empty(M * D + n_counters, dtype=torch.float32, device=dev)  # zeroed by _route_kernel
+    out, counters = scratch[: M * D].view(M, D), scratch[M * D :].view(torch.int32)
+    h = torch.empty((capacity, I), dtype=x.dtype, device=dev)
+    part = torch.empty((gu_split if gu_split > 1 else 0, capacity, 2 * I), dtype=torch.float32, device=dev)
+
+    e_pad = triton.next_power_of_2(E)
+    if e_pad > 1024:
+        raise ValueError(f"moe (triton): at most 1024 experts, got {E}")
+    block = 1024
+    _route_kernel[(1 + triton.cdiv(scratch.numel(), block),)](
+        topk_ids, sorted_pairs, block_expert, counts, offsets, rank, scratch, scratch.numel(), P, M, capacity, nb_max,
+        BM=BM, E_PAD=e_pad, BLOCK=block)
+    magic = dict(MAGIC=MAGIC[x.dtype], MAGIC_VALUE=MAGIC_VALUE[x.dtype])
+    g = cfg["gate_up"]
+    _gate_up_kernel[(nb_max, gu_tiles, gu_split)](
+        x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert,
+        D, I, gu_slabs, gu_per_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
+        part.stride(0) if gu_split > 1 else 0,
+        TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT_K=gu_split, num_warps=g["num_warps"], num_stages=g["num_stages"],
+        **magic)
+    d = cfg["down"]
+    _down_kernel[(nb_max, dn_tiles, dn_split)](
+        h, experts.down, experts.down_scale, out, topk_weights, sorted_pairs, block_expert,
+        D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0),
+        TOP_K=top_k, BM=BM, BN=dn_bn, num_warps=d["num_warps"], num_stages=d["num_stages"], **magic)
+    return out.to(x.dtype)
+
+
+def compile_specs(cfg, dtype="bf16", top_k=8):
+    """(kernel, (signature, constexprs, arch, num_warps, num_stages)) for each GEMM kernel under config `cfg`,
+    for ahead-of-time checks with triton_kernels.aot.compile_for."""
+    magic = dict(MAGIC=MAGIC[torch.bfloat16], MAGIC_VALUE=MAGIC_VALUE[torch.bfloat16])
+    common = dict(sorted_ptr="*i32", block_expert_ptr="*i32", D="i32", I="i32", n_slabs="i32",
+                  n_slabs_per_split="i32", stride_we="i64", stride_se="i64")
+    gate_up = dict(x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", h_ptr=f"*{dtype}", part_ptr="*fp32",
+                   counter_ptr="*i32", **common, stride_part="i64")
+    down = dict(h_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", weights_ptr="*fp32", **common)
+    g, d = cfg["gate_up"], cfg["down"]
+    return [
+        (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT_K=2, **magic), 120,
+                           g["num_warps"], g["num_stages"])),
+        (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], **magic), 120,
+                        d["num_warps"], d["num_stages"])),
+    ]
