@@ -74,7 +74,8 @@ def _attention_entries(cfg, p):
 
 
 def _mlp_entries(D, intermediate, p):
-    return {p + "gate_proj.weight": Entry((intermediate, D), FLOAT), p + "up_proj.weight": Entry((intermediate, D), FLOAT),
+    return {p + "gate_proj.weight": Entry((intermediate, D), FLOAT),
+            p + "up_proj.weight": Entry((intermediate, D), FLOAT),
             p + "down_proj.weight": Entry((D, intermediate), FLOAT)}
 
 
@@ -173,7 +174,8 @@ class Placer:
             return self.buffers[name], (slice(v0, v0 + vl),)
         if leaf in ("q_b_proj", "q_proj", "kv_b_proj", "o_proj"):
             h0, hl = par.shard(cfg.num_attention_heads, "attention heads")
-            unit = {"o_proj": cfg.v_head_dim, "kv_b_proj": cfg.qk_nope_head_dim + cfg.v_head_dim}.get(leaf, cfg.qk_head_dim)
+            units = {"o_proj": cfg.v_head_dim, "kv_b_proj": cfg.qk_nope_head_dim + cfg.v_head_dim}
+            unit = units.get(leaf, cfg.qk_head_dim)
             part = slice(h0 * unit, (h0 + hl) * unit)
             return self.buffers[name], ((slice(None), part) if leaf == "o_proj" else (part,))
         if leaf in ("gate_proj", "up_proj", "down_proj"):

@@ -103,7 +103,8 @@ class Tokenizer:
         ids = []
         for m in messages:
             if m.get("role") not in ROLE_TOKENS:
-                raise ValueError(f"chat template: unknown role {m.get('role')!r} (want one of {', '.join(ROLE_TOKENS)})")
+                raise ValueError(f"chat template: unknown role {m.get('role')!r} "
+                                 f"(want one of {', '.join(ROLE_TOKENS)})")
             ids += self._header(m["role"], m.get("name") or m["role"])
             ids += self.encode_ordinary(m.get("content") or "") + [self.im_end_id]
         if add_generation_prompt:
@@ -210,7 +211,8 @@ class ByteTokenizer(Tokenizer):
 
     def __init__(self, vocab_size):
         if vocab_size < 256 + len(self.NAMES):
-            raise ValueError(f"ByteTokenizer: vocab_size {vocab_size} cannot hold 256 bytes + {len(self.NAMES)} specials")
+            raise ValueError(f"ByteTokenizer: vocab_size {vocab_size} cannot hold 256 bytes + "
+                             f"{len(self.NAMES)} specials")
         super().__init__({name: 256 + i for i, name in enumerate(self.NAMES)})
         self.vocab_size = vocab_size
 
