@@ -32,10 +32,13 @@ def write_checkpoint(path, cfg, tensors, shard_size_bytes=2**30, prefix="languag
     tensors rounded through `dtype`, so a reference model can load exactly what the checkpoint holds.
     """
     stored, effective = to_checkpoint_tensors(tensors, dtype)
-    expected = {"model." + n if n != "lm_head.weight" else n for n in checkpoint_entries(cfg)}
-    missing = sorted(expected - set(stored))
+    entries = {("model." + n if n != "lm_head.weight" else n): e for n, e in checkpoint_entries(cfg).items()}
+    missing = sorted(set(entries) - set(stored))
     if missing:
         raise ValueError(f"write_checkpoint: {len(missing)} tensors missing for this config, e.g. {missing[:5]}")
+    for name, t in stored.items():
+        if name in entries and tuple(t.shape) != entries[name].shape:
+            raise ValueError(f"write_checkpoint: {name} has shape {tuple(t.shape)}, expected {entries[name].shape}")
     stored = {prefix + name: t.contiguous() for name, t in stored.items()}
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):

@@ -213,6 +213,9 @@ def test_bad_files_and_configs_raise(ckpt):
 def test_writer_refuses_and_leaves_nothing_on_failure(tmp_path, tensors, monkeypatch):
     with pytest.raises(ValueError, match="tensors missing for this config"):
         write_checkpoint(tmp_path / "a", CFG, {k: v for k, v in tensors.items() if "norm" not in k})
+    bad = dict(tensors, **{"model.norm.weight": torch.ones(7)})
+    with pytest.raises(ValueError, match=r"model.norm.weight has shape \(7,\), expected \(128,\)"):
+        write_checkpoint(tmp_path / "a", CFG, bad)
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "x").write_text("")
     with pytest.raises(FileExistsError, match="not an empty directory"):
