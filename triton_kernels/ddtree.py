@@ -215,16 +215,17 @@ def _sample_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx
 
 @triton.jit(do_not_specialize=["N1", "L", "SPLIT"])
 def _walk_kernel(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, N1, L, SPLIT,
-                 NP1: tl.constexpr, SP: tl.constexpr):
+                 NP1: tl.constexpr):
     b = tl.program_id(0)
     nodes = tl.arange(0, NP1)  # [NP1]
-    cs = tl.arange(0, SP)  # [SP]
-    rows = b * N1 + nodes
-    ok = (nodes < N1)[:, None] & (cs < SPLIT)[None, :]
-    pv = tl.load(pval_ptr + rows[:, None] * SPLIT + cs[None, :], mask=ok, other=float("-inf"))  # [NP1, SP]
-    pi = tl.load(pidx_ptr + rows[:, None] * SPLIT + cs[None, :], mask=ok, other=0)
-    first = tl.min(tl.where(pv == tl.max(pv, 1)[:, None], cs[None, :], SP), 1)  # [NP1] earliest best split
-    sampled = tl.sum(tl.where(cs[None, :] == first[:, None], pi, 0), 1)  # [NP1]
+    part = (b * N1 + nodes) * SPLIT
+    best = tl.full([NP1], float("-inf"), tl.float32)
+    sampled = tl.load(pidx_ptr + part, mask=nodes < N1, other=0)  # [NP1] split 0, kept unless beaten
+    for c in range(SPLIT):
+        v = tl.load(pval_ptr + part + c, mask=nodes < N1, other=float("-inf"))
+        take = v > best  # strictly: the earlier split (lower token ids) wins ties
+        sampled = tl.where(take, tl.load(pidx_ptr + part + c, mask=nodes < N1, other=0), sampled)
+        best = tl.where(take, v, best)
     toks = tl.load(tok_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
     pars = tl.load(par_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
     path_b = path_ptr + b * (L + 1)
@@ -344,13 +345,13 @@ def accept(tree, target_logits, temperature, floor, seeds, step):
     _sample_kernel[(rows, split)](
         x, tree.num_nodes, seeds.contiguous(), step.contiguous(), floor if floor is not None else pval, pval, pidx,
         V, N1, chunk, split, inv_t, GREEDY=temperature == 0, HAS_FLOOR=floor is not None, BLOCK=block,
-        num_warps=cfg["warps_v"])
+        num_warps=cfg["warps_v"], enable_fp_fusion=False)  # x / T and the noise rounded as in torch
     path = torch.empty(B, L + 1, dtype=torch.int32, device=x.device)
     path_len = torch.empty(B, dtype=torch.int32, device=x.device)
     next_token = torch.empty(B, dtype=torch.int64, device=x.device)
     NP1 = triton.next_power_of_2(max(N1, L + 1))
     _walk_kernel[(B,)](pval, pidx, tree.tokens, tree.parents, path, path_len, next_token, N1, L, split,
-                       NP1=NP1, SP=triton.next_power_of_2(split), num_warps=4)
+                       NP1=NP1, num_warps=4)
     return path, path_len, next_token
 
 
@@ -361,7 +362,7 @@ def compact(kv, starts, path, path_len, hidden):
     if kv.stride(-1) != 1 or hidden.stride(-1) != 1:
         raise ValueError("compact (triton): kv and hidden need a contiguous last dim")
     out = torch.empty(B, L1, F, dtype=hidden.dtype, device=hidden.device)
-    BF = min(1024, triton.next_power_of_2(F))
+    BF = min(256, triton.next_power_of_2(F))
     grid = (layers + triton.cdiv(F, BF), B)
     _compact_kernel[grid](kv, starts, path.contiguous(), path_len, hidden, out, layers, L1, D, F,
                           kv.stride(0), kv.stride(1), kv.stride(2), hidden.stride(0), hidden.stride(1),

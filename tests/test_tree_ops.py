@@ -1,0 +1,272 @@
+"""DDTree ops: the torch references against the plain-Python heapq/walk reference, the Triton kernels against
+the torch references (exact for integer outputs), degenerate trees, and the sm_120 compile check."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ops
+from ops.attention import tree_mask_dense
+from ops.tree import Tree, sampling_floor
+from spec.tree_ref import build_tree_heapq, walk
+from tests.conftest import gpu, requires_triton
+
+TREE_FIELDS = ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "num_nodes")
+
+
+def device():
+    return "cuda" if gpu() else "cpu"
+
+
+def random_draft(B, L, K, gen, ties=True, vocab=1000):
+    """Descending per-depth log-probs (from a small grid when `ties`, so equal cumulative sums are common)."""
+    if ties:
+        lp = -torch.randint(0, 5, (B, L, K), generator=gen).float() * 0.25
+    else:
+        lp = torch.log_softmax(torch.randn(B, L, vocab, generator=gen) * 3, -1)[..., :K]
+    lp = lp.sort(-1, descending=True).values
+    tokens = torch.stack([torch.randperm(vocab, generator=gen)[:K] for _ in range(B * L)]).view(B, L, K)
+    roots = torch.randint(0, vocab, (B,), generator=gen)
+    return lp.to(device()), tokens.to(device()), roots.to(device())
+
+
+def check_against_heapq(tree, lp, tokens, roots, budget):
+    B, N1 = tree.tokens.shape
+    dense = tree_mask_dense(tree.mask, N1).cpu()
+    t = {f: getattr(tree, f).cpu() for f in TREE_FIELDS}
+    for b in range(B):
+        ref_tok, ref_par, ref_dep = build_tree_heapq(lp[b].cpu(), tokens[b].cpu().tolist(), int(roots[b]), budget)
+        n = len(ref_tok)
+        assert int(t["num_nodes"][b]) == n
+        assert t["tokens"][b, :n].tolist() == ref_tok
+        assert t["parents"][b, :n].tolist() == ref_par
+        assert t["depths"][b, :n].tolist() == ref_dep
+        assert not t["tokens"][b, n:].any() and (t["parents"][b, n:] == -1).all() and not t["depths"][b, n:].any()
+        parents = t["parents"][b].tolist()
+        expect_mask = torch.zeros(N1, N1, dtype=torch.bool)
+        for i in range(N1):
+            j = i
+            while j >= 0:
+                expect_mask[i, j] = True
+                j = parents[j]
+            kids, c = [], int(t["first_child"][b, i])
+            while c >= 0:
+                kids.append(c)
+                c = int(t["next_sibling"][b, c])
+            assert kids == [j for j in range(N1) if parents[j] == i], (b, i)
+        assert torch.equal(dense[b], expect_mask)
+
+
+@pytest.mark.parametrize("budget,batch", [(1, 64), (2, 64), (3, 64), (7, 64), (17, 48), (64, 32), (130, 12),
+                                          (512, 4)], ids=lambda v: str(v))
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "distinct"])
+def test_build_torch_matches_heapq(budget, batch, ties):
+    gen = torch.Generator().manual_seed(budget * 2 + ties)
+    for L, K in [(1, 1), (3, 2), (7, min(budget, 1000)), (15, min(budget, 8)), (4, 5)]:
+        lp, tokens, roots = random_draft(batch, L, K, gen, ties)
+        check_against_heapq(ops.build_tree(lp, tokens, roots, budget), lp, tokens, roots, budget)
+
+
+def test_build_batched_equals_unbatched():
+    gen = torch.Generator().manual_seed(5)
+    lp, tokens, roots = random_draft(6, 7, 9, gen)
+    batched = ops.build_tree(lp, tokens, roots, 25)
+    for b in range(6):
+        one = ops.build_tree(lp[b:b + 1], tokens[b:b + 1], roots[b:b + 1], 25)
+        for f in TREE_FIELDS:
+            assert torch.equal(getattr(one, f)[0], getattr(batched, f)[b]), f
+
+
+def test_chain_and_padding():
+    """K = 1: the tree is the chain of per-depth argmaxes; budget past L + its nodes is padding."""
+    gen = torch.Generator().manual_seed(1)
+    lp, tokens, roots = random_draft(3, 5, 1, gen)
+    tree = ops.build_tree(lp, tokens, roots, 9)
+    assert tree.num_nodes.tolist() == [6, 6, 6]
+    assert torch.equal(tree.tokens[:, 1:6], tokens[:, :, 0]) and not tree.tokens[:, 6:].any()
+    assert tree.parents[0].tolist() == [-1, 0, 1, 2, 3, 4, -1, -1, -1, -1]
+    assert tree.first_child[0].tolist() == [1, 2, 3, 4, 5, -1, -1, -1, -1, -1]
+    dense = tree_mask_dense(tree.mask, 10)[0]
+    assert torch.equal(dense[:6, :6], torch.ones(6, 6, dtype=torch.bool).tril())
+    assert torch.equal(dense[6:], torch.eye(10, dtype=torch.bool)[6:])
+
+
+@requires_triton
+@pytest.mark.parametrize("budget,batch,L,K", [(1, 8, 3, 4), (5, 16, 4, 3), (17, 12, 15, 17), (63, 4, 7, 63),
+                                              (512, 2, 15, 512)], ids=lambda v: str(v))
+def test_build_triton_matches_torch(budget, batch, L, K):
+    gen = torch.Generator().manual_seed(budget)
+    lp, tokens, roots = random_draft(batch, L, K, gen, ties=budget != 63)
+    ref = ops.build_tree(lp, tokens, roots, budget)
+    with ops.using(tree_build="triton"):
+        out = ops.build_tree(lp, tokens, roots, budget)
+    for f in TREE_FIELDS:
+        assert torch.equal(getattr(out, f), getattr(ref, f)), f
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])
+def test_draft_topk(dtype, backend):
+    """Integer logits: many ties, broken by lower token id; log-probs of log_softmax."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randint(-4, 4, (3, 5, 300), generator=gen).to(device=device(), dtype=dtype)
+    logits[0, 0] = 0.0
+    with ops.using(draft_topk=backend):
+        lp, tok = ops.draft_topk(logits, 37)
+    x = logits.float()
+    expect = sorted(range(300), key=lambda v: (-x[1, 2, v].item(), v))[:37]
+    assert tok[1, 2].tolist() == expect and tok[0, 0].tolist() == list(range(37))
+    ref = torch.log_softmax(x, -1).gather(-1, tok)
+    assert lp.dtype == torch.float32 and (lp - ref).abs().max() < 1e-5
+
+
+def small_tree(B=6, L=4, K=3, budget=12, vocab=7, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, L, vocab, generator=gen).to(device())
+    lp, tokens = ops.draft_topk(logits, K)
+    roots = torch.randint(0, vocab, (B,), generator=gen).to(device())
+    return ops.build_tree(lp, tokens, roots, budget), gen
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_accept_torch_matches_host_walk(temperature):
+    from ops.tree import sample_nodes_torch
+
+    tree, gen = small_tree(B=40)
+    logits = (torch.randn(40, 13, 7, generator=gen) * 2).to(device())
+    seeds = torch.arange(40, device=device()) * 1000003
+    step = torch.full((40,), 11, device=device())
+    path, path_len, next_token = ops.accept(tree, logits, temperature, seeds=seeds, step=step)
+    sampled = sample_nodes_torch(logits, temperature, None, seeds, step).tolist()
+    for b in range(40):
+        ref_path, ref_next = walk(tree.tokens[b].tolist(), tree.parents[b].tolist(), sampled[b], tree.max_depth)
+        n = int(path_len[b])
+        assert path[b, :n].tolist() == ref_path and (path[b, n:] == -1).all() and int(next_token[b]) == ref_next
+
+
+def test_accept_reproducible_and_seeded():
+    tree, gen = small_tree(B=64)
+    logits = torch.randn(64, 13, 7, generator=gen).to(device())
+    seeds = torch.zeros(64, dtype=torch.int64, device=device())
+    a = ops.accept(tree, logits, 1.0, seeds=seeds, step=3)
+    b = ops.accept(tree, logits, 1.0, seeds=seeds, step=3)
+    c = ops.accept(tree, logits, 1.0, seeds=seeds, step=4)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[2], c[2])
+
+
+def test_sampling_floor_top_k_top_p():
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]))
+    assert torch.allclose(sampling_floor(logits, 1.0, 1.0, 2), logits[..., 1])
+    assert torch.allclose(sampling_floor(logits, 1.0, 0.7, 0), logits[..., 1])
+    assert torch.allclose(sampling_floor(logits, 1.0, 0.85, 0), logits[..., 2])
+    assert torch.allclose(sampling_floor(logits, 1.0, 0.99, 2), logits[..., 1])
+
+
+@requires_triton
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.8, 0), (1.3, 0.9, 3)])
+def test_accept_triton_matches_torch(temperature, top_p, top_k):
+    tree, gen = small_tree(B=16, L=5, budget=20, vocab=37, seed=3)
+    logits = (torch.randn(16, 21, 37, generator=gen) * 3).to(device())
+    logits[0, 0, 5] = logits[0, 0, 9] = 50.0  # a tie at T = 0: the lower token wins
+    seeds = torch.arange(16, device=device()) - 8
+    args = (tree, logits, temperature, top_p, top_k, seeds, 7)
+    ref = ops.accept(*args)
+    with ops.using(accept="triton"):
+        out = ops.accept(*args)
+    for name, x, y in zip(("path", "path_len", "next_token"), out, ref):
+        assert torch.equal(x, y), name
+
+
+def sequential_compact(kv, starts, path, path_len, hidden):
+    """The host loop: one entry at a time, forward (path[i] >= i makes that safe)."""
+    kv = kv.clone()
+    out = torch.zeros(path.shape[0], path.shape[1], hidden.shape[-1], dtype=hidden.dtype)
+    for b in range(path.shape[0]):
+        s = int(starts[b])
+        for i in range(int(path_len[b])):
+            kv[:, b, s + i] = kv[:, b, s + int(path[b, i])]
+            out[b, i] = hidden[b, int(path[b, i])]
+    return kv, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])
+def test_compact(dtype, backend):
+    gen = torch.Generator().manual_seed(4)
+    layers, B, L1, N1, D, F = 3, 4, 6, 9, 576, 300
+    kv = torch.randn(layers, B + 2, 40, D, generator=gen).to(dtype)
+    hidden = torch.randn(B, N1, F, generator=gen).to(dtype)
+    starts = torch.tensor([0, 5, 17, 30], dtype=torch.int32)
+    path = torch.tensor([[0, 2, 5, -1, -1, -1], [0, -1, -1, -1, -1, -1], [0, 1, 2, 3, 4, 8], [0, 3, 4, 7, -1, -1]],
+                        dtype=torch.int32)
+    path_len = torch.tensor([3, 1, 6, 4], dtype=torch.int32)
+    ref_kv, ref_hidden = sequential_compact(kv, starts, path, path_len, hidden)
+    dev = device()
+    kv_d = kv.to(dev)
+    with ops.using(compact=backend):
+        out = ops.compact(kv_d, starts.to(dev), path.to(dev), path_len.to(dev), hidden.to(dev))
+    assert torch.equal(kv_d.cpu(), ref_kv) and torch.equal(out.cpu(), ref_hidden)
+
+
+def test_tree_is_a_dataclass_of_tensors():
+    tree, _ = small_tree(B=2)
+    assert isinstance(tree, Tree) and tree.max_depth == 4 and tree.mask.shape == (2, 13, 1)
+    assert tree.mask.dtype == tree.parents.dtype == tree.num_nodes.dtype == torch.int32
+
+
+def test_bad_inputs():
+    lp = torch.zeros(2, 3, 4)
+    tok = torch.zeros(2, 3, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="budget"):
+        ops.build_tree(lp, tok, torch.zeros(2, dtype=torch.int64), 0)
+    with pytest.raises(ValueError, match="tokens"):
+        ops.build_tree(lp, tok.int(), torch.zeros(2, dtype=torch.int64), 4)
+    with pytest.raises(ValueError, match="k = 9"):
+        ops.draft_topk(torch.zeros(1, 2, 8), 9)
+
+
+SM120_CHECK = """
+import json
+from triton_kernels.aot import compile_for
+from triton_kernels import ddtree as dd
+cfg = dd.CONFIGS[120]
+P, I, L = "*fp32", "*i32", "*i64"
+cases = [
+    (dd._topk_keys_kernel, dict(x_ptr="*bf16", key_ptr=L, pmax_ptr=P, psum_ptr=P, V="i32", CHUNK="i32", SPLIT="i32"),
+     dict(BLOCK=cfg["block_v"]), cfg["warps_v"]),
+    (dd._topk_decode_kernel, dict(top_ptr=L, pmax_ptr=P, psum_ptr=P, lp_ptr=P, tok_ptr=L, K="i32", SPLIT="i32"),
+     dict(SP=64, KP=512), 4),
+    (dd._tree_build_kernel, dict(lp_ptr=P, tok_ptr=L, root_ptr=L, o_tok=L, o_par=I, o_dep=I, o_fc=I, o_ns=I, o_mask=I,
+     o_num=I, N="i32", K="i32", KS="i32", L="i32", W="i32"), dict(NP=512, NP1=1024, WP=32, ROWS=32), cfg["build_warps"]),
+    (dd._sample_kernel, dict(x_ptr="*bf16", num_ptr=I, seed_ptr=L, step_ptr=L, floor_ptr=P, pval_ptr=P, pidx_ptr=I,
+     V="i32", N1="i32", CHUNK="i32", SPLIT="i32", inv_t="fp32"), dict(GREEDY=False, HAS_FLOOR=True,
+     BLOCK=cfg["block_v"]), cfg["warps_v"]),
+    (dd._walk_kernel, dict(pval_ptr=P, pidx_ptr=I, tok_ptr=L, par_ptr=I, path_ptr=I, len_ptr=I, next_ptr=L, N1="i32",
+     L="i32", SPLIT="i32"), dict(NP1=1024), 4),
+    (dd._compact_kernel, dict(kv_ptr="*bf16", starts_ptr=I, path_ptr=I, len_ptr=I, hid_ptr="*bf16", out_ptr="*bf16",
+     layers="i32", L1="i32", D="i32", F="i32", s_layer="i64", s_b="i64", s_pos="i64", h_b="i64", h_n="i64"),
+     dict(LP=16, BD=128, BF=256), 4),
+]
+report = {}
+for fn, sig, const, warps in cases:
+    res = compile_for(fn, sig, const, arch=120, num_warps=warps, num_stages=1)
+    report[fn.fn.__name__] = [res.shared, res.registers, res.spill_bytes]
+print(json.dumps(report))
+"""
+
+
+def test_sm120_kernels_fit():
+    """Compile every DDTree kernel for sm_120 at its largest shapes (child process: the interpreter cannot)."""
+    from triton_kernels.aot import SM120_SHARED_LIMIT
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", SM120_CHECK], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name, (shared, registers, spills) in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        assert shared <= SM120_SHARED_LIMIT and spills == 0, (name, shared, registers, spills)
