@@ -1,0 +1,168 @@
+"""The DDTree engine: greedy output equals target-only greedy token for token (random and oracle drafters,
+budgets 1..64, batches of different prompt lengths, both backends), stops, reproducible sampling, and the
+target-only path against HF transformers' generate."""
+
+import pytest
+import torch
+
+import ops
+from model.checkpoint import load_model
+from model.generate import greedy_generate
+from spec.default_model import write_default
+from spec.drafter_checkpoint import load_drafter
+from spec.engine import Engine, SamplingParams
+from tests.conftest import requires_triton
+from tests.test_generate import hf_greedy
+from tests.test_model_vs_hf import hf_checkpoint, one_thread  # noqa: F401 (autouse fixture)
+
+PROMPTS = [[257, 84, 104, 101, 32, 116, 114, 101, 101], [7], list(range(40, 63))]
+NEW = 200
+BUDGETS = (1, 4, 16, 64)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    """The default-shaped target and drafter checkpoints, written to disk."""
+    return write_default(tmp_path_factory.mktemp("pair"), seed=7)
+
+
+def load_pair(paths, dtype):
+    target = load_model(paths[0], dtype=dtype, progress=False)
+    return target, load_drafter(paths[1], target, dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def pair(paths):
+    return load_pair(paths, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    return greedy_generate(pair[0], PROMPTS, NEW)
+
+
+class OracleDrafter:
+    """Drafts the known greedy continuation: per depth its true token at rank 0 (60%), 1 or 2, or missing
+    (10%), seeded; so trees are accepted deep, through later siblings, and cut short. Context bookkeeping is
+    the real drafter's."""
+
+    def __init__(self, real, sequences, seed=0):
+        self.real, self.sequences, self.gen = real, sequences, torch.Generator().manual_seed(seed)
+        self.cfg, self.target_layer_ids = real.cfg, real.target_layer_ids
+
+    def new_cache(self, batch, max_len):
+        return self.real.new_cache(batch, max_len)
+
+    def append_context(self, *args, **kwargs):
+        self.real.append_context(*args, **kwargs)
+
+    def draft(self, cache, bonus):
+        B, L, V = bonus.shape[0], self.cfg.draft_len, self.cfg.vocab_size
+        logits = torch.randn(B, L, V, generator=self.gen)
+        for b, pos in enumerate(cache.lens[:B].tolist()):
+            if pos >= len(self.sequences[b]):  # a finished sequence riding along as padding
+                continue
+            assert self.sequences[b][pos] == bonus[b].item()  # the bonus sits at the committed length
+            for j in range(L):
+                if pos + 1 + j >= len(self.sequences[b]):
+                    break
+                true, u = self.sequences[b][pos + 1 + j], torch.rand((), generator=self.gen).item()
+                rank = 0 if u < 0.6 else 1 if u < 0.75 else 2 if u < 0.9 else None
+                decoys = [t for t in torch.randperm(V, generator=self.gen)[:3].tolist() if t != true][:2]
+                for i, t in enumerate(decoys):
+                    logits[b, j, t] = 10.0 - i
+                if rank is not None:
+                    logits[b, j, true] = 10.5 - rank
+        return logits
+
+
+def check_accounting(result):
+    for out, accepts in zip(result.output_ids, result.accept_lengths):
+        assert sum(accepts) + 1 >= len(out) > sum(accepts) - max(accepts)  # prefill gives the first token
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_greedy_ddtree_is_lossless(pair, reference, budget):
+    result = Engine(*pair, budget).generate(PROMPTS, NEW)
+    assert result.output_ids == reference
+    assert result.finish_reasons == ["length"] * 3
+    check_accounting(result)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_greedy_ddtree_is_lossless_with_deep_acceptance(pair, reference, budget):
+    sequences = [p + r for p, r in zip(PROMPTS, reference)]
+    result = Engine(pair[0], OracleDrafter(pair[1], sequences, seed=budget), budget).generate(PROMPTS, NEW)
+    assert result.output_ids == reference
+    check_accounting(result)
+    assert result.mean_accept_length > {1: 1.4, 4: 1.9, 16: 2.6, 64: 3.5}[budget]
+    assert max(max(a) for a in result.accept_lengths) >= {1: 2, 4: 3, 16: 4, 64: 5}[budget]
+
+
+def test_target_only_equals_greedy_generate(pair, reference):
+    result = Engine(pair[0]).generate(PROMPTS, NEW, spec=False)
+    assert result.output_ids == reference
+    assert all(a == [1] * (NEW - 1) for a in result.accept_lengths)
+
+
+def test_stop_token_and_context_end(pair, reference):
+    stop = reference[0][30]
+    result = Engine(*pair, 8).generate(PROMPTS, 60, stop_ids=[stop])
+    for out, ref, reason in zip(result.output_ids, reference, result.finish_reasons):
+        want = ref[: ref.index(stop) + 1] if stop in ref[:60] else ref[:60]
+        assert out == want and reason == ("stop" if stop in ref[:60] else "length")
+
+    class ShortContext(Engine):
+        context_len = 30
+
+    result = ShortContext(*pair, 8).generate(PROMPTS, 60)
+    assert result.output_ids == [ref[: 30 - len(p)] for p, ref in zip(PROMPTS, reference)]
+    assert result.finish_reasons == ["context"] * 3
+    with pytest.raises(ValueError, match="prompt 0 has 31 tokens; the context holds 30"):
+        ShortContext(*pair).generate([[5] * 31], 4)
+
+
+@pytest.mark.parametrize("spec", [True, False])
+def test_sampling_is_reproducible(pair, reference, spec):
+    engine = Engine(*pair, 16)
+
+    def run(seed):
+        return engine.generate(PROMPTS[:2], 40, SamplingParams(temperature=0.9, top_p=0.95, seed=seed),
+                               spec=spec).output_ids
+
+    first = run(11)
+    assert run(11) == first
+    assert run(12) != first
+    assert first != [r[:40] for r in reference[:2]]
+
+
+@pytest.mark.parametrize("budget", [1, 16])
+def test_bad_budget_is_refused(pair, budget):
+    Engine(*pair, budget)
+    with pytest.raises(ValueError, match="tree budget"):
+        Engine(*pair, budget * 1000)
+
+
+def test_target_only_equals_hf_generate(tmp_path):
+    cfg, hf = hf_checkpoint("tiny", tmp_path / "ckpt", seed=9)
+    target = load_model(tmp_path / "ckpt", dtype=torch.float32, progress=False)
+    prompts = [[5, 9, 100, 7], [300, 2, 44, 45, 46, 47, 48]]
+    got = Engine(target).generate(prompts, 16, spec=False).output_ids
+    assert got == [hf_greedy(hf, p, 16) for p in prompts]
+
+
+@requires_triton
+def test_greedy_ddtree_is_lossless_on_triton(paths):
+    """Every op with a Triton kernel on it (fp16 under TRITON_INTERPRET on CPU): DDTree output equals the
+    target-only greedy output of the same backend; a short run."""
+    kernels = [n for n in ops.op_names() if ops.has_triton(n)]
+    if not kernels:
+        pytest.skip("no op has a Triton kernel yet")
+    with ops.using(**{n: "triton" for n in kernels}):
+        target, drafter = load_pair(paths, torch.float16)
+        prompts, new = PROMPTS[:2], 10
+        reference = Engine(target).generate(prompts, new, spec=False).output_ids
+        sequences = [p + r for p, r in zip(prompts, reference)]
+        result = Engine(target, OracleDrafter(drafter, sequences, seed=1), 16).generate(prompts, new)
+    assert result.output_ids == reference
+    assert result.mean_accept_length > 1
