@@ -102,5 +102,5 @@ def write_kv_torch(kv_cache, entries, starts):
     kv_cache[rows, cols] = entries.to(kv_cache.dtype)
 
 
-register("attention", mla_attention_torch)
-register("write_kv", write_kv_torch)
+register("attention", mla_attention_torch, "triton_kernels.mla_attention:mla_attention")
+register("write_kv", write_kv_torch, "triton_kernels.mla_attention:write_kv")

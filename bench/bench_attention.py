@@ -1,0 +1,277 @@
+"""MLA tree attention on the GPU: Triton kernel vs roofline (and the torch reference), cache cold in L2, CUDA graph.
+
+Standalone: `python bench/bench_attention.py --out DIR [--tune] [--quick]` measures the ceilings (HBM read
+bandwidth: a sum over 4 GiB; bf16 matmul rate: 8192^3) and the sweep T x context x H at B=1, checks each
+case against the fp32 reference, and writes attention.json + attention.md. --tune also times candidate
+configs and split counts per case. As a pytest-benchmark sweep: `pytest bench/bench_attention.py` (GPU only).
+
+Each case captures one CUDA graph of R launches over R different caches (R * cache >= 256 MiB, so every
+launch finds its cache cold in L2, as the model's layers would) and reports graph time / R.
+"""
+
+import argparse
+import json
+import math
+import multiprocessing
+import platform
+import random
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from ops.attention import mla_attention_torch, pack_tree_mask
+from triton_kernels import mla_attention as mk
+
+SCALE = 0.1446802
+CONTEXTS = (1024, 8192, 32768, 131072)
+TREE_SIZES = (1, 8, 32, 64, 128)
+HEADS = (8, 64)
+ROTATE_BYTES = 256 << 20  # caches cycled per measurement, > L2
+TORCH_REF_MAX = 1 << 28  # time the torch reference only where H*T*L is at most this (its scores are fp32)
+CANDIDATES = {  # (BLOCK_M, BLOCK_N, warps, stages) tried by --tune, by query rows
+    16: [(16, 32, 8, 3), (16, 64, 8, 2), (16, 32, 4, 3)],
+    64: [(32, 32, 8, 3), (32, 64, 8, 2), (16, 32, 8, 3), (64, 32, 8, 2)],
+    None: [(32, 32, 8, 3), (32, 64, 8, 2), (64, 32, 8, 2)],
+}
+
+
+def ceilings():
+    """Measured HBM read bandwidth (GB/s) and bf16 matmul rate (TFLOP/s) of this GPU."""
+    x = torch.randn(2 << 30, dtype=torch.bfloat16, device="cuda")  # 4 GiB
+    read_ms = triton.testing.do_bench(lambda: x.sum(), warmup=50, rep=300, return_mode="median")
+    del x
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm_ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return {"read_GBps": (4 << 30) / read_ms / 1e6, "bf16_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
+
+
+def random_tree_mask(B, T, seed):
+    """A random tree (each node's parent is a uniformly random earlier node), packed [B, T, ceil(T/32)]."""
+    rng = random.Random(seed)
+    dense = torch.zeros(B, T, T, dtype=torch.bool)
+    for b in range(B):
+        parents = [-1] + [rng.randrange(t) for t in range(1, T)]
+        for t in range(T):
+            n = t
+            while n >= 0:
+                dense[b, t, n] = True
+                n = parents[n]
+    return pack_tree_mask(dense).cuda()
+
+
+def make_inputs(L, H, T, B=1, seed=0):
+    torch.manual_seed(seed)
+    rotate = min(256, max(2, math.ceil(ROTATE_BYTES / (B * L * 576 * 2))))
+    caches = [torch.randn(B, L, 576, dtype=torch.bfloat16, device="cuda") for _ in range(rotate)]
+    q = torch.randn(B, T, H, 576, dtype=torch.bfloat16, device="cuda")
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    return q, caches, lens, random_tree_mask(B, T, seed)
+
+
+def graph_time_us(fn, caches, replays=10):
+    """Median time per call of fn(cache) over a CUDA graph cycling through caches (each cold in L2)."""
+    for kv in caches[:2]:
+        fn(kv)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for kv in caches:
+            fn(kv)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(caches))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def case_costs(L, H, T, B, ceil):
+    cache_bytes = B * L * 576 * 2
+    io_bytes = B * T * H * (576 + 512) * 2
+    flops = 2 * B * H * T * L * (576 + 512)
+    roof_us = max((cache_bytes + io_bytes) / (ceil["read_GBps"] * 1e3), flops / (ceil["bf16_TFLOPs"] * 1e6))
+    return cache_bytes, io_bytes, flops, roof_us
+
+
+def candidates(rows):
+    for max_rows, cfgs in CANDIDATES.items():
+        if max_rows is None or rows <= max_rows:
+            return cfgs
+    return []
+
+
+def run_case(L, H, T, ceil, tune=False, B=1):
+    q, caches, lens, mask = make_inputs(L, H, T, B)
+    rows = T * H
+    out = mk.mla_attention(q, caches[0], lens, mask, SCALE)
+    ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE)
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    del ref
+    us = graph_time_us(lambda kv: mk.mla_attention(q, kv, lens, mask, SCALE), caches)
+    cache_bytes, io_bytes, flops, roof_us = case_costs(L, H, T, B, ceil)
+    row = {
+        "L": L, "H": H, "T": T, "B": B, "rotate": len(caches), "config": list(mk.pick_config(rows)),
+        "rel_err": err, "us": us, "cache_bytes": cache_bytes, "GBps": (cache_bytes + io_bytes) / us / 1e3,
+        "TFLOPs": flops / us / 1e6, "roofline_us": roof_us, "x_roofline": us / roof_us,
+        "frac_read_bw": (cache_bytes + io_bytes) / us / 1e3 / ceil["read_GBps"],
+    }
+    if H * T * L <= TORCH_REF_MAX:
+        row["torch_us"] = 1e3 * triton.testing.do_bench(
+            lambda: mla_attention_torch(q, caches[0], lens, mask, SCALE), warmup=5, rep=30, return_mode="median")
+    if tune:
+        row["tuned"] = tune_case(q, caches, lens, mask, B, L, rows)
+    return row
+
+
+def tune_case(q, caches, lens, mask, B, L, rows):
+    results = []
+    for cfg in candidates(rows):
+        m_tiles = triton.cdiv(rows, cfg[0])
+        for per_sm in (1, 2, 4):
+            splits = mk.choose_splits(B, m_tiles, L, cfg[1], q.device, programs_per_sm=per_sm)
+            if any(r["splits"] == splits and r["config"] == list(cfg) for r in results):
+                continue
+            try:
+                us = graph_time_us(
+                    lambda kv: mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg), caches)
+            except Exception as exc:  # a config that does not fit this GPU's resources is recorded, not fatal
+                results.append({"config": list(cfg), "splits": splits, "error": str(exc)[:200]})
+                continue
+            results.append({"config": list(cfg), "splits": splits, "per_sm": per_sm, "us": us})
+    return results
+
+
+def markdown(report):
+    c = report["ceilings"]
+    lines = [
+        f"# MLA tree attention, {report['gpu']}, {report['date']}",
+        "",
+        f"torch {report['torch']}, triton {report['triton']}. Ceilings measured in the same run: read "
+        f"{c['read_GBps']:.0f} GB/s (sum over 4 GiB), bf16 matmul {c['bf16_TFLOPs']:.0f} TFLOP/s (8192^3). "
+        "B=1, random trees, cache cold in L2 (graph over rotated caches), bf16.",
+        "",
+        "| L | H | T | us | GB/s | frac read BW | TFLOP/s | roofline us | x roofline | best tuned us (cfg, splits) "
+        "| torch us | rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["cases"]:
+        ok = [t for t in r.get("tuned", []) if "us" in t]
+        best = min(ok, key=lambda t: t["us"]) if ok else None
+        best_s = f"{best['us']:.1f} ({best['config']}, {best['splits']})" if best else "-"
+        torch_s = f"{r['torch_us']:.0f}" if "torch_us" in r else "-"
+        lines.append(f"| {r['L']} | {r['H']} | {r['T']} | {r['us']:.1f} | {r['GBps']:.0f} | {r['frac_read_bw']:.2f} "
+                     f"| {r['TFLOPs']:.0f} | {r['roofline_us']:.1f} | {r['x_roofline']:.2f} | {best_s} | {torch_s} "
+                     f"| {r['rel_err']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def _warm(job):
+    """Compile one kernel variant (run in a worker so compiles overlap; the main process hits Triton's disk cache)."""
+    H, cfg, splits = job
+    try:
+        _run_tiny(H, cfg, splits)
+    except Exception as exc:  # recorded; the sweep reports the same failure where it matters
+        return f"{job}: {exc}"[:300]
+    return None
+
+
+def _run_tiny(H, cfg, splits):
+    q = torch.randn(1, 1, H, 576, dtype=torch.bfloat16, device="cuda")
+    kv = torch.randn(1, 256, 576, dtype=torch.bfloat16, device="cuda")
+    lens = torch.full((1,), 256, dtype=torch.int32, device="cuda")
+    mk.mla_attention(q, kv, lens, random_tree_mask(1, 1, 0), SCALE, num_splits=splits, config=cfg)
+    torch.cuda.synchronize()
+
+
+def precompile(heads, tree_sizes, tune, workers):
+    jobs = set()
+    for H in heads:
+        for T in tree_sizes:
+            cfgs = set(candidates(T * H)) if tune else set()
+            for cfg in cfgs | {mk.pick_config(T * H)}:
+                jobs |= {(H, cfg, 1), (H, cfg, 2)}
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        failures = [f for f in pool.map(_warm, sorted(jobs)) if f]
+    for failure in failures:
+        print("precompile failed:", failure, flush=True)
+    return len(jobs)
+
+
+def sweep(contexts, heads, tree_sizes, tune, out):
+    report = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "ceilings": ceilings(), "cases": [],
+    }
+    print("ceilings", report["ceilings"], flush=True)
+    for L in contexts:
+        for H in heads:
+            for T in tree_sizes:
+                row = run_case(L, H, T, report["ceilings"], tune=tune)
+                report["cases"].append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "tuned"}), flush=True)
+                (out / "attention.json").write_text(json.dumps(report, indent=1))
+                torch.cuda.empty_cache()
+    return report
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tune", action="store_true", help="also time candidate configs and split counts")
+    parser.add_argument("--quick", action="store_true", help="32k and 128k only")
+    parser.add_argument("--workers", type=int, default=12, help="processes compiling kernel variants up front")
+    parser.add_argument("--with-tests", action="store_true", help="first run tests/test_attention_kernel.py here")
+    args = parser.parse_args(argv)
+    if args.with_tests:
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", str(args.workers), "-k", "not sm120",
+                                "tests/test_attention_kernel.py"], capture_output=True, text=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "attention_tests.log").write_text(tests.stdout + tests.stderr)
+        print(tests.stdout[-3000:], flush=True)
+    contexts = CONTEXTS[2:] if args.quick else CONTEXTS
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    print("precompiled", precompile(HEADS, TREE_SIZES, args.tune, args.workers), "variants in",
+          f"{time.time() - start:.0f}s", flush=True)
+    report = sweep(contexts, HEADS, TREE_SIZES, args.tune, args.out)
+    (args.out / "attention.json").write_text(json.dumps(report, indent=1))
+    (args.out / "attention.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+@pytest.fixture(scope="module")
+def measured_ceilings():
+    return ceilings()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("H", HEADS)
+@pytest.mark.parametrize("L", CONTEXTS)
+@pytest.mark.parametrize("T", TREE_SIZES)
+def test_bench_attention(benchmark, measured_ceilings, T, L, H):
+    q, caches, lens, mask = make_inputs(L, H, T)
+    us = graph_time_us(lambda kv: mk.mla_attention(q, kv, lens, mask, SCALE), caches)
+    cache_bytes, io_bytes, flops, roof_us = case_costs(L, H, T, 1, measured_ceilings)
+    benchmark.extra_info.update({"graph_us": us, "cache_bytes": cache_bytes, "GBps": (cache_bytes + io_bytes) / us / 1e3,
+                                 "frac_read_bw": (cache_bytes + io_bytes) / us / 1e3 / measured_ceilings["read_GBps"],
+                                 "roofline_us": roof_us, "x_roofline": us / roof_us})
+    kv = caches[0]
+    benchmark(lambda: (mk.mla_attention(q, kv, lens, mask, SCALE), torch.cuda.synchronize()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Triton MLA attention (+ write_kv) vs the fp32 torch reference: random trees, ragged batches, splits, sm_120 fit."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ops
+from ops.attention import mla_attention_torch, pack_tree_mask, write_kv_torch
+from tests.conftest import gpu, kernel_dtypes, rel_err, requires_triton
+
+SCALE = 0.1446802  # K2.6 softmax scale (ModelConfig.softmax_scale)
+
+
+def tree_visibility(parents):
+    """[T, T] bool: node t sees its ancestors and itself; parents[t] < t, -1 for a root."""
+    T = len(parents)
+    vis = torch.zeros(T, T, dtype=torch.bool)
+    for t in range(T):
+        n = t
+        while n >= 0:
+            vis[t, n] = True
+            n = parents[n]
+    return vis
+
+
+def random_parents(kind, T, rng):
+    if kind == "chain":
+        return [t - 1 for t in range(T)]
+    if kind == "star":
+        return [-1] + [0] * (T - 1)
+    if kind == "deep":  # mostly extends the newest node
+        return [-1] + [t - 1 if rng.random() < 0.8 else rng.randrange(t) for t in range(1, T)]
+    if kind == "padded":  # a random tree on the first half, the rest padding that sees only itself
+        half = max(1, T // 2)
+        return [-1] + [rng.randrange(t) for t in range(1, half)] + [-1] * (T - half)
+    return [-1] + [rng.randrange(t) for t in range(1, T)]  # wide: uniform random parent
+
+
+def make_case(B, T, H, lens, kind, dtype, device, seed):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    L_max = max(lens) + 5
+    q = torch.randn(B, T, H, 576, generator=gen).to(device=device, dtype=dtype)
+    kv = torch.randn(B + 1, L_max, 576, generator=gen).to(device=device, dtype=dtype)[:B]  # a larger cache's rows
+    cache_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    if kind == "causal":
+        return q, kv, cache_lens, None
+    dense = torch.stack([tree_visibility(random_parents(kind, T, rng)) for _ in range(B)])
+    return q, kv, cache_lens, pack_tree_mask(dense).to(device)
+
+
+def device():
+    return "cuda" if gpu() else "cpu"
+
+
+def bound(dtype):
+    return 1e-4 if dtype == torch.float32 and not gpu() else 1e-2
+
+
+BIG = (64, 64, 4, 2)  # larger tiles for the larger cases: fewer interpreted steps
+CASES = [  # B, T, H, lens, tree kind, num_splits (None: the launcher's choice), config (None: the launcher's)
+    (1, 1, 8, [37], "chain", None, None),
+    (3, 2, 16, [5, 70, 133], "wide", 3, None),
+    (2, 7, 1, [7, 100], "star", None, None),
+    (2, 16, 8, [200, 17], "deep", 2, BIG),
+    (1, 64, 8, [150], "wide", None, BIG),
+    (2, 64, 1, [64, 97], "padded", 5, BIG),
+    (2, 16, 16, [90, 161], "chain", 1, BIG),
+    (2, 33, 8, [33, 90], "causal", 1, BIG),
+    (2, 33, 2, [40, 131], "causal", 3, None),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
+@pytest.mark.parametrize("B,T,H,lens,kind,splits,config", CASES,
+                         ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-{c[4]}-S{c[5]}" for c in CASES])
+def test_mla_attention_matches_reference(B, T, H, lens, kind, splits, config, dtype):
+    from triton_kernels.mla_attention import mla_attention
+
+    q, kv, cache_lens, mask = make_case(B, T, H, lens, kind, dtype, device(), seed=B * 1000 + T * 10 + H)
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=splits, config=config if not gpu() else None)
+    ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
+    assert out.shape == (B, T, H, 512) and out.dtype == dtype
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < bound(dtype)
+
+
+@requires_triton
+def test_more_splits_than_tiles_leaves_empty_splits_harmless():
+    from triton_kernels.mla_attention import mla_attention
+
+    q, kv, cache_lens, mask = make_case(2, 3, 4, [3, 40], "wide", torch.float16, device(), seed=7)
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=6)
+    ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
+    assert rel_err(out, ref) < 1e-2
+
+
+@requires_triton
+def test_registered_behind_the_op():
+    q, kv, cache_lens, mask = make_case(2, 5, 8, [12, 70], "deep", torch.float16, device(), seed=3)
+    with ops.using(attention="triton"):
+        out = ops.mla_attention(q, kv, cache_lens, mask, SCALE)
+    with ops.using(attention="torch"):
+        ref = ops.mla_attention(q.float(), kv.float(), cache_lens, mask, SCALE)
+    assert rel_err(out, ref) < 1e-2
+
+
+@requires_triton
+def test_rejects_other_value_dims():
+    from triton_kernels.mla_attention import mla_attention
+
+    q = torch.randn(1, 1, 2, 576, dtype=torch.float16, device=device())
+    kv = torch.randn(1, 8, 576, dtype=torch.float16, device=device())
+    with pytest.raises(ValueError, match="value_dim"):
+        mla_attention(q, kv, torch.tensor([8], dtype=torch.int32, device=device()), None, SCALE, value_dim=256)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
+def test_write_kv_exact(dtype):
+    from triton_kernels.mla_attention import write_kv
+
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(3, 40, 576, generator=gen).to(device=device(), dtype=dtype)
+    entries = torch.randn(3, 7, 576, generator=gen).to(device=device(), dtype=dtype)
+    starts = torch.tensor([0, 13, 33], dtype=torch.int32, device=device())
+    expected = kv.clone()
+    write_kv_torch(expected, entries, starts)
+    with ops.using(write_kv="triton"):
+        ops.write_kv(kv, entries, starts)
+    assert torch.equal(kv, expected)
+
+
+SM120_CHECK = """
+import json, sys
+from triton_kernels.aot import compile_for
+from triton_kernels.mla_attention import CONFIGS, _mla_split_kernel
+sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "lens_ptr": "*i32", "mask_ptr": "*i32", "out_ptr": "*bf16",
+       "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "T": "i32", "rows_kb": "i32", "sm_scale_log2": "fp32"}
+causal = sys.argv[1] == "causal"
+report = []
+for _, block_m, block_n, warps, stages in CONFIGS[120]:
+    res = compile_for(_mla_split_kernel, sig,
+                      {"H": 8, "CAUSAL": causal, "DIRECT": causal, "BLOCK_M": block_m, "BLOCK_N": block_n},
+                      arch=120, num_warps=warps, num_stages=stages)
+    report.append([block_m, block_n, res.shared, res.registers, res.spill_bytes])
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize("mode", ["tree", "causal"])
+def test_sm120_configs_fit_shared_memory(mode):
+    """Compile every sm_120 config ahead of time (in a child process: the interpreter cannot compile)."""
+    from triton_kernels.aot import SM120_SHARED_LIMIT
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", SM120_CHECK, mode], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for block_m, block_n, shared, registers, spills in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert shared <= SM120_SHARED_LIMIT and spills == 0, (block_m, block_n, shared, registers, spills)

@@ -1,0 +1,242 @@
+"""Tree-masked absorbed-MLA attention over the latent cache (split-KV flash-decoding), and the cache writer.
+
+All H heads x T new tokens of a sequence form one query block of R = T*H rows (row r = t*H + h, q[b] viewed
+as [R, 576]), so every KV tile loaded is shared by all of them and the prefix is read once per split.
+Grid (query tiles, splits, B). A split covers a contiguous range of the sequence's entries, sized on the
+device from cache_lens (no host sync, CUDA-graph safe); tiles wholly inside the prefix run unmasked, the rest
+(the last T entries, the tree) apply the bit mask or, with mask None (prefill), the causal rule. With one
+split the kernel writes the output; otherwise it writes per-split (o, log2-sum-exp) and `_merge_kernel`
+combines them. See the attention section of triton_kernels/README.md for the derivations.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+D_LAT = 512  # value dim: the latent c
+D_PE = 64  # rope part of an entry
+ENTRY = D_LAT + D_PE
+
+# Configs as data, per arch (compute capability major*10+minor): (max query rows, BLOCK_M, BLOCK_N, warps,
+# stages); the first entry whose max rows >= R is used, None = any. sm_120 entries fit its 101,376 bytes of
+# shared memory (checked ahead of time in tests/test_attention_kernel.py).
+CONFIGS = {
+    90: [(16, 16, 32, 8, 3), (None, 32, 32, 8, 3)],
+    120: [(16, 16, 32, 4, 2), (None, 32, 32, 8, 2)],
+}
+MERGE_SPLITS_BLOCK = 32  # splits combined per step of the merge
+MERGE_BLOCK_D = 64  # value columns per merge program
+MIN_TILES_PER_SPLIT = 4  # a split reads at least this many KV tiles
+
+
+@triton.jit
+def _scores(q_lat, q_pe, kv_base, offs_n, n_ok, offs_lat, offs_pe, sm_scale_log2):
+    """Scores of a query block against one KV tile (log2 domain) and the tile's latent (the values)."""
+    row = offs_n.to(tl.int64)[:, None] * 576
+    k_lat = tl.load(kv_base + row + offs_lat[None, :], mask=n_ok[:, None], other=0.0)  # [BN, 512]
+    k_pe = tl.load(kv_base + row + 512 + offs_pe[None, :], mask=n_ok[:, None], other=0.0)  # [BN, 64]
+    s = tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_pe, tl.trans(k_pe))  # [BM, BN] fp32
+    return s * sm_scale_log2, k_lat
+
+
+@triton.jit
+def _softmax_step(s, k_lat, m_i, l_i, acc):
+    """Online-softmax update of (max, sum, acc) with a tile of log2-domain scores s [BM, BN]."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BM]; m_i starts finite, so no inf - inf
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])  # [BM, BN]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat)  # [BM, 512]
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["T", "rows_kb"])
+def _mla_split_kernel(
+    q_ptr, kv_ptr, lens_ptr, mask_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+    T, rows_kb, sm_scale_log2,
+    H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = tl.program_id(2)
+    num_splits = tl.num_programs(1)
+    rows = T * H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] row = t*H + h
+    m_ok = offs_m < rows
+    t_row = offs_m // H  # [BM] new token of each row
+    offs_lat = tl.arange(0, 512)
+    offs_pe = tl.arange(0, 64)
+
+    length = tl.load(lens_ptr + b)
+    tree_start = length - T  # first new token's entry
+    kv_end = length
+    if CAUSAL:  # entries past this tile's last token are invisible to all its rows
+        t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // H, T - 1)
+        kv_end = tree_start + t_last + 1
+    split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, kv_end)
+    n_full = tl.maximum(tl.minimum(end, tree_start) - start, 0) // BLOCK_N  # tiles with every entry visible
+
+    q_rows = q_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 576
+    q_lat = tl.load(q_rows + offs_lat[None, :], mask=m_ok[:, None], other=0.0)  # [BM, 512]
+    q_pe = tl.load(q_rows + 512 + offs_pe[None, :], mask=m_ok[:, None], other=0.0)  # [BM, 64]
+    kv_base = kv_ptr + b.to(tl.int64) * rows_kb * 576  # rows_kb: cache stride in entries; keeps 16-byte alignment
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, 512], dtype=tl.float32)
+    offs_tile = tl.arange(0, BLOCK_N)
+    n_all = tl.full([BLOCK_N], 1, tl.int1)
+    for i in range(n_full):
+        offs_n = start + i * BLOCK_N + offs_tile  # [BN]
+        s, k_lat = _scores(q_lat, q_pe, kv_base, offs_n, n_all, offs_lat, offs_pe, sm_scale_log2)
+        m_i, l_i, acc = _softmax_step(s, k_lat, m_i, l_i, acc)
+    for j0 in range(start + n_full * BLOCK_N, end, BLOCK_N):
+        offs_n = j0 + offs_tile  # [BN]
+        n_ok = offs_n < end
+        s, k_lat = _scores(q_lat, q_pe, kv_base, offs_n, n_ok, offs_lat, offs_pe, sm_scale_log2)
+        node = offs_n - tree_start  # [BN] new-token index of each entry (< 0: prefix)
+        in_tree = node >= 0
+        if CAUSAL:
+            seen = node[None, :] <= t_row[:, None]  # [BM, BN]
+        else:
+            node_c = tl.maximum(node, 0)
+            word_ptr = mask_ptr + (b * T + t_row)[:, None] * ((T + 31) // 32) + (node_c // 32)[None, :]
+            words = tl.load(word_ptr, mask=m_ok[:, None] & (in_tree & n_ok)[None, :], other=0)  # [BM, BN]
+            seen = ((words >> (node_c % 32)[None, :]) & 1) != 0
+        visible = n_ok[None, :] & (~in_tree[None, :] | seen)
+        s = tl.where(visible, s, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, k_lat, m_i, l_i, acc)
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [BM, 512]
+    if DIRECT:
+        o_rows = out_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 512
+        tl.store(o_rows + offs_lat[None, :], o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+    else:
+        part_row = (b.to(tl.int64) * num_splits + pid_s) * rows + offs_m  # [BM]
+        tl.store(o_part_ptr + part_row[:, None] * 512 + offs_lat[None, :], o, mask=m_ok[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # [BM] log2-sum-exp of the split
+        tl.store(lse_part_ptr + part_row, lse, mask=m_ok)
+
+
+@triton.jit(do_not_specialize=["rows", "num_splits"])
+def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, rows, num_splits,
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    lse_base = lse_part_ptr + b.to(tl.int64) * num_splits * rows + r
+    m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        lse = tl.load(lse_base + (s0 + offs_s) * rows, mask=s0 + offs_s < num_splits, other=float("-inf"))
+        m = tl.maximum(m, lse)
+    m_all = tl.max(m, 0)  # finite: the split holding the row's own token saw it
+    w_sum = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s_ok = s0 + offs_s < num_splits
+        w = tl.exp2(tl.load(lse_base + (s0 + offs_s) * rows, mask=s_ok, other=float("-inf")) - m_all)  # [BS]
+        part = (b.to(tl.int64) * num_splits + s0 + offs_s) * rows + r  # [BS]
+        o = tl.load(o_part_ptr + part[:, None] * 512 + offs_d[None, :], mask=s_ok[:, None], other=0.0)  # [BS, BD]
+        acc += tl.sum(w[:, None] * o, 0)
+        w_sum += w
+    out = acc / tl.sum(w_sum, 0)
+    tl.store(out_ptr + (b.to(tl.int64) * rows + r) * 512 + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["T", "stride_kb", "L_max"])
+def _write_kv_kernel(kv_ptr, entries_ptr, starts_ptr, T, stride_kb, L_max, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    b = tl.program_id(1)
+    pos = tl.load(starts_ptr + b).to(tl.int64) + t
+    offs = tl.arange(0, BLOCK_D)
+    d_ok = offs < D
+    row = tl.load(entries_ptr + (b.to(tl.int64) * T + t) * D + offs, mask=d_ok)  # [BLOCK_D]
+    tl.store(kv_ptr + b.to(tl.int64) * stride_kb + pos * D + offs, row.to(kv_ptr.dtype.element_ty),
+             mask=d_ok & (pos + 0 * offs < L_max))
+
+
+def _arch():
+    if not torch.cuda.is_available():
+        return 90
+    major, minor = torch.cuda.get_device_capability()
+    return 120 if major >= 12 else 90
+
+
+def pick_config(rows, arch=None):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a query block of `rows` = T*H rows on `arch`."""
+    for max_rows, *cfg in CONFIGS[arch if arch is not None else _arch()]:
+        if max_rows is None or rows <= max_rows:
+            return tuple(cfg)
+    raise ValueError(f"no attention config for {rows} rows")
+
+
+def _num_sms(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def choose_splits(batch, m_tiles, max_len, block_n, device, programs_per_sm=2):
+    """Splits per sequence: about programs_per_sm programs per SM, each reading >= MIN_TILES_PER_SPLIT tiles."""
+    base = batch * m_tiles
+    want = triton.cdiv(programs_per_sm * _num_sms(device), base)
+    cap = max(1, triton.cdiv(max_len, block_n * MIN_TILES_PER_SPLIT))
+    return max(1, min(want, cap))
+
+
+def _check(q, kv_cache, value_dim):
+    if value_dim != D_LAT or q.shape[-1] != ENTRY or kv_cache.shape[-1] != ENTRY:
+        raise ValueError(f"mla_attention (triton): needs entry {ENTRY} and value_dim {D_LAT}, got q "
+                         f"{tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)}, value_dim {value_dim}")
+    if q.dtype != kv_cache.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"mla_attention (triton): q {q.dtype} and kv_cache {kv_cache.dtype} must share a float dtype")
+    if not q.is_contiguous() or kv_cache.stride(2) != 1 or kv_cache.stride(1) != ENTRY or kv_cache.stride(0) % ENTRY:
+        raise ValueError("mla_attention (triton): q must be contiguous and kv_cache rows contiguous [.., L, 576]")
+
+
+def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, num_splits=None, config=None):
+    """Triton twin of ops.mla_attention: q [B, T, H, 576], kv_cache [B, L_max, 576], cache_lens [B] int32,
+    tree_mask [B, T, ceil(T/32)] int32 or None (causal), -> [B, T, H, 512] in q's dtype.
+
+    num_splits (splits per sequence) and config ((BLOCK_M, BLOCK_N, warps, stages)) override the defaults.
+    """
+    _check(q, kv_cache, value_dim)
+    B, T, H, _ = q.shape
+    rows = T * H
+    block_m, block_n, warps, stages = config or pick_config(rows)
+    m_tiles = triton.cdiv(rows, block_m)
+    if num_splits is None:
+        num_splits = choose_splits(B, m_tiles, kv_cache.shape[1], block_n, q.device)
+    out = torch.empty(B, T, H, D_LAT, dtype=q.dtype, device=q.device)
+    direct = num_splits == 1
+    if direct:
+        o_part = lse_part = out
+    else:
+        o_part = torch.empty(B, num_splits, rows, D_LAT, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q.device)
+    causal = tree_mask is None
+    mask = cache_lens if causal else tree_mask.contiguous()
+    _mla_split_kernel[(m_tiles, num_splits, B)](
+        q, kv_cache, cache_lens, mask, out, o_part, lse_part,
+        T, kv_cache.stride(0) // ENTRY, scale * 1.4426950408889634,
+        H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps, num_stages=stages,
+    )
+    if not direct:
+        _merge_kernel[(rows, D_LAT // MERGE_BLOCK_D, B)](
+            o_part, lse_part, out, rows, num_splits, BLOCK_S=MERGE_SPLITS_BLOCK, BLOCK_D=MERGE_BLOCK_D,
+        )
+    return out
+
+
+def write_kv(kv_cache, entries, starts):
+    """Triton twin of ops.write_kv: kv_cache[b, starts[b] + t] = entries[b, t], in place (rows past L_max dropped)."""
+    B, T, D = entries.shape
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != D or not entries.is_contiguous():
+        raise ValueError("write_kv (triton): kv_cache rows and entries must be contiguous")
+    _write_kv_kernel[(T, B)](kv_cache, entries, starts, T, kv_cache.stride(0), kv_cache.shape[1],
+                             D=D, BLOCK_D=triton.next_power_of_2(D))
+    return kv_cache
