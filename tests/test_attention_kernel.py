@@ -148,7 +148,7 @@ report = []
 for _, block_m, block_n, warps, stages in CONFIGS[120]:
     res = compile_for(_mla_split_kernel, sig,
                       {"H": 8, "CAUSAL": causal, "DIRECT": causal, "BLOCK_M": block_m, "BLOCK_N": block_n},
-                      arch=120, num_warps=warps, num_stages=stages)
+                      arch=120, num_warps=warps, num_stages=stages, aligned=True)
     report.append([block_m, block_n, res.shared, res.registers, res.spill_bytes])
 print(json.dumps(report))
 """
