@@ -1,6 +1,7 @@
 """Kernel swap: each op with a Triton kernel switched on alone (and all together) leaves the model's logits and
-hidden states (prefill and a tree verify pass) at the all-torch values, and the engine's greedy output and
-acceptance unchanged; so any kernel can be swapped in by itself. Runs under TRITON_INTERPRET=1 on CPU."""
+hidden states (prefill and a tree verify pass) and the drafter's logits at the all-torch values, and the
+engine's greedy output and acceptance unchanged: any kernel can be swapped in by itself. Runs under
+TRITON_INTERPRET=1 on CPU (fp16/fp32), bf16 too on a GPU."""
 
 import pytest
 import torch
@@ -24,20 +25,24 @@ BOUND = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 CFG = preset("tiny")
 
 
-def forward_outputs(model):
-    """Prefill 9 tokens into 2 rows, then verify a 12-node tree: logits and hidden states of both passes."""
+def forward_outputs(model, drafter):
+    """Prefill 9 tokens into 2 rows, draft a block from their features, then verify a 12-node tree: logits
+    and hidden states of both target passes and the drafter's logits."""
     gen = torch.Generator().manual_seed(0)
     cache = model.new_cache(2, 32)
     tokens = torch.randint(0, CFG.vocab_size, (2, 9), generator=gen)
     first = model(tokens, torch.arange(9).expand(2, 9), cache, hidden_layers=(0, 2))
     cache.advance([9, 9])
+    draft_cache = drafter.new_cache(2, 32)
+    drafter.append_context(draft_cache, first.hidden, torch.tensor([9, 7], dtype=torch.int32), [9, 7])
+    draft = drafter.draft(draft_cache, torch.tensor([5, 6]))
     logprobs = torch.randn(2, 4, 5, generator=gen).log_softmax(-1).sort(-1, descending=True).values
     with ops.using(tree_build="torch"):
         tree = ops.build_tree(logprobs, torch.randint(0, CFG.vocab_size, (2, 4, 5), generator=gen),
                               torch.tensor([3, 4]), 11)
     second = model(tree.tokens, cache.lens[:, None].long() + tree.depths, cache, tree_mask=tree.mask,
                    hidden_layers=(1,))
-    return [first.logits, first.hidden, second.logits, second.hidden]
+    return [first.logits, first.hidden, draft, second.logits, second.hidden]
 
 
 def switch(model, names):
@@ -53,15 +58,16 @@ def test_model_outputs_with_kernel_swapped_in(names, dtype):
     if not names:
         pytest.skip("no model op has a Triton kernel yet")
     model = KimiModel(CFG, dtype=dtype).init_random_(1).prepare()
-    reference = forward_outputs(model)
+    drafter = DFlashDrafter(drafter_config(CFG), dtype=dtype).init_random_(2).bind(model)
+    reference = forward_outputs(model, drafter)
     switch(model, names)
     try:
-        swapped = forward_outputs(model)
+        swapped = forward_outputs(model, drafter)
     except ValueError as err:
         if str(dtype).split(".")[-1] in str(err):
             pytest.skip(f"{'+'.join(names)} kernel does not take {dtype}: {err}")
         raise
-    for name, out, ref in zip(("prefill logits", "prefill hidden", "verify logits", "verify hidden"), swapped,
+    for name, out, ref in zip(("prefill logits", "prefill hidden", "draft logits", "verify logits", "verify hidden"), swapped,
                               reference):
         assert not out.isnan().any(), name
         assert rel_err(out, ref) < BOUND[dtype], name
