@@ -92,6 +92,10 @@ class DrafterConfig:
                     return source[key]
             raise ValueError(f"drafter config: missing {key!r}")
 
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise ValueError("drafter config: attention_bias / mlp_bias are not supported (DFlash has none)")
+        if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
+            raise ValueError("drafter config: sliding-window attention layers are not supported")
         heads = need("num_attention_heads", hf)
         layers = need("num_hidden_layers", hf)
         ids = dflash.get("target_layer_ids", hf.get("target_layer_ids"))

@@ -109,6 +109,22 @@ def test_config_quirks_defaults():
     assert cfg.target_layer_ids == default_target_layer_ids(61, 6) == (1, 12, 24, 35, 47, 58)  # K2.5-DFlash's
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("attention_bias", True, "attention_bias"),
+    ("layer_types", ["full_attention", "sliding_attention"], "sliding-window"),
+    ("num_attention_heads", None, "missing 'num_attention_heads'"),
+    ("mask_token_id", 600, "mask_token_id 600 outside"),
+])
+def test_unsupported_configs_are_refused(key, value, message):
+    hf = drafter_config().to_hf()
+    if key == "mask_token_id":
+        hf["dflash_config"][key] = value
+    else:
+        hf[key] = value
+    with pytest.raises(ValueError, match=message):
+        DrafterConfig.from_hf(hf)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(hidden_size=64, head_dim=16), "hidden_size"),
     (dict(vocab_size=1024), "vocab_size"),
