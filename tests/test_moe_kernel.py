@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ops
-from ops.moe import PackedExperts, moe_torch, pack_int4
+from ops.moe import PackedExperts, moe_torch
 from tests.conftest import gpu, kernel_dtypes, rel_err, requires_gpu, requires_triton
 
 moe_w4a16 = pytest.importorskip("triton_kernels.moe_w4a16")
@@ -21,12 +21,12 @@ def device():
 
 def make_experts(E, D, I, seed=0):
     """Random compressed-tensors experts with scales spread over two decades (a wrong group shows)."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device()).manual_seed(seed)
 
-    def one(N, K):
-        q = torch.randint(-8, 8, (E, N, K), generator=g)
-        scale = 10 ** (torch.rand(E, N, K // 32, generator=g) * 2 - 3)
-        return pack_int4(q).to(device()), scale.to(torch.bfloat16).to(device())
+    def one(N, K):  # any int32 word is 8 valid nibbles
+        words = torch.randint(-2**31, 2**31, (E, N, K // 8), generator=g, device=device(), dtype=torch.int32)
+        scale = 10 ** (torch.rand(E, N, K // 32, generator=g, device=device()) * 2 - 3)
+        return words, scale.to(torch.bfloat16)
 
     return (*one(2 * I, D), *one(D, I))
 

@@ -20,7 +20,9 @@ from triton_kernels.moe_configs import config_for
 GROUP, PACK = 32, 8
 SLAB = 256  # K values per repacked slab: 32 words x 8 nibbles, one quantisation group per nibble slot
 SLAB_WORDS = SLAB // PACK
-SLOT_SHIFT = (0, 16, 4, 20, 8, 24, 12, 28)  # bit position of slot s's nibble in a repacked word
+# Slab word w (of 32), nibble p (bits 4p) holds k = 256 * slab + SLAB_K[w][p]: group 2 (p % 4) + w // 16,
+# row 2 (w % 16) + p // 4 within the group, so one mask yields a group's two adjacent rows in one register.
+SLAB_K = [[(2 * (p % 4) + w // 16) * 32 + 2 * (w % 16) + p // 4 for p in range(8)] for w in range(32)]
 MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}  # bit patterns of 128.0 (bf16) and 1024.0 (fp16)
 MAGIC_VALUE = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 _GROUP, _SLAB, _SLAB_WORDS = tl.constexpr(GROUP), tl.constexpr(SLAB), tl.constexpr(SLAB_WORDS)
@@ -51,33 +53,42 @@ class TritonExperts:
 
 
 @triton.jit
-def _unpack_slot(words, s: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, DTYPE: tl.constexpr):
-    """Slot s of repacked words [32, BN] int32 -> [32, BN] DTYPE holding q * 16**((s // 2) % 2), exactly."""
-    SHIFT: tl.constexpr = 8 * (s // 4)
-    MASK: tl.constexpr = 0x00F000F0 if (s // 2) % 2 else 0x000F000F
-    SCALE: tl.constexpr = 16 if (s // 2) % 2 else 1
+def _unpack_group(words, m: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, DTYPE: tl.constexpr):
+    """Nibble pair m of half-slab words [16, BN] int32 -> one group [32, BN] DTYPE, row 2w + j from word w's
+    nibble at bit 4m + 16j, holding q * 16**(m % 2) exactly."""
+    SHIFT: tl.constexpr = 8 * (m // 2)
+    MASK: tl.constexpr = 0x00F000F0 if m % 2 else 0x000F000F
+    SCALE: tl.constexpr = 16 if m % 2 else 1
     pair = ((words >> SHIFT) & MASK) | (MAGIC * 65537)  # two 16-bit floats MAGIC_VALUE + SCALE * u per word
-    if s % 2:
-        pair = pair >> 16
-    v = pair.to(tl.int16).to(DTYPE, bitcast=True)  # [32, BN]
+    lo = pair.to(tl.int16).to(DTYPE, bitcast=True)  # [16, BN]
+    hi = (pair >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+    v = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (2 * words.shape[0], words.shape[1]))  # [32, BN]
     return v - (MAGIC_VALUE + 8.0 * SCALE)
 
 
 @triton.jit
-def _slab_dot(acc, a_ptrs, row_mask, k, K, words, s_ptrs, s_mask, stride_sg,
-              MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, DTYPE: tl.constexpr):
-    """acc [BM, BN] += A [BM, 256] @ dequant(words) [256, BN], scaling each group's partial product.
+def _slab_dot(acc, a_ptrs, row_mask, k, K, w_ptrs, stride_wk, w_mask, s_ptrs, s_mask, stride_sg,
+              MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, DTYPE: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc [BM, BN] += A [BM, 256] @ dequant(slab) [256, BN], scaling each group's partial product.
 
-    a_ptrs [BM, 32] point at the slab's first group (columns k [32]); A's columns at or past K read as 0.
+    w_ptrs [16, BN] point at the slab's first 16 words (the second half follows at 16 * stride_wk); a_ptrs
+    [BM, 32] at the slab's first group (columns k [32]); A's columns at or past K read as 0 (no column mask
+    when EVEN_K: K is a multiple of 256). Group 2m + t is nibble pair m of half t.
     """
-    for s in tl.static_range(8):
-        a_mask = row_mask[:, None] & (k + s * _GROUP < K)[None, :]
-        a = tl.load(a_ptrs + s * _GROUP, mask=a_mask, other=0.0).to(DTYPE)  # [BM, 32]
-        w = _unpack_slot(words, s, MAGIC, MAGIC_VALUE, DTYPE)  # [32, BN]
-        scale = tl.load(s_ptrs + s * stride_sg, mask=s_mask, other=0.0).to(tl.float32)  # [BN]
-        if (s // 2) % 2:
-            scale = scale * 0.0625
-        acc += tl.dot(a, w) * scale[None, :]
+    for t in tl.static_range(2):
+        words = tl.load(w_ptrs + t * 16 * stride_wk, mask=w_mask, other=0)  # [16, BN] int32
+        for m in tl.static_range(4):
+            g = 2 * m + t
+            if EVEN_K:
+                a_mask = row_mask[:, None]
+            else:
+                a_mask = row_mask[:, None] & (k + g * _GROUP < K)[None, :]
+            a = tl.load(a_ptrs + g * _GROUP, mask=a_mask, other=0.0).to(DTYPE)  # [BM, 32]
+            w = _unpack_group(words, m, MAGIC, MAGIC_VALUE, DTYPE)  # [32, BN]
+            scale = tl.load(s_ptrs + g * stride_sg, mask=s_mask, other=0.0).to(tl.float32)  # [BN]
+            if m % 2:
+                scale = scale * 0.0625
+            acc += tl.dot(a, w) * scale[None, :]
     return acc
 
 
@@ -120,12 +131,15 @@ def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr
         tl.store(block_expert_ptr + slot // BM, e, mask=p < P)
 
 
-@triton.jit(do_not_specialize=["n_slabs_per_split"])
+@triton.jit(do_not_specialize=["n_slabs_per_split", "split_k"])
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_ptr, block_expert_ptr,
-                    D, I, n_slabs, n_slabs_per_split, stride_we, stride_se, stride_part,
-                    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
-                    MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr):
-    """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate."""
+                    D, I, n_slabs, n_slabs_per_split, split_k, stride_we, stride_se, stride_part,
+                    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                    MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, EVEN_K: tl.constexpr):
+    """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate.
+
+    With SPLIT, pid 2 of split_k sums a range of slabs into part; the last split to arrive finishes the tile.
+    """
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(block_expert_ptr + pid_b)
     if e < 0:
@@ -136,7 +150,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     token = tl.where(pair >= 0, pair // TOP_K, 0).to(tl.int64)
     n = pid_n * BN + tl.arange(0, BN)  # [BN] gate columns; up columns are n + I
     n_mask = n < I
-    kw = tl.arange(0, _SLAB_WORDS)
+    kw = tl.arange(0, _SLAB_WORDS // 2)
     kg = tl.arange(0, _GROUP)
     w_base = w_ptr + e.to(tl.int64) * stride_we
     s_base = s_ptr + e.to(tl.int64) * stride_se
@@ -145,26 +159,24 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     first = pid_k * n_slabs_per_split
     for slab in range(first, tl.minimum(first + n_slabs_per_split, n_slabs)):
-        w_ptrs = w_base + (kw + slab * _SLAB_WORDS)[:, None].to(tl.int64) * two_i + n[None, :]  # [32, BN]
-        words_g = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
-        words_u = tl.load(w_ptrs + I, mask=n_mask[None, :], other=0)
+        w_ptrs = w_base + (kw + slab * _SLAB_WORDS)[:, None].to(tl.int64) * two_i + n[None, :]  # [16, BN]
         k = kg + slab * _SLAB  # [32]: the first group of this slab
         a_ptrs = x_ptr + token[:, None] * D + k[None, :]  # [BM, 32]
         s_ptrs = s_base + (slab * 8) * two_i + n
-        acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, words_g, s_ptrs, n_mask, two_i, MAGIC, MAGIC_VALUE, DTYPE)
-        acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, words_u, s_ptrs + I, n_mask, two_i, MAGIC, MAGIC_VALUE, DTYPE)
+        acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, w_ptrs, two_i, n_mask[None, :], s_ptrs, n_mask, two_i, MAGIC, MAGIC_VALUE, DTYPE, EVEN_K)
+        acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, w_ptrs + I, two_i, n_mask[None, :], s_ptrs + I, n_mask, two_i, MAGIC, MAGIC_VALUE, DTYPE, EVEN_K)
     out = rows[:, None].to(tl.int64) * I + n[None, :]  # [BM, BN]
-    if SPLIT_K > 1:
+    if SPLIT:
         part = part_ptr + pid_k.to(tl.int64) * stride_part + rows[:, None].to(tl.int64) * two_i + n[None, :]
         tl.store(part, acc_g, mask=n_mask[None, :])
         tl.store(part + I, acc_u, mask=n_mask[None, :])
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + pid_b * tl.num_programs(1) + pid_n, 1)
-        if arrived == SPLIT_K - 1:
+        if arrived == split_k - 1:
             acc_g = tl.zeros((BM, BN), dtype=tl.float32)
             acc_u = tl.zeros((BM, BN), dtype=tl.float32)
             part = part_ptr + rows[:, None].to(tl.int64) * two_i + n[None, :]
-            for j in range(SPLIT_K):
+            for j in range(split_k):
                 acc_g += tl.load(part + j * stride_part, mask=n_mask[None, :], other=0.0, cache_modifier=".cg")
                 acc_u += tl.load(part + j * stride_part + I, mask=n_mask[None, :], other=0.0, cache_modifier=".cg")
             h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -178,7 +190,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
 def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                  D, I, n_slabs, n_slabs_per_split, stride_we, stride_se,
                  TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr):
+                 MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, EVEN_K: tl.constexpr):
     """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tile pid 1, K split pid 2."""
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(block_expert_ptr + pid_b)
@@ -190,19 +202,18 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
     valid = pair >= 0
     n = pid_n * BN + tl.arange(0, BN)  # [BN] hidden columns
     n_mask = n < D
-    kw = tl.arange(0, _SLAB_WORDS)
+    kw = tl.arange(0, _SLAB_WORDS // 2)
     kg = tl.arange(0, _GROUP)
     w_base = w_ptr + e.to(tl.int64) * stride_we
     s_base = s_ptr + e.to(tl.int64) * stride_se
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     first = pid_k * n_slabs_per_split
     for slab in range(first, tl.minimum(first + n_slabs_per_split, n_slabs)):
-        w_ptrs = w_base + (kw + slab * _SLAB_WORDS)[:, None].to(tl.int64) * D + n[None, :]  # [32, BN]
-        words = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
+        w_ptrs = w_base + (kw + slab * _SLAB_WORDS)[:, None].to(tl.int64) * D + n[None, :]  # [16, BN]
         k = kg + slab * _SLAB
         a_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + k[None, :]  # [BM, 32]
         s_ptrs = s_base + (slab * 8) * D + n
-        acc = _slab_dot(acc, a_ptrs, valid, k, I, words, s_ptrs, n_mask, D, MAGIC, MAGIC_VALUE, DTYPE)
+        acc = _slab_dot(acc, a_ptrs, valid, k, I, w_ptrs, D, n_mask[None, :], s_ptrs, n_mask, D, MAGIC, MAGIC_VALUE, DTYPE, EVEN_K)
     weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)  # [BM] fp32
     token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
     tl.atomic_add(out_ptr + token[:, None] * D + n[None, :], acc * weight[:, None], mask=valid[:, None] & n_mask[None, :])
@@ -217,9 +228,9 @@ def _nibbles(packed):
     return ((packed.unsqueeze(-1) >> shifts) & 0xF).flatten(-2)
 
 
-def _to_words(u, shifts):
-    """Nibbles [..., 8] (slot order) -> int32 words [...] with nibble j at bit shifts[j]."""
-    shifts = torch.tensor(shifts, device=u.device, dtype=torch.int64)
+def _to_words(u):
+    """Nibbles [..., 8] (u in [0, 16)) -> int32 words [...] with nibble p at bits 4p."""
+    shifts = torch.arange(0, 32, 4, device=u.device, dtype=torch.int64)
     words = (u.to(torch.int64) << shifts).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
@@ -227,16 +238,17 @@ def _to_words(u, shifts):
 def repack_int4(packed, scale):
     """compressed-tensors [E, N, K/8] int32 + [E, N, K/32] -> slab words [E, KP/8, N] int32 + scales [E, KP/32, N].
 
-    KP = K rounded up to 256. Within slab t, word w of column n holds k = 256 t + 32 s + w in the nibble at bit
-    SLOT_SHIFT[s]; padding nibbles hold u = 8 (q = 0) and padding scales are 0.
+    KP = K rounded up to 256. Word w of slab t, column n, nibble p holds k = 256 t + SLAB_K[w][p]; padding
+    nibbles hold u = 8 (q = 0) and padding scales are 0.
     """
     E, N, K = packed.shape[0], packed.shape[1], packed.shape[2] * PACK
     KP = triton.cdiv(K, SLAB) * SLAB
+    index = torch.tensor(SLAB_K, device=packed.device).flatten()  # [256]: slab position -> k within the slab
     words = torch.empty((E, KP // PACK, N), dtype=torch.int32, device=packed.device)
     for e in range(E):  # one expert at a time keeps the int64 temporaries small
-        u = torch.nn.functional.pad(_nibbles(packed[e]), (0, KP - K), value=8)  # [N, KP]
-        u = u.view(N, KP // SLAB, 8, SLAB_WORDS).permute(1, 3, 0, 2)  # [slab, w, N, slot]
-        words[e] = _to_words(u, SLOT_SHIFT).reshape(KP // PACK, N)
+        u = torch.nn.functional.pad(_nibbles(packed[e]), (0, KP - K), value=8).view(N, KP // SLAB, SLAB)
+        u = u[:, :, index].view(N, KP // SLAB, SLAB_WORDS, PACK)  # [N, slab, w, p]
+        words[e] = _to_words(u).permute(1, 2, 0).reshape(KP // PACK, N)
     scales = torch.nn.functional.pad(scale, (0, KP // GROUP - K // GROUP)).transpose(1, 2).contiguous()
     return words, scales
 
@@ -244,12 +256,13 @@ def repack_int4(packed, scale):
 def unpack_int4(words, scales, K):
     """Exact inverse of `repack_int4`: -> compressed-tensors [E, N, K/8] int32 and [E, N, K/32]."""
     E, KP8, N = words.shape
+    index = torch.tensor(SLAB_K, device=words.device).flatten()
     packed = torch.empty((E, N, K // PACK), dtype=torch.int32, device=words.device)
-    shifts = torch.tensor(SLOT_SHIFT, device=words.device, dtype=torch.int32)
     for e in range(E):
-        u = (words[e].view(KP8 // SLAB_WORDS, SLAB_WORDS, N, 1) >> shifts) & 0xF  # [slab, w, N, slot]
-        u = u.permute(2, 0, 3, 1).reshape(N, KP8 * PACK)[:, :K]  # [N, K]
-        packed[e] = _to_words(u.reshape(N, K // PACK, PACK), range(0, 32, 4))
+        u = _nibbles(words[e].view(KP8 // SLAB_WORDS, SLAB_WORDS, N).permute(2, 0, 1))  # [N, slab, 256] slab order
+        k_order = torch.empty_like(u)
+        k_order[:, :, index] = u
+        packed[e] = _to_words(k_order.reshape(N, KP8 * PACK)[:, :K].reshape(N, K // PACK, PACK))
     return packed, scales.transpose(1, 2)[:, :, : K // GROUP].contiguous()
 
 
@@ -285,8 +298,11 @@ def _expected_experts(E, pairs):
     return min(E, pairs, max(1, round(E * (1 - (1 - 1 / E) ** pairs))))
 
 
-def moe(x, topk_ids, topk_weights, experts):
-    """Triton backend of ops.moe (see there): x [M, D] bf16/fp16, topk_ids [M, k] int32, topk_weights [M, k] fp32."""
+def moe(x, topk_ids, topk_weights, experts, config=None):
+    """Triton backend of ops.moe (see there): x [M, D] bf16/fp16, topk_ids [M, k] int32, topk_weights [M, k] fp32.
+
+    `config` overrides the moe_configs entry (benchmark sweeps).
+    """
     if x.dtype not in MAGIC:
         raise ValueError(f"moe (triton): x must be bfloat16 or float16, got {x.dtype}")
     if topk_ids.dtype != torch.int32 or topk_weights.dtype != torch.float32:
@@ -296,7 +312,7 @@ def moe(x, topk_ids, topk_weights, experts):
     M, D = x.shape
     top_k, E, I = topk_ids.shape[1], experts.num_experts, experts.intermediate
     P = M * top_k
-    cfg = config_for(x.device, M)
+    cfg = config or config_for(x.device, M)
     BM = cfg["BM"]
     nb_max = triton.cdiv(P, BM) + min(E, P)
     capacity = nb_max * BM
@@ -337,15 +353,15 @@ def moe(x, topk_ids, topk_weights, experts):
     g = cfg["gate_up"]
     _gate_up_kernel[(nb_max, gu_tiles, gu_split)](
         x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert,
-        D, I, gu_slabs, gu_per_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
+        D, I, gu_slabs, gu_per_split, gu_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
         part.stride(0) if gu_split > 1 else 0,
-        TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT_K=gu_split, num_warps=g["num_warps"], num_stages=g["num_stages"],
+        TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, num_warps=g["num_warps"], num_stages=g["num_stages"],
         **magic)
     d = cfg["down"]
     _down_kernel[(nb_max, dn_tiles, dn_split)](
         h, experts.down, experts.down_scale, out, topk_weights, sorted_pairs, block_expert,
         D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0),
-        TOP_K=top_k, BM=BM, BN=dn_bn, num_warps=d["num_warps"], num_stages=d["num_stages"], **magic)
+        TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, num_warps=d["num_warps"], num_stages=d["num_stages"], **magic)
     return out.to(x.dtype)
 
 
@@ -354,14 +370,15 @@ def compile_specs(cfg, dtype="bf16", top_k=8):
     for ahead-of-time checks with triton_kernels.aot.compile_for."""
     magic = dict(MAGIC=MAGIC[torch.bfloat16], MAGIC_VALUE=MAGIC_VALUE[torch.bfloat16])
     common = dict(sorted_ptr="*i32", block_expert_ptr="*i32", D="i32", I="i32", n_slabs="i32",
-                  n_slabs_per_split="i32", stride_we="i64", stride_se="i64")
+                  n_slabs_per_split="i32")
     gate_up = dict(x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", h_ptr=f"*{dtype}", part_ptr="*fp32",
-                   counter_ptr="*i32", **common, stride_part="i64")
-    down = dict(h_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", weights_ptr="*fp32", **common)
+                   counter_ptr="*i32", **common, split_k="i32", stride_we="i64", stride_se="i64", stride_part="i64")
+    down = dict(h_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", weights_ptr="*fp32", **common,
+                stride_we="i64", stride_se="i64")
     g, d = cfg["gate_up"], cfg["down"]
     return [
-        (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT_K=2, **magic), 120,
+        (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT=True, EVEN_K=True, **magic), 120,
                            g["num_warps"], g["num_stages"])),
-        (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], **magic), 120,
+        (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], EVEN_K=True, **magic), 120,
                         d["num_warps"], d["num_stages"])),
     ]
