@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from spec.drafter import DFlashDrafter, DrafterConfig
@@ -49,6 +49,22 @@ def _shard_files(path):
     return [single]
 
 
+def _read_file(file, expected):
+    out = {}
+    with safe_open(str(file), framework="pt") as f:
+        for name in f.keys():
+            if name.endswith(_IGNORED):
+                continue
+            if name not in expected:
+                raise ValueError(f"drafter checkpoint: unexpected tensor {name!r} in {file.name}")
+            tensor = f.get_tensor(name)
+            if tensor.shape != expected[name]:
+                raise ValueError(f"drafter checkpoint: {name} has shape {tuple(tensor.shape)}, config wants "
+                                 f"{tuple(expected[name])}")
+            out[name] = tensor
+    return out
+
+
 def load_drafter(path, target=None, dtype=torch.bfloat16, device="cpu"):
     """Load a z-lab DFlash checkpoint directory; with `target`, check it fits and bind it.
 
@@ -62,17 +78,10 @@ def load_drafter(path, target=None, dtype=torch.bfloat16, device="cpu"):
     expected = {name: buf.shape for name, buf in checkpoint_tensors(drafter).items()}
     loaded = {}
     for file in _shard_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED):
-                    continue
-                if name not in expected:
-                    raise ValueError(f"drafter checkpoint: unexpected tensor {name!r} in {file.name}")
-                tensor = f.get_tensor(name)
-                if tensor.shape != expected[name]:
-                    raise ValueError(f"drafter checkpoint: {name} has shape {tuple(tensor.shape)}, config wants "
-                                     f"{tuple(expected[name])}")
-                loaded[name] = tensor
+        try:
+            loaded.update(_read_file(file, expected))
+        except SafetensorError as err:
+            raise ValueError(f"drafter checkpoint: cannot read {file}: {err}") from None
     missing = sorted(set(expected) - set(loaded))
     if missing:
         raise ValueError(f"drafter checkpoint: missing {len(missing)} tensors, e.g. {missing[0]!r}")

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -107,9 +108,14 @@ def test_bad_arguments(capsys, argv, message):
     ("layers", "target_layer_ids [5] out of range"),
     ("long", "prompt 0 has 60 tokens; the context holds 48"),
     ("empty", "config.json does not exist"),
+    ("corrupt", "cannot read"),
 ])
 def test_bad_checkpoints_and_prompts(capsys, tmp_path, checkpoints, case, message):
     target, drafter, bad = checkpoints
-    drafter = {"missing": tmp_path / "nothing", "long": drafter, "empty": tmp_path}.get(case, bad.get(case))
+    if case == "corrupt":
+        shutil.copytree(drafter, tmp_path / "corrupt")
+        (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"not a safetensors file")
+    drafter = {"missing": tmp_path / "nothing", "long": drafter, "empty": tmp_path,
+               "corrupt": tmp_path / "corrupt"}.get(case, bad.get(case))
     prompt = ["--prompt-ids", ",".join(["65"] * 60)] if case == "long" else ["--prompt", "x"]
     bad_input(capsys, ["--json", "--model-path", str(target), "--draft-model-path", str(drafter), *prompt], message)
