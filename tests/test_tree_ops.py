@@ -1,5 +1,6 @@
-"""DDTree ops: the torch references against the plain-Python heapq/walk reference, the Triton kernels against
-the torch references (exact for integer outputs), degenerate trees, and the sm_120 compile check."""
+"""DDTree ops: the default backend (torch on CPU, Triton on a GPU) against the plain-Python heapq/walk reference,
+the Triton kernels against the torch references (exact for integer outputs), degenerate trees, and the sm_120
+compile check."""
 
 import json
 import os
@@ -64,7 +65,7 @@ def check_against_heapq(tree, lp, tokens, roots, budget):
 @pytest.mark.parametrize("budget,batch", [(1, 64), (2, 64), (3, 64), (7, 64), (17, 48), (64, 32), (130, 12),
                                           (512, 4)], ids=lambda v: str(v))
 @pytest.mark.parametrize("ties", [True, False], ids=["ties", "distinct"])
-def test_build_torch_matches_heapq(budget, batch, ties):
+def test_build_matches_heapq(budget, batch, ties):
     gen = torch.Generator().manual_seed(budget * 2 + ties)
     for L, K in [(1, 1), (3, 2), (7, min(budget, 1000)), (15, min(budget, 8)), (4, 5)]:
         lp, tokens, roots = random_draft(batch, L, K, gen, ties)
@@ -108,12 +109,26 @@ def test_build_triton_matches_torch(budget, batch, L, K):
         assert torch.equal(getattr(out, f), getattr(ref, f)), f
 
 
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_draft_topk_triton_ties_and_splits(dtype):
+    """Several vocabulary splits; ties at the K-th value beyond the tie buffer (the in-order rescan)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 2, 5000, generator=gen) * 3
+    logits[0, 1] = torch.randint(0, 2, (5000,), generator=gen).float()  # about 2500 ties at the K-th value
+    logits = logits.to(device=device(), dtype=dtype)
+    ref = ops.tree.draft_topk_torch(logits, 70)
+    with ops.using(draft_topk="triton"):
+        lp, tok = ops.draft_topk(logits, 70)
+    assert torch.equal(tok, ref[1]) and (lp - ref[0]).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])
 def test_draft_topk(dtype, backend):
     """Integer logits: many ties, broken by lower token id; log-probs of log_softmax."""
     gen = torch.Generator().manual_seed(2)
-    logits = torch.randint(-4, 4, (3, 5, 300), generator=gen).to(device=device(), dtype=dtype)
+    logits = torch.randint(-4, 4, (2, 3, 300), generator=gen).to(device=device(), dtype=dtype)
     logits[0, 0] = 0.0
     with ops.using(draft_topk=backend):
         lp, tok = ops.draft_topk(logits, 37)
@@ -133,7 +148,7 @@ def small_tree(B=6, L=4, K=3, budget=12, vocab=7, seed=0):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
-def test_accept_torch_matches_host_walk(temperature):
+def test_accept_matches_host_walk(temperature):
     from ops.tree import sample_nodes_torch
 
     tree, gen = small_tree(B=40)
@@ -230,17 +245,21 @@ def test_bad_inputs():
         ops.draft_topk(torch.zeros(1, 2, 8), 9)
 
 
-SM120_CHECK = """
-import json
+SM_CHECK = """
+import json, sys
 from triton_kernels.aot import compile_for
 from triton_kernels import ddtree as dd
-cfg = dd.CONFIGS[120]
+arch = int(sys.argv[1])
+cfg = dd.CONFIGS[arch]
 P, I, L = "*fp32", "*i32", "*i64"
 cases = [
-    (dd._topk_keys_kernel, dict(x_ptr="*bf16", key_ptr=L, pmax_ptr=P, psum_ptr=P, V="i32", CHUNK="i32", SPLIT="i32"),
-     dict(BLOCK=cfg["block_v"]), cfg["warps_v"]),
-    (dd._topk_decode_kernel, dict(top_ptr=L, pmax_ptr=P, psum_ptr=P, lp_ptr=P, tok_ptr=L, K="i32", SPLIT="i32"),
-     dict(SP=64, KP=512), 4),
+    (dd._topk_hist_kernel, dict(x_ptr="*bf16", hist_ptr=I, pmax_ptr=P, psum_ptr=P, V="i32", K="i32", CHUNK="i32",
+     SPLIT="i32"), dict(PASS=1, NPASS=2, BLOCK=cfg["block_v"]), cfg["warps_v"]),
+    (dd._topk_collect_kernel, dict(x_ptr="*fp32", hist_ptr=I, cnt_ptr=I, gt_ptr=L, eq_ptr=L, V="i32", K="i32",
+     CHUNK="i32"), dict(NPASS=4, CAP=dd.TIE_CAP, BLOCK=cfg["block_v"]), cfg["warps_v"]),
+    (dd._topk_final_kernel, dict(x_ptr="*bf16", hist_ptr=I, cnt_ptr=I, gt_ptr=L, eq_ptr=L, pmax_ptr=P, psum_ptr=P,
+     lp_ptr=P, tok_ptr=L, V="i32", K="i32", SPLIT="i32"), dict(NPASS=2, CAP=dd.TIE_CAP, KP=512, SP=64,
+     BLOCK=cfg["block_v"]), cfg["warps_v"]),
     (dd._tree_build_kernel, dict(lp_ptr=P, tok_ptr=L, root_ptr=L, o_tok=L, o_par=I, o_dep=I, o_fc=I, o_ns=I, o_mask=I,
      o_num=I, N="i32", K="i32", KS="i32", L="i32", W="i32"), dict(NP=512, NP1=1024, WP=32, ROWS=32), cfg["build_warps"]),
     (dd._sample_kernel, dict(x_ptr="*bf16", num_ptr=I, seed_ptr=L, step_ptr=L, floor_ptr=P, pval_ptr=P, pidx_ptr=I,
@@ -254,7 +273,7 @@ cases = [
 ]
 report = {}
 for fn, sig, const, warps in cases:
-    res = compile_for(fn, sig, const, arch=120, num_warps=warps, num_stages=1)
+    res = compile_for(fn, sig, const, arch=arch, num_warps=warps, num_stages=1)
     report[fn.fn.__name__] = [res.shared, res.registers, res.spill_bytes]
 print(json.dumps(report))
 """
@@ -266,7 +285,7 @@ def test_sm120_kernels_fit():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run([sys.executable, "-c", SM120_CHECK], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", SM_CHECK, "120"], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for name, (shared, registers, spills) in json.loads(proc.stdout.strip().splitlines()[-1]).items():
         assert shared <= SM120_SHARED_LIMIT and spills == 0, (name, shared, registers, spills)

@@ -10,6 +10,7 @@ import triton.language as tl
 
 MAX_BUDGET = 512  # the build packs slot and rank into 9 bits each
 MAX_DEPTH = 15  # and the depth into 4 bits
+TIE_CAP = 512  # top-k: keys equal to the K-th kept from the split pass; more ties rescan the row in order
 
 # Configs as data per arch (compute capability major*10+minor): BLOCK over the vocabulary, warps of the
 # vocabulary kernels, target program count of the split vocabulary passes, warps of the one-program-per-tree
@@ -44,14 +45,40 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-# ---- draft top-k: sortable keys + log-sum-exp partials, torch.topk on the keys, decode ----
+# ---- draft top-k: radix select of the K-th largest key (8 bits a pass), collect, sort, decode ----
 
-@triton.jit(do_not_specialize=["V", "CHUNK", "SPLIT"])
-def _topk_keys_kernel(x_ptr, key_ptr, pmax_ptr, psum_ptr, V, CHUNK, SPLIT, BLOCK: tl.constexpr):
+@triton.jit
+def _key(x, offs):
+    """[BLOCK] logits and token ids -> (u: the ordered value as int64 in [0, 2^32), key: u << 32 | ~id)."""
+    u = _ordered(x).to(tl.int64) + 2147483648
+    return u, ((u - 2147483648) << 32) | (2147483647 - offs).to(tl.int64)
+
+
+@triton.jit
+def _radix_state(hist_ptr, row, K, PASSES: tl.constexpr, NPASS: tl.constexpr):
+    """(prefix, k): the top 8 * PASSES bits of the K-th largest u of the row, and its rank among the u with
+    that prefix, from the histograms of the passes before."""
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros([], tl.int64)
+    k = K
+    for p in tl.static_range(PASSES):
+        c = tl.load(hist_ptr + (row * NPASS + p) * 256 + bins)  # [256]
+        at_or_above = tl.sum(c, 0) - tl.cumsum(c, 0) + c  # [256] count in bins >= b
+        d = tl.max(tl.where(at_or_above >= k, bins, 0), 0)
+        k = k - tl.sum(tl.where(bins > d, c, 0), 0)
+        prefix = (prefix << 8) | d
+    return prefix, k
+
+
+@triton.jit(do_not_specialize=["V", "K", "CHUNK", "SPLIT"])
+def _topk_hist_kernel(x_ptr, hist_ptr, pmax_ptr, psum_ptr, V, K, CHUNK, SPLIT, PASS: tl.constexpr,
+                      NPASS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
+    prefix, _rank = _radix_state(hist_ptr, row, K, PASS, NPASS)
+    shift = 24 - 8 * PASS
     x_row = x_ptr + row.to(tl.int64) * V
-    key_row = key_ptr + row.to(tl.int64) * V
+    hist = tl.zeros([256], tl.int32)
     m_run = tl.full([], float("-inf"), tl.float32)
     s_run = tl.zeros([], tl.float32)
     start = c * CHUNK
@@ -59,30 +86,90 @@ def _topk_keys_kernel(x_ptr, key_ptr, pmax_ptr, psum_ptr, V, CHUNK, SPLIT, BLOCK
         offs = off + tl.arange(0, BLOCK)  # [BLOCK]
         ok = offs < V
         x = tl.load(x_row + offs, mask=ok, other=float("-inf")).to(tl.float32)
-        key = (_ordered(x).to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)  # lower id wins ties
-        tl.store(key_row + offs, key, mask=ok)
-        m_new = tl.maximum(m_run, tl.max(x, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(x - m_safe), 0)
-        m_run = m_new
-    tl.store(pmax_ptr + row * SPLIT + c, m_run)
-    tl.store(psum_ptr + row * SPLIT + c, s_run)
+        u, _keys = _key(x, offs)
+        hit = ok & ((u >> (shift + 8)) == prefix)
+        hist += tl.histogram(tl.where(hit, (u >> shift) & 255, 0).to(tl.int32), 256)
+        hist -= tl.where(tl.arange(0, 256) == 0, tl.sum((~hit).to(tl.int32), 0), 0)
+        if PASS == 0:
+            m_new = tl.maximum(m_run, tl.max(x, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(x - m_safe), 0)
+            m_run = m_new
+    tl.atomic_add(hist_ptr + (row * NPASS + PASS) * 256 + tl.arange(0, 256), hist)
+    if PASS == 0:
+        tl.store(pmax_ptr + row * SPLIT + c, m_run)
+        tl.store(psum_ptr + row * SPLIT + c, s_run)
 
 
-@triton.jit(do_not_specialize=["K", "SPLIT"])
-def _topk_decode_kernel(top_ptr, pmax_ptr, psum_ptr, lp_ptr, tok_ptr, K, SPLIT, SP: tl.constexpr, KP: tl.constexpr):
+@triton.jit(do_not_specialize=["V", "K", "CHUNK"])
+def _topk_collect_kernel(x_ptr, hist_ptr, cnt_ptr, gt_ptr, eq_ptr, V, K, CHUNK, NPASS: tl.constexpr,
+                         CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Keys above the threshold go to gt (fewer than K), keys equal to it to eq (the first CAP)."""
     row = tl.program_id(0)
+    c = tl.program_id(1)
+    prefix, _rank = _radix_state(hist_ptr, row, K, NPASS, NPASS)
+    thr = prefix << (32 - 8 * NPASS)
+    x_row = x_ptr + row.to(tl.int64) * V
+    start = c * CHUNK
+    for off in range(start, start + CHUNK, BLOCK):
+        offs = off + tl.arange(0, BLOCK)  # [BLOCK]
+        ok = offs < V
+        x = tl.load(x_row + offs, mask=ok, other=float("-inf")).to(tl.float32)
+        u, key = _key(x, offs)
+        gt = ok & (u > thr)
+        eq = ok & (u == thr)
+        base = tl.atomic_add(cnt_ptr + row * 2, tl.sum(gt.to(tl.int32), 0))
+        pos = base + tl.cumsum(gt.to(tl.int32), 0) - 1
+        tl.store(gt_ptr + row.to(tl.int64) * K + pos, key, mask=gt)
+        base = tl.atomic_add(cnt_ptr + row * 2 + 1, tl.sum(eq.to(tl.int32), 0))
+        pos = base + tl.cumsum(eq.to(tl.int32), 0) - 1
+        tl.store(eq_ptr + row * CAP + pos, key, mask=eq & (pos < CAP))
+
+
+@triton.jit
+def _store_topk(lp_ptr, tok_ptr, out, key, lse, mask):
+    hi = key >> 32
+    tl.store(lp_ptr + out, _unordered(hi.to(tl.int32)) - lse, mask=mask)
+    tl.store(tok_ptr + out, 2147483647 - (key - (hi << 32)), mask=mask)
+
+
+@triton.jit(do_not_specialize=["V", "K", "SPLIT"])
+def _topk_final_kernel(x_ptr, hist_ptr, cnt_ptr, gt_ptr, eq_ptr, pmax_ptr, psum_ptr, lp_ptr, tok_ptr, V, K, SPLIT,
+                       NPASS: tl.constexpr, CAP: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Sort the keys above the threshold, then the lowest ids equal to it (rescanning the row when more
+    than CAP tie), and write log-probs and token ids."""
+    row = tl.program_id(0)
+    prefix, k_eq = _radix_state(hist_ptr, row, K, NPASS, NPASS)
+    thr = prefix << (32 - 8 * NPASS)
+    n_gt = K - k_eq
     cs = tl.arange(0, SP)
     pm = tl.load(pmax_ptr + row * SPLIT + cs, mask=cs < SPLIT, other=float("-inf"))  # [SP]
     ps = tl.load(psum_ptr + row * SPLIT + cs, mask=cs < SPLIT, other=0.0)
     m = tl.max(pm, 0)
     lse = m + tl.log(tl.sum(ps * tl.exp(pm - m), 0))
+    out = row.to(tl.int64) * K
+    lowest = tl.full([], -2147483648, tl.int64) << 32
     ks = tl.arange(0, KP)
-    key = tl.load(top_ptr + row.to(tl.int64) * K + ks, mask=ks < K, other=0)  # [KP] int64
-    hi = key >> 32
-    token = 2147483647 - (key - (hi << 32))
-    tl.store(lp_ptr + row * K + ks, _unordered(hi.to(tl.int32)) - lse, mask=ks < K)
-    tl.store(tok_ptr + row.to(tl.int64) * K + ks, token, mask=ks < K)
+    gt = tl.sort(tl.where(ks < n_gt, tl.load(gt_ptr + out + ks, mask=ks < n_gt, other=0), lowest), descending=True)
+    _store_topk(lp_ptr, tok_ptr, out + ks, gt, lse, ks < n_gt)
+    n_eq = tl.load(cnt_ptr + row * 2 + 1)
+    if n_eq <= CAP:
+        es = tl.arange(0, CAP)
+        eq = tl.load(eq_ptr + row * CAP + es, mask=es < n_eq, other=0)
+        eq = tl.sort(tl.where(es < n_eq, eq, lowest), descending=True)  # equal values: lower id first
+        _store_topk(lp_ptr, tok_ptr, out + n_gt + es, eq, lse, es < k_eq)
+    else:
+        x_row = x_ptr + row.to(tl.int64) * V
+        taken = tl.zeros([], tl.int32)
+        for off in range(0, V, BLOCK):
+            offs = off + tl.arange(0, BLOCK)  # [BLOCK]
+            x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            u, key = _key(x, offs)
+            eq = (offs < V) & (u == thr)
+            pos = taken + tl.cumsum(eq.to(tl.int32), 0) - 1
+            _store_topk(lp_ptr, tok_ptr, out + n_gt + pos, key, lse, eq & (pos < k_eq))
+            taken += tl.sum(eq.to(tl.int32), 0)
 
 
 # ---- tree build: one program per tree, the heap as a register frontier indexed by parent node ----
@@ -291,22 +378,36 @@ def _split(rows, V, block, programs):
     return triton.cdiv(V, chunk), chunk
 
 
+def _value_bits(dtype):
+    """Bits of the ordered fp32 key that can differ for this input dtype (sign, exponent, mantissa)."""
+    return {torch.bfloat16: 16, torch.float16: 19}.get(dtype, 32)
+
+
 def draft_topk(logits, k):
     B, L, V = logits.shape
     x = logits.contiguous()
-    cfg = CONFIGS[_arch(x.device)]
+    dev = x.device
+    cfg = CONFIGS[_arch(dev)]
     block = min(cfg["block_v"], triton.next_power_of_2(V))
     rows = B * L
     split, chunk = _split(rows, V, block, cfg["programs"])
-    keys = torch.empty(rows, V, dtype=torch.int64, device=x.device)
-    pmax = torch.empty(rows, split, dtype=torch.float32, device=x.device)
-    psum = torch.empty(rows, split, dtype=torch.float32, device=x.device)
-    _topk_keys_kernel[(rows, split)](x, keys, pmax, psum, V, chunk, split, BLOCK=block, num_warps=cfg["warps_v"])
-    top = keys.topk(k, dim=-1).values  # [rows, k] distinct keys: the order is exact
-    lp = torch.empty(B, L, k, dtype=torch.float32, device=x.device)
-    tokens = torch.empty(B, L, k, dtype=torch.int64, device=x.device)
-    _topk_decode_kernel[(rows,)](top, pmax, psum, lp, tokens, k, split, SP=triton.next_power_of_2(split),
-                                 KP=triton.next_power_of_2(k), num_warps=4)
+    npass = triton.cdiv(_value_bits(x.dtype), 8)
+    counts = torch.zeros(rows * (npass * 256 + 2), dtype=torch.int32, device=dev)  # one memset: hists, counters
+    hist, cnt = counts[: rows * npass * 256], counts[rows * npass * 256:]
+    pmax = torch.empty(rows, split, dtype=torch.float32, device=dev)
+    psum = torch.empty(rows, split, dtype=torch.float32, device=dev)
+    for p in range(npass):
+        _topk_hist_kernel[(rows, split)](x, hist, pmax, psum, V, k, chunk, split, PASS=p, NPASS=npass, BLOCK=block,
+                                         num_warps=cfg["warps_v"])
+    gt = torch.empty(rows, k, dtype=torch.int64, device=dev)
+    eq = torch.empty(rows, TIE_CAP, dtype=torch.int64, device=dev)
+    _topk_collect_kernel[(rows, split)](x, hist, cnt, gt, eq, V, k, chunk, NPASS=npass, CAP=TIE_CAP, BLOCK=block,
+                                        num_warps=cfg["warps_v"])
+    lp = torch.empty(B, L, k, dtype=torch.float32, device=dev)
+    tokens = torch.empty(B, L, k, dtype=torch.int64, device=dev)
+    _topk_final_kernel[(rows,)](x, hist, cnt, gt, eq, pmax, psum, lp, tokens, V, k, split, NPASS=npass, CAP=TIE_CAP,
+                                KP=triton.next_power_of_2(k), SP=triton.next_power_of_2(split), BLOCK=block,
+                                num_warps=cfg["warps_v"])
     return lp, tokens
 
 

@@ -1,0 +1,220 @@
+"""DDTree step on the GPU (draft top-K + tree build + accept + compaction) against the host path.
+
+Standalone: `python bench/bench_tree.py --out DIR [--quick]` measures the HBM read ceiling (a sum over 4 GiB),
+checks the Triton ops against the torch references at K2.6 shapes (bf16 logits, V = 163840), times each op and
+the whole step (eager and as one CUDA graph replay) for budgets 8..512 at block 8 and 16, times the host path
+(GPU top-k, copy, heapq, Python walk, per-layer index_select compaction over 61 layers), and writes
+tree.json + tree.md. As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU only; host timer around
+a synchronised graph replay).
+"""
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+import ops
+from ops.tree import accept_torch, build_tree_torch, compact_torch, draft_topk_torch
+from spec.tree_ref import build_tree_heapq, walk
+
+V = 163840  # K2.6 vocabulary
+LAYERS = 61
+ENTRY = 576
+FEATURES = 6 * 7168  # the drafter's context: target hidden states of 6 layers
+L_MAX = 4096
+START = 1000  # where the verify pass wrote node 0
+BUDGETS = (8, 16, 32, 64, 128, 256, 512)
+BLOCKS = (8, 16)
+DEVICE = "cuda"
+BACKEND = dict(draft_topk="triton", tree_build="triton", accept="triton", compact="triton")
+
+
+def hbm_read_GBps():
+    x = torch.randn(2 << 30, dtype=torch.bfloat16, device=DEVICE)  # 4 GiB
+    ms = triton.testing.do_bench(lambda: x.sum(), warmup=50, rep=300, return_mode="median")
+    del x
+    return (4 << 30) / ms / 1e6
+
+
+class Case:
+    """Inputs of one step at batch 1; the target logits favour each node's first child so paths are long."""
+
+    def __init__(self, budget, block, seed=0):
+        self.budget, self.L, self.K = budget, block - 1, min(budget, V)
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        self.draft_logits = (torch.randn(1, self.L, V, generator=g, device=DEVICE) * 3).bfloat16()
+        self.root = torch.tensor([7], device=DEVICE)
+        self.kv = torch.randn(LAYERS, 1, L_MAX, ENTRY, generator=g, device=DEVICE).bfloat16()
+        self.hidden = torch.randn(1, budget + 1, FEATURES, generator=g, device=DEVICE).bfloat16()
+        self.starts = torch.tensor([START], dtype=torch.int32, device=DEVICE)
+        self.seeds = torch.tensor([1234], device=DEVICE)
+        with ops.using(**BACKEND):
+            lp, tok = ops.draft_topk(self.draft_logits, self.K)
+            tree = ops.build_tree(lp, tok, self.root, budget)
+        logits = torch.randn(1, budget + 1, V, generator=g, device=DEVICE) * 3
+        fc = tree.first_child[0].long()
+        rows = torch.nonzero(fc >= 0).flatten()
+        logits[0, rows, tree.tokens[0, fc[rows]]] = 30.0
+        self.target_logits = logits.bfloat16()
+
+    def step(self, temperature=0.0):
+        lp, tok = ops.draft_topk(self.draft_logits, self.K)
+        tree = ops.build_tree(lp, tok, self.root, self.budget)
+        path, path_len, next_token = ops.accept(tree, self.target_logits, temperature, seeds=self.seeds, step=0)
+        return ops.compact(self.kv, self.starts, path, path_len, self.hidden), path_len, next_token
+
+    def host_step(self):
+        """The reference path: GPU top-k, copy, heapq build, upload of the tree tokens, target argmax copy,
+        Python walk, per-layer index_select compaction."""
+        lp, tok = torch.log_softmax(self.draft_logits.float(), -1).topk(self.K, dim=-1)
+        lp, tok = lp[0].cpu().numpy(), tok[0].cpu().tolist()
+        tokens, parents, _ = build_tree_heapq(lp, tok, int(self.root[0]), self.budget)
+        torch.tensor(tokens, device=DEVICE)  # the verify pass's input
+        sampled = self.target_logits[0, : len(tokens)].argmax(-1).tolist()
+        path, next_token = walk(tokens, parents, sampled, self.L)
+        src = torch.tensor(path, device=DEVICE) + START
+        for layer in range(LAYERS):
+            self.kv[layer, 0, START:START + len(path)] = self.kv[layer, 0].index_select(0, src)
+        hidden_path = self.hidden[0].index_select(0, src - START)
+        torch.cuda.synchronize()
+        return hidden_path, next_token
+
+
+def check(case):
+    """Triton vs torch reference at these shapes: exact integer outputs, log-prob error, equal compaction."""
+    out = {}
+    with ops.using(**BACKEND):
+        lp, tok = ops.draft_topk(case.draft_logits, case.K)
+        tree = ops.build_tree(lp, tok, case.root, case.budget)
+        greedy = ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds, step=0)
+        sampled = ops.accept(tree, case.target_logits, 1.0, seeds=case.seeds, step=3)
+        kv_t = case.kv.clone()
+        hid_t = ops.compact(kv_t, case.starts, greedy[0], greedy[1], case.hidden)
+    ref_lp, ref_tok = draft_topk_torch(case.draft_logits, case.K)
+    out["topk_tokens_equal"] = torch.equal(tok, ref_tok)
+    out["topk_lp_max_abs_err"] = (lp - ref_lp).abs().max().item()
+    ref_tree = build_tree_torch(lp, tok, case.root, case.budget)
+    fields = ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "num_nodes")
+    out["build_equal"] = all(torch.equal(getattr(tree, f), r) for f, r in zip(fields, ref_tree))
+    ref_greedy = accept_torch(tree, case.target_logits, 0.0, None, case.seeds, torch.zeros_like(case.seeds))
+    ref_sampled = accept_torch(tree, case.target_logits, 1.0, None, case.seeds, torch.full_like(case.seeds, 3))
+    out["accept_greedy_equal"] = all(torch.equal(a, b) for a, b in zip(greedy, ref_greedy))
+    out["accept_T1_equal"] = all(torch.equal(a, b) for a, b in zip(sampled, ref_sampled))
+    out["greedy_path_len"] = int(greedy[1][0])
+    kv_r = case.kv.clone()
+    hid_r = compact_torch(kv_r, case.starts, greedy[0], greedy[1], case.hidden)
+    out["compact_equal"] = torch.equal(kv_t, kv_r) and torch.equal(hid_t, hid_r)
+    return out
+
+
+def bench_ms(fn):
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def graph_of(fn):
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def measure(case, read_GBps):
+    r = {"budget": case.budget, "block": case.L + 1}
+    with ops.using(**BACKEND):
+        lp, tok = ops.draft_topk(case.draft_logits, case.K)
+        tree = ops.build_tree(lp, tok, case.root, case.budget)
+        path, path_len, _ = ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds, step=0)
+        r["topk_us"] = 1e3 * bench_ms(lambda: ops.draft_topk(case.draft_logits, case.K))
+        r["torch_topk_us"] = 1e3 * bench_ms(lambda: torch.log_softmax(case.draft_logits.float(), -1).topk(case.K))
+        r["build_us"] = 1e3 * bench_ms(lambda: ops.build_tree(lp, tok, case.root, case.budget))
+        r["accept_greedy_us"] = 1e3 * bench_ms(lambda: ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds))
+        r["accept_T1_us"] = 1e3 * bench_ms(lambda: ops.accept(tree, case.target_logits, 1.0, seeds=case.seeds))
+        r["compact_us"] = 1e3 * bench_ms(lambda: ops.compact(case.kv, case.starts, path, path_len, case.hidden))
+        r["step_eager_us"] = 1e3 * bench_ms(case.step)
+        for name, temp in (("greedy", 0.0), ("T1", 1.0)):
+            graph = graph_of(lambda: case.step(temp))
+            r[f"step_graph_{name}_us"] = 1e3 * bench_ms(graph.replay)
+    logit_bytes = case.target_logits.numel() * 2
+    r["accept_greedy_GBps"] = logit_bytes / r["accept_greedy_us"] / 1e3
+    r["accept_greedy_frac_hbm"] = r["accept_greedy_GBps"] / read_GBps
+    case.host_step()
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        case.host_step()
+        times.append(time.perf_counter() - t0)
+    r["host_us"] = 1e6 * sorted(times)[len(times) // 2]
+    r["speedup_vs_host"] = r["host_us"] / r["step_graph_greedy_us"]
+    return r
+
+
+def table(rows):
+    cols = ["budget", "block", "topk_us", "torch_topk_us", "build_us", "accept_greedy_us", "accept_T1_us",
+            "compact_us", "step_eager_us", "step_graph_greedy_us", "step_graph_T1_us", "host_us", "speedup_vs_host",
+            "accept_greedy_frac_hbm"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    env["hbm_read_GBps"] = hbm_read_GBps()
+    print(env, flush=True)
+    rows, checks = [], []
+    for block in BLOCKS:
+        for budget in BUDGETS if not args.quick else (8, 64, 512):
+            case = Case(budget, block)
+            checks.append({"budget": budget, "block": block, **check(case)})
+            print(checks[-1], flush=True)
+            rows.append(measure(case, env["hbm_read_GBps"]))
+            print(rows[-1], flush=True)
+            (out / "tree.json").write_text(json.dumps({"env": env, "checks": checks, "results": rows}, indent=1))
+            del case
+            torch.cuda.empty_cache()
+    md = [f"# DDTree step, batch 1, V = {V}, {LAYERS} layers", "",
+          ", ".join(f"{k}: {v:.0f}" if isinstance(v, float) else f"{k}: {v}" for k, v in env.items()), "",
+          "Times in microseconds (median, CUDA events); step = draft top-K + build + accept + compact; "
+          "host = GPU top-k, copy, heapq, Python walk, 61 index_select moves.", "", table(rows), ""]
+    (out / "tree.md").write_text("\n".join(md))
+    print("\n".join(md))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_step_graph(benchmark, budget, block):
+    case = Case(budget, block)
+    with ops.using(**BACKEND):
+        graph = graph_of(case.step)
+    benchmark(lambda: (graph.replay(), torch.cuda.synchronize()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("budget", (64, 512))
+def test_host_path(benchmark, budget):
+    benchmark(Case(budget, 8).host_step)
+
+
+if __name__ == "__main__":
+    main()
