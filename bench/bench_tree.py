@@ -21,6 +21,7 @@ import triton
 import ops
 from ops.tree import accept_torch, build_tree_torch, compact_torch, draft_topk_torch
 from spec.tree_ref import build_tree_heapq, walk
+from triton_kernels import ddtree as dd
 
 V = 163840  # K2.6 vocabulary
 LAYERS = 61
@@ -130,6 +131,24 @@ def graph_of(fn):
     return graph
 
 
+def variants(case, lp, tok, tree):
+    """Config candidates timed beside the chosen ones: build warps, vocabulary-pass program counts."""
+    cfg = dd.CONFIGS[90]
+    saved = dict(cfg)
+    r = {}
+    for warps in (1, 2, 4):
+        cfg["build_warps"] = warps
+        r[f"build_w{warps}_us"] = 1e3 * bench_ms(lambda: ops.build_tree(lp, tok, case.root, case.budget))
+    cfg.update(saved)
+    for programs in (528, 2112):
+        cfg["programs"] = programs
+        r[f"accept_greedy_p{programs}_us"] = 1e3 * bench_ms(
+            lambda: ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds))
+        r[f"topk_p{programs}_us"] = 1e3 * bench_ms(lambda: ops.draft_topk(case.draft_logits, case.K))
+    cfg.update(saved)
+    return r
+
+
 def measure(case, read_GBps):
     r = {"budget": case.budget, "block": case.L + 1}
     with ops.using(**BACKEND):
@@ -143,6 +162,7 @@ def measure(case, read_GBps):
         r["accept_T1_us"] = 1e3 * bench_ms(lambda: ops.accept(tree, case.target_logits, 1.0, seeds=case.seeds))
         r["compact_us"] = 1e3 * bench_ms(lambda: ops.compact(case.kv, case.starts, path, path_len, case.hidden))
         r["step_eager_us"] = 1e3 * bench_ms(case.step)
+        r.update(variants(case, lp, tok, tree))
         for name, temp in (("greedy", 0.0), ("T1", 1.0)):
             graph = graph_of(lambda: case.step(temp))
             r[f"step_graph_{name}_us"] = 1e3 * bench_ms(graph.replay)
