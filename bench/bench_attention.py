@@ -33,11 +33,11 @@ CONTEXTS = (1024, 8192, 32768, 131072)
 TREE_SIZES = (1, 8, 32, 64, 128)
 HEADS = (8, 64)
 ROTATE_BYTES = 256 << 20  # caches cycled per measurement, > L2
+PREFILL = ((4096, 8, 4096), (32768, 8, 2048))  # (L, H, T) causal prompt chunks, mask None
 TORCH_REF_MAX = 1 << 28  # time the torch reference only where H*T*L is at most this (its scores are fp32)
-CANDIDATES = {  # (BLOCK_M, BLOCK_N, warps, stages) tried by --tune, by query rows
-    16: [(16, 32, 8, 3), (16, 64, 8, 2), (16, 32, 4, 3)],
-    64: [(32, 32, 8, 3), (32, 64, 8, 2), (16, 32, 8, 3), (64, 32, 8, 2)],
-    None: [(32, 32, 8, 3), (32, 64, 8, 2), (64, 32, 8, 2)],
+CANDIDATES = {  # (BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV) tried by --tune, by query rows
+    16: [(16, 32, 4, 3, 512), (16, 32, 4, 4, 512), (16, 64, 4, 2, 512)],
+    None: [(64, 32, 8, 2, 512), (64, 32, 4, 3, 256), (64, 32, 4, 2, 256), (64, 32, 8, 2, 256)],
 }
 
 
@@ -66,13 +66,13 @@ def random_tree_mask(B, T, seed):
     return pack_tree_mask(dense).cuda()
 
 
-def make_inputs(L, H, T, B=1, seed=0):
+def make_inputs(L, H, T, B=1, seed=0, causal=False):
     torch.manual_seed(seed)
     rotate = min(256, max(2, math.ceil(ROTATE_BYTES / (B * L * 576 * 2))))
     caches = [torch.randn(B, L, 576, dtype=torch.bfloat16, device="cuda") for _ in range(rotate)]
     q = torch.randn(B, T, H, 576, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-    return q, caches, lens, random_tree_mask(B, T, seed)
+    return q, caches, lens, None if causal else random_tree_mask(B, T, seed)
 
 
 def graph_time_us(fn, caches, replays=10):
@@ -97,10 +97,11 @@ def graph_time_us(fn, caches, replays=10):
     return sorted(times)[len(times) // 2]
 
 
-def case_costs(L, H, T, B, ceil):
+def case_costs(L, H, T, B, ceil, causal=False):
     cache_bytes = B * L * 576 * 2
     io_bytes = B * T * H * (576 + 512) * 2
-    flops = 2 * B * H * T * L * (576 + 512)
+    keys = L - T + (T + 1) / 2 if causal else L  # mean keys per query (the tree part of a decode is counted full)
+    flops = 2 * B * H * T * keys * (576 + 512)
     roof_us = max((cache_bytes + io_bytes) / (ceil["read_GBps"] * 1e3), flops / (ceil["bf16_TFLOPs"] * 1e6))
     return cache_bytes, io_bytes, flops, roof_us
 
@@ -112,17 +113,17 @@ def candidates(rows):
     return []
 
 
-def run_case(L, H, T, ceil, tune=False, B=1):
-    q, caches, lens, mask = make_inputs(L, H, T, B)
+def run_case(L, H, T, ceil, tune=False, B=1, causal=False):
+    q, caches, lens, mask = make_inputs(L, H, T, B, causal=causal)
     rows = T * H
     out = mk.mla_attention(q, caches[0], lens, mask, SCALE)
     ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE)
     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     del ref
     us = graph_time_us(lambda kv: mk.mla_attention(q, kv, lens, mask, SCALE), caches)
-    cache_bytes, io_bytes, flops, roof_us = case_costs(L, H, T, B, ceil)
+    cache_bytes, io_bytes, flops, roof_us = case_costs(L, H, T, B, ceil, causal)
     row = {
-        "L": L, "H": H, "T": T, "B": B, "rotate": len(caches), "config": list(mk.pick_config(rows)),
+        "L": L, "H": H, "T": T, "B": B, "causal": causal, "rotate": len(caches), "config": list(mk.pick_config(rows)),
         "rel_err": err, "us": us, "cache_bytes": cache_bytes, "GBps": (cache_bytes + io_bytes) / us / 1e3,
         "TFLOPs": flops / us / 1e6, "roofline_us": roof_us, "x_roofline": us / roof_us,
         "frac_read_bw": (cache_bytes + io_bytes) / us / 1e3 / ceil["read_GBps"],
@@ -138,9 +139,9 @@ def run_case(L, H, T, ceil, tune=False, B=1):
 def tune_case(q, caches, lens, mask, B, L, rows):
     results = []
     for cfg in candidates(rows):
-        m_tiles = triton.cdiv(rows, cfg[0])
+        base = B * triton.cdiv(rows, cfg[0]) * (512 // cfg[4])
         for per_sm in (1, 2, 4):
-            splits = mk.choose_splits(B, m_tiles, L, cfg[1], q.device, programs_per_sm=per_sm)
+            splits = mk.choose_splits(base, L, cfg[1], q.device, programs_per_sm=per_sm)
             if any(r["splits"] == splits and r["config"] == list(cfg) for r in results):
                 continue
             try:
@@ -171,7 +172,8 @@ def markdown(report):
         best = min(ok, key=lambda t: t["us"]) if ok else None
         best_s = f"{best['us']:.1f} ({best['config']}, {best['splits']})" if best else "-"
         torch_s = f"{r['torch_us']:.0f}" if "torch_us" in r else "-"
-        lines.append(f"| {r['L']} | {r['H']} | {r['T']} | {r['us']:.1f} | {r['GBps']:.0f} | {r['frac_read_bw']:.2f} "
+        kind = " (prefill)" if r.get("causal") else ""
+        lines.append(f"| {r['L']} | {r['H']} | {r['T']}{kind} | {r['us']:.1f} | {r['GBps']:.0f} | {r['frac_read_bw']:.2f} "
                      f"| {r['TFLOPs']:.0f} | {r['roofline_us']:.1f} | {r['x_roofline']:.2f} | {best_s} | {torch_s} "
                      f"| {r['rel_err']:.1e} |")
     return "\n".join(lines) + "\n"
@@ -179,19 +181,20 @@ def markdown(report):
 
 def _warm(job):
     """Compile one kernel variant (run in a worker so compiles overlap; the main process hits Triton's disk cache)."""
-    H, cfg, splits = job
+    H, cfg, splits, causal = job
     try:
-        _run_tiny(H, cfg, splits)
+        _run_tiny(H, cfg, splits, causal)
     except Exception as exc:  # recorded; the sweep reports the same failure where it matters
         return f"{job}: {exc}"[:300]
     return None
 
 
-def _run_tiny(H, cfg, splits):
+def _run_tiny(H, cfg, splits, causal):
     q = torch.randn(1, 1, H, 576, dtype=torch.bfloat16, device="cuda")
     kv = torch.randn(1, 256, 576, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((1,), 256, dtype=torch.int32, device="cuda")
-    mk.mla_attention(q, kv, lens, random_tree_mask(1, 1, 0), SCALE, num_splits=splits, config=cfg)
+    mask = None if causal else random_tree_mask(1, 1, 0)
+    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg)
     torch.cuda.synchronize()
 
 
@@ -201,7 +204,10 @@ def precompile(heads, tree_sizes, tune, workers):
         for T in tree_sizes:
             cfgs = set(candidates(T * H)) if tune else set()
             for cfg in cfgs | {mk.pick_config(T * H)}:
-                jobs |= {(H, cfg, 1), (H, cfg, 2)}
+                jobs |= {(H, cfg, 1, False), (H, cfg, 2, False)}
+    for L, H, T in PREFILL:
+        for cfg in (set(candidates(T * H)) if tune else set()) | {mk.pick_config(T * H)}:
+            jobs |= {(H, cfg, 1, True), (H, cfg, 2, True)}
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
         failures = [f for f in pool.map(_warm, sorted(jobs)) if f]
@@ -225,6 +231,11 @@ def sweep(contexts, heads, tree_sizes, tune, out):
                 print(json.dumps({k: v for k, v in row.items() if k != "tuned"}), flush=True)
                 (out / "attention.json").write_text(json.dumps(report, indent=1))
                 torch.cuda.empty_cache()
+    for L, H, T in PREFILL:
+        row = run_case(L, H, T, report["ceilings"], tune=tune, causal=True)
+        report["cases"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "tuned"}), flush=True)
+        (out / "attention.json").write_text(json.dumps(report, indent=1))
     return report
 
 

@@ -18,35 +18,45 @@ D_PE = 64  # rope part of an entry
 ENTRY = D_LAT + D_PE
 
 # Configs as data, per arch (compute capability major*10+minor): (max query rows, BLOCK_M, BLOCK_N, warps,
-# stages); the first entry whose max rows >= R is used, None = any. sm_120 entries fit its 101,376 bytes of
-# shared memory (checked ahead of time in tests/test_attention_kernel.py).
+# stages, BLOCK_DV); the first entry whose max rows >= R is used, None = any. BLOCK_DV 256 splits the values
+# over two programs per query tile. sm_90 entries: the fastest measured on the H200 (bench/results/attention_*);
+# sm_120 entries fit its 101,376 bytes of shared memory without spills (tests/test_attention_kernel.py).
 CONFIGS = {
-    90: [(16, 16, 32, 8, 3), (None, 32, 32, 8, 3)],
-    120: [(16, 16, 32, 4, 2), (None, 32, 32, 8, 2)],
+    90: [(16, 16, 32, 4, 3, 512), (None, 64, 32, 8, 2, 512)],
+    120: [(16, 16, 32, 4, 2, 512), (None, 32, 32, 8, 2, 512)],
 }
+# Programs per SM to aim the split count at, by programs per split (B x query tiles x value halves), measured.
+PROGRAMS_PER_SM = [(4, 1), (8, 2), (None, 4)]
 MERGE_SPLITS_BLOCK = 32  # splits combined per step of the merge
 MERGE_BLOCK_D = 64  # value columns per merge program
 MIN_TILES_PER_SPLIT = 4  # a split reads at least this many KV tiles
 
 
 @triton.jit
-def _scores(q_lat, q_pe, kv_base, offs_n, n_ok, offs_lat, offs_pe, sm_scale_log2):
-    """Scores of a query block against one KV tile (log2 domain) and the tile's latent (the values)."""
+def _scores(q_own, q_other, q_pe, kv_base, offs_n, n_ok, offs_own, offs_other, offs_pe, sm_scale_log2,
+            SPLIT_V: tl.constexpr):
+    """Scores of a query block against one KV tile (log2 domain), and the tile's value columns this program owns.
+
+    The latent is loaded as the owned value columns plus (SPLIT_V) the other half, so the values need no slice.
+    """
     row = offs_n.to(tl.int64)[:, None] * 576
-    k_lat = tl.load(kv_base + row + offs_lat[None, :], mask=n_ok[:, None], other=0.0)  # [BN, 512]
+    k_own = tl.load(kv_base + row + offs_own[None, :], mask=n_ok[:, None], other=0.0)  # [BN, DV]
     k_pe = tl.load(kv_base + row + 512 + offs_pe[None, :], mask=n_ok[:, None], other=0.0)  # [BN, 64]
-    s = tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_pe, tl.trans(k_pe))  # [BM, BN] fp32
-    return s * sm_scale_log2, k_lat
+    s = tl.dot(q_own, tl.trans(k_own)) + tl.dot(q_pe, tl.trans(k_pe))  # [BM, BN] fp32
+    if SPLIT_V:
+        k_other = tl.load(kv_base + row + offs_other[None, :], mask=n_ok[:, None], other=0.0)  # [BN, DO]
+        s += tl.dot(q_other, tl.trans(k_other))
+    return s * sm_scale_log2, k_own
 
 
 @triton.jit
-def _softmax_step(s, k_lat, m_i, l_i, acc):
+def _softmax_step(s, v, m_i, l_i, acc):
     """Online-softmax update of (max, sum, acc) with a tile of log2-domain scores s [BM, BN]."""
     m_new = tl.maximum(m_i, tl.max(s, 1))  # [BM]; m_i starts finite, so no inf - inf
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])  # [BM, BN]
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat)  # [BM, 512]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # [BM, DV]
     return m_new, l_i, acc
 
 
@@ -55,9 +65,12 @@ def _mla_split_kernel(
     q_ptr, kv_ptr, lens_ptr, mask_ptr, out_ptr, o_part_ptr, lse_part_ptr,
     T, rows_kb, sm_scale_log2,
     H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DO: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    SPLIT_V: tl.constexpr = BLOCK_DV < 512  # NV programs per query tile, each owning BLOCK_DV value columns
+    NV: tl.constexpr = 512 // BLOCK_DV
+    pid_m = tl.program_id(0) // NV
+    pid_v = tl.program_id(0) % NV
     pid_s = tl.program_id(1)
     b = tl.program_id(2)
     num_splits = tl.num_programs(1)
@@ -65,7 +78,8 @@ def _mla_split_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] row = t*H + h
     m_ok = offs_m < rows
     t_row = offs_m // H  # [BM] new token of each row
-    offs_lat = tl.arange(0, 512)
+    offs_own = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)  # value columns written by this program
+    offs_other = (1 - pid_v) * BLOCK_DO + tl.arange(0, BLOCK_DO)  # the rest of the latent (SPLIT_V: NV == 2)
     offs_pe = tl.arange(0, 64)
 
     length = tl.load(lens_ptr + b)
@@ -80,23 +94,29 @@ def _mla_split_kernel(
     n_full = tl.maximum(tl.minimum(end, tree_start) - start, 0) // BLOCK_N  # tiles with every entry visible
 
     q_rows = q_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 576
-    q_lat = tl.load(q_rows + offs_lat[None, :], mask=m_ok[:, None], other=0.0)  # [BM, 512]
+    q_own = tl.load(q_rows + offs_own[None, :], mask=m_ok[:, None], other=0.0)  # [BM, DV]
+    if SPLIT_V:
+        q_other = tl.load(q_rows + offs_other[None, :], mask=m_ok[:, None], other=0.0)  # [BM, DO]
+    else:
+        q_other = tl.zeros([BLOCK_M, BLOCK_DO], dtype=q_ptr.dtype.element_ty)  # unused
     q_pe = tl.load(q_rows + 512 + offs_pe[None, :], mask=m_ok[:, None], other=0.0)  # [BM, 64]
     kv_base = kv_ptr + b.to(tl.int64) * rows_kb * 576  # rows_kb: cache stride in entries; keeps 16-byte alignment
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, 512], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     offs_tile = tl.arange(0, BLOCK_N)
     n_all = tl.full([BLOCK_N], 1, tl.int1)
     for i in range(n_full):
         offs_n = start + i * BLOCK_N + offs_tile  # [BN]
-        s, k_lat = _scores(q_lat, q_pe, kv_base, offs_n, n_all, offs_lat, offs_pe, sm_scale_log2)
-        m_i, l_i, acc = _softmax_step(s, k_lat, m_i, l_i, acc)
+        s, v = _scores(q_own, q_other, q_pe, kv_base, offs_n, n_all, offs_own, offs_other, offs_pe, sm_scale_log2,
+                       SPLIT_V)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
     for j0 in range(start + n_full * BLOCK_N, end, BLOCK_N):
         offs_n = j0 + offs_tile  # [BN]
         n_ok = offs_n < end
-        s, k_lat = _scores(q_lat, q_pe, kv_base, offs_n, n_ok, offs_lat, offs_pe, sm_scale_log2)
+        s, v = _scores(q_own, q_other, q_pe, kv_base, offs_n, n_ok, offs_own, offs_other, offs_pe, sm_scale_log2,
+                       SPLIT_V)
         node = offs_n - tree_start  # [BN] new-token index of each entry (< 0: prefix)
         in_tree = node >= 0
         if CAUSAL:
@@ -108,17 +128,17 @@ def _mla_split_kernel(
             seen = ((words >> (node_c % 32)[None, :]) & 1) != 0
         visible = n_ok[None, :] & (~in_tree[None, :] | seen)
         s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, k_lat, m_i, l_i, acc)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [BM, 512]
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [BM, DV]
     if DIRECT:
         o_rows = out_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 512
-        tl.store(o_rows + offs_lat[None, :], o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+        tl.store(o_rows + offs_own[None, :], o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
     else:
         part_row = (b.to(tl.int64) * num_splits + pid_s) * rows + offs_m  # [BM]
-        tl.store(o_part_ptr + part_row[:, None] * 512 + offs_lat[None, :], o, mask=m_ok[:, None])
+        tl.store(o_part_ptr + part_row[:, None] * 512 + offs_own[None, :], o, mask=m_ok[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # [BM] log2-sum-exp of the split
-        tl.store(lse_part_ptr + part_row, lse, mask=m_ok)
+        tl.store(lse_part_ptr + part_row, lse, mask=m_ok & (pid_v + 0 * offs_m == 0))
 
 
 @triton.jit(do_not_specialize=["rows", "num_splits"])
@@ -168,7 +188,7 @@ def _arch():
 
 
 def pick_config(rows, arch=None):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a query block of `rows` = T*H rows on `arch`."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, BLOCK_DV) for a query block of `rows` = T*H rows on `arch`."""
     for max_rows, *cfg in CONFIGS[arch if arch is not None else _arch()]:
         if max_rows is None or rows <= max_rows:
             return tuple(cfg)
@@ -179,9 +199,11 @@ def _num_sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def choose_splits(batch, m_tiles, max_len, block_n, device, programs_per_sm=2):
-    """Splits per sequence: about programs_per_sm programs per SM, each reading >= MIN_TILES_PER_SPLIT tiles."""
-    base = batch * m_tiles
+def choose_splits(base, max_len, block_n, device, programs_per_sm=None):
+    """Splits per sequence for `base` programs per split: about programs_per_sm programs per SM (default from
+    PROGRAMS_PER_SM), each split reading at least MIN_TILES_PER_SPLIT tiles."""
+    if programs_per_sm is None:
+        programs_per_sm = next(n for max_base, n in PROGRAMS_PER_SM if max_base is None or base <= max_base)
     want = triton.cdiv(programs_per_sm * _num_sms(device), base)
     cap = max(1, triton.cdiv(max_len, block_n * MIN_TILES_PER_SPLIT))
     return max(1, min(want, cap))
@@ -201,15 +223,18 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     """Triton twin of ops.mla_attention: q [B, T, H, 576], kv_cache [B, L_max, 576], cache_lens [B] int32,
     tree_mask [B, T, ceil(T/32)] int32 or None (causal), -> [B, T, H, 512] in q's dtype.
 
-    num_splits (splits per sequence) and config ((BLOCK_M, BLOCK_N, warps, stages)) override the defaults.
+    num_splits (splits per sequence) and config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV)) override the
+    defaults.
     """
     _check(q, kv_cache, value_dim)
     B, T, H, _ = q.shape
     rows = T * H
-    block_m, block_n, warps, stages = config or pick_config(rows)
-    m_tiles = triton.cdiv(rows, block_m)
+    block_m, block_n, warps, stages, block_dv = config or pick_config(rows)
+    if block_dv not in (256, 512):
+        raise ValueError(f"mla_attention (triton): BLOCK_DV must be 256 or 512, got {block_dv}")
+    grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
     if num_splits is None:
-        num_splits = choose_splits(B, m_tiles, kv_cache.shape[1], block_n, q.device)
+        num_splits = choose_splits(B * grid_m, kv_cache.shape[1], block_n, q.device)
     out = torch.empty(B, T, H, D_LAT, dtype=q.dtype, device=q.device)
     direct = num_splits == 1
     if direct:
@@ -219,10 +244,11 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         lse_part = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q.device)
     causal = tree_mask is None
     mask = cache_lens if causal else tree_mask.contiguous()
-    _mla_split_kernel[(m_tiles, num_splits, B)](
+    _mla_split_kernel[(grid_m, num_splits, B)](
         q, kv_cache, cache_lens, mask, out, o_part, lse_part,
         T, kv_cache.stride(0) // ENTRY, scale * 1.4426950408889634,
-        H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n,
+        H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv,
+        BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16,
         num_warps=warps, num_stages=stages,
     )
     if not direct:
