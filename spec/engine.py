@@ -126,11 +126,16 @@ class _Run:
         self.stop_ids, self.spec, self.on_tokens = stop_ids, spec, on_tokens
         B, dev, target = len(prompts), engine.device, engine.target
         self.limits = [min(engine.context_len, len(p) + max_new) for p in prompts]  # tokens a sequence may reach
-        slack = engine.budget + 1 if spec else 1
-        self.cache = target.new_cache(B, max(self.limits) + slack)
+        # Room: a live row holds at most limit - 2 entries (its last token is not in the cache yet); its last
+        # step may commit up to L + 1 more than it emits, and a finished row still takes each step's tree
+        # (N + 1 entries) and the drafter's context rows and block after its frozen length.
+        top = max(self.limits)
         if spec:
-            block = engine.drafter.cfg.block_size
-            self.dcache = engine.drafter.new_cache(B, max(self.limits) + 2 * block)
+            L, block = engine.drafter.cfg.draft_len, engine.drafter.cfg.block_size
+            self.cache = target.new_cache(B, top + L + engine.budget)
+            self.dcache = engine.drafter.new_cache(B, top + L + max(L + 1, block))
+        else:
+            self.cache = target.new_cache(B, top)
         self.seeds = torch.tensor([sampling.seed + b for b in range(B)], dtype=torch.int64, device=dev)
         self.outputs = [[] for _ in range(B)]
         self.accept = [[] for _ in range(B)]

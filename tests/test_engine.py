@@ -43,11 +43,12 @@ def reference(pair):
 
 class OracleDrafter:
     """Drafts the known greedy continuation: per depth its true token at rank 0 (60%), 1 or 2, or missing
-    (10%), seeded; so trees are accepted deep, through later siblings, and cut short. Context bookkeeping is
-    the real drafter's."""
+    (10%), seeded; so trees are accepted deep, through later siblings, and cut short (rows whose sequence is
+    None get noise). Context bookkeeping is the real drafter's."""
 
-    def __init__(self, real, sequences, seed=0):
+    def __init__(self, real, sequences, seed=0, exact=False):
         self.real, self.sequences, self.gen = real, sequences, torch.Generator().manual_seed(seed)
+        self.exact = exact  # always rank 0: every step accepts the whole block
         self.cfg, self.target_layer_ids = real.cfg, real.target_layer_ids
 
     def new_cache(self, batch, max_len):
@@ -60,7 +61,7 @@ class OracleDrafter:
         B, L, V = bonus.shape[0], self.cfg.draft_len, self.cfg.vocab_size
         logits = torch.randn(B, L, V, generator=self.gen)
         for b, pos in enumerate(cache.lens[:B].tolist()):
-            if pos >= len(self.sequences[b]):  # a finished sequence riding along as padding
+            if self.sequences[b] is None or pos >= len(self.sequences[b]):  # noise, or a finished sequence
                 continue
             assert self.sequences[b][pos] == bonus[b].item()  # the bonus sits at the committed length
             for j in range(L):
@@ -71,7 +72,9 @@ class OracleDrafter:
                 decoys = [t for t in torch.randperm(V, generator=self.gen)[:3].tolist() if t != true][:2]
                 for i, t in enumerate(decoys):
                     logits[b, j, t] = 10.0 - i
-                if rank is not None:
+                if self.exact:
+                    logits[b, j, true] = 30.0
+                elif rank is not None:
                     logits[b, j, true] = 10.5 - rank
         return logits
 
@@ -97,6 +100,18 @@ def test_greedy_ddtree_is_lossless_with_deep_acceptance(pair, reference, budget)
     check_accounting(result)
     assert result.mean_accept_length > {1: 1.4, 4: 1.9, 16: 2.6, 64: 3.5}[budget]
     assert max(max(a) for a in result.accept_lengths) >= {1: 2, 4: 3, 16: 4, 64: 5}[budget]
+
+
+def test_finished_sequence_rides_along_as_padding(pair, reference):
+    """Row 0 drafts perfectly and finishes early, having accepted 6 tokens past its last one; row 1 drafts
+    noise and runs on for many more steps while row 0's cache rows must keep room for the trees verified."""
+    prompts = [PROMPTS[0], PROMPTS[0][:5] + [99, 98, 97, 96]]
+    new = 1 + 4 * 8 + 2  # the prefill's token, 4 full blocks of 8, then 2 of the 5th block's 8
+    truth = greedy_generate(pair[0], prompts, new + 8)
+    oracle = OracleDrafter(pair[1], [prompts[0] + truth[0], None], exact=True)
+    result = Engine(pair[0], oracle, 64).generate(prompts, new)
+    assert result.output_ids == [t[:new] for t in truth]
+    assert result.accept_lengths[0] == [8] * 5 and len(result.accept_lengths[1]) > 10
 
 
 def test_target_only_equals_greedy_generate(pair, reference):
