@@ -61,6 +61,29 @@ def triton_cdiv(a, b):
     return -(-a // b)
 
 
+def test_magic_constants_dequantise_exactly():
+    """The bit trick per dtype, mirrored in torch (the interpreter cannot bitcast to bf16): a nibble OR-ed under
+    MAGIC reads MAGIC_VALUE + u; for WIDE dtypes a nibble 4 bits up reads MAGIC_VALUE + 16 u."""
+    u = torch.arange(16, dtype=torch.int32)
+    for dtype, c in moe_w4a16.UNPACK.items():
+        for shift, factor in [(0, 1)] + ([(4, 16)] if c["WIDE"] else []):
+            bits = ((u << shift) | c["MAGIC"]).to(torch.int16).view(dtype).float()
+            assert torch.equal(bits - (c["MAGIC_VALUE"] + 8 * factor), (u - 8).float() * factor), (dtype, shift)
+    bf16_wide = ((u << 4) | moe_w4a16.UNPACK[torch.bfloat16]["MAGIC"]).to(torch.int16).view(torch.bfloat16).float()
+    assert not torch.equal(bf16_wide, 128 + 16 * u.float())  # why bf16 is not WIDE: 7 mantissa bits
+
+
+@requires_triton
+def test_moe_narrow_unpack_path(monkeypatch):
+    """The shift-per-group unpacking bf16 uses, run with fp16 operands (the interpreter's bf16 is unusable)."""
+    monkeypatch.setitem(moe_w4a16.UNPACK, torch.float16, dict(moe_w4a16.UNPACK[torch.float16], WIDE=False))
+    E, D, I, M = 6, 512, 64, 5
+    raw = make_experts(E, D, I, seed=3)
+    ids, weights = make_routing(M, E, 2, seed=3)
+    x = torch.randn(M, D, generator=torch.Generator().manual_seed(3)).to(device())
+    check(x, ids, weights, raw, torch.float16)
+
+
 @requires_triton
 @pytest.mark.parametrize("dtype", kernel_dtypes()[:1] if not gpu() else kernel_dtypes(), ids=str)
 @pytest.mark.parametrize("M", [1, 3, 17, 64], ids=lambda m: f"M{m}")

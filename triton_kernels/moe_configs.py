@@ -2,7 +2,10 @@
 
 Each entry: BM (token rows per block, >= 16 for tl.dot), and per kernel BN (N tile), waves (K splits are chosen
 so that about waves x SMs programs run, from the expected number of distinct experts touched), num_warps and
-num_stages. sm_120 entries must fit 101,376 bytes of shared memory without spills (tests/test_moe_kernel.py).
+num_stages. sm_120 entries must fit 101,376 bytes of shared memory without spills (tests/test_moe_kernel.py);
+gate/up BN=64 at 4 warps spilled 116 bytes under Triton 3.6 (255 registers), so sm_120 keeps BN=32. The sm_90
+entries were the fastest or within 10% of the fastest of the five configs swept on an H200
+(bench/results/moe_h200.md).
 """
 
 import torch
@@ -19,7 +22,7 @@ CONFIGS = {
     "sm_120": [
         (16, dict(BM=16, gate_up=dict(BN=32, waves=4, num_warps=4, num_stages=3),
                   down=dict(BN=128, waves=4, num_warps=4, num_stages=2))),
-        (None, dict(BM=16, gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=3),
+        (None, dict(BM=16, gate_up=dict(BN=32, waves=2, num_warps=4, num_stages=3),
                     down=dict(BN=128, waves=2, num_warps=4, num_stages=2))),
     ],
 }

@@ -23,8 +23,10 @@ SLAB_WORDS = SLAB // PACK
 # Slab word w (of 32), nibble p (bits 4p) holds k = 256 * slab + SLAB_K[w][p]: group 2 (p % 4) + w // 16,
 # row 2 (w % 16) + p // 4 within the group, so one mask yields a group's two adjacent rows in one register.
 SLAB_K = [[(2 * (p % 4) + w // 16) * 32 + 2 * (w % 16) + p // 4 for p in range(8)] for w in range(32)]
-MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}  # bit patterns of 128.0 (bf16) and 1024.0 (fp16)
-MAGIC_VALUE = {torch.bfloat16: 128.0, torch.float16: 1024.0}
+# Magic-number dequantisation per activation dtype: MAGIC is the bit pattern of MAGIC_VALUE (bf16 128.0, fp16
+# 1024.0) whose mantissa takes a nibble; WIDE when the mantissa also fits a nibble 4 bits up (fp16's 10 bits).
+UNPACK = {torch.bfloat16: dict(MAGIC=0x4300, MAGIC_VALUE=128.0, WIDE=False),
+          torch.float16: dict(MAGIC=0x6400, MAGIC_VALUE=1024.0, WIDE=True)}
 _GROUP, _SLAB, _SLAB_WORDS = tl.constexpr(GROUP), tl.constexpr(SLAB), tl.constexpr(SLAB_WORDS)
 
 
@@ -53,12 +55,19 @@ class TritonExperts:
 
 
 @triton.jit
-def _unpack_group(words, m: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, DTYPE: tl.constexpr):
+def _unpack_group(words, m: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr,
+                  DTYPE: tl.constexpr):
     """Nibble pair m of half-slab words [16, BN] int32 -> one group [32, BN] DTYPE, row 2w + j from word w's
-    nibble at bit 4m + 16j, holding q * 16**(m % 2) exactly."""
-    SHIFT: tl.constexpr = 8 * (m // 2)
-    MASK: tl.constexpr = 0x00F000F0 if m % 2 else 0x000F000F
-    SCALE: tl.constexpr = 16 if m % 2 else 1
+    nibble at bit 4m + 16j, holding q exactly; q * 16 for odd m when WIDE (mantissa >= 8 bits, fp16), which
+    reads those nibbles in place instead of shifting them down."""
+    if WIDE:
+        SHIFT: tl.constexpr = 8 * (m // 2)
+        MASK: tl.constexpr = 0x00F000F0 if m % 2 else 0x000F000F
+        SCALE: tl.constexpr = 16 if m % 2 else 1
+    else:
+        SHIFT: tl.constexpr = 4 * m
+        MASK: tl.constexpr = 0x000F000F
+        SCALE: tl.constexpr = 1
     pair = ((words >> SHIFT) & MASK) | (MAGIC * 65537)  # two 16-bit floats MAGIC_VALUE + SCALE * u per word
     lo = pair.to(tl.int16).to(DTYPE, bitcast=True)  # [16, BN]
     hi = (pair >> 16).to(tl.int16).to(DTYPE, bitcast=True)
@@ -68,7 +77,8 @@ def _unpack_group(words, m: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.c
 
 @triton.jit
 def _slab_dot(acc, a_ptrs, row_mask, k, K, w_ptrs, stride_wk, w_mask, s_ptrs, s_mask, stride_sg,
-              MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, DTYPE: tl.constexpr, EVEN_K: tl.constexpr):
+              MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, DTYPE: tl.constexpr,
+              EVEN_K: tl.constexpr):
     """acc [BM, BN] += A [BM, 256] @ dequant(slab) [256, BN], scaling each group's partial product.
 
     w_ptrs [16, BN] point at the slab's first 16 words (the second half follows at 16 * stride_wk); a_ptrs
@@ -84,10 +94,11 @@ def _slab_dot(acc, a_ptrs, row_mask, k, K, w_ptrs, stride_wk, w_mask, s_ptrs, s_
             else:
                 a_mask = row_mask[:, None] & (k + g * _GROUP < K)[None, :]
             a = tl.load(a_ptrs + g * _GROUP, mask=a_mask, other=0.0).to(DTYPE)  # [BM, 32]
-            w = _unpack_group(words, m, MAGIC, MAGIC_VALUE, DTYPE)  # [32, BN]
+            w = _unpack_group(words, m, MAGIC, MAGIC_VALUE, WIDE, DTYPE)  # [32, BN]
             scale = tl.load(s_ptrs + g * stride_sg, mask=s_mask, other=0.0).to(tl.float32)  # [BN]
-            if m % 2:
-                scale = scale * 0.0625
+            if WIDE:
+                if m % 2:
+                    scale = scale * 0.0625
             acc += tl.dot(a, w) * scale[None, :]
     return acc
 
@@ -135,7 +146,7 @@ def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_ptr, block_expert_ptr,
                     D, I, n_slabs, n_slabs_per_split, split_k, stride_we, stride_se, stride_part,
                     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-                    MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, EVEN_K: tl.constexpr):
+                    MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr):
     """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate.
 
     With SPLIT, pid 2 of split_k sums a range of slabs into part; the last split to arrive finishes the tile.
@@ -163,8 +174,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
         k = kg + slab * _SLAB  # [32]: the first group of this slab
         a_ptrs = x_ptr + token[:, None] * D + k[None, :]  # [BM, 32]
         s_ptrs = s_base + (slab * 8) * two_i + n
-        acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, w_ptrs, two_i, n_mask[None, :], s_ptrs, n_mask, two_i, MAGIC, MAGIC_VALUE, DTYPE, EVEN_K)
-        acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, w_ptrs + I, two_i, n_mask[None, :], s_ptrs + I, n_mask, two_i, MAGIC, MAGIC_VALUE, DTYPE, EVEN_K)
+        acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, w_ptrs, two_i, n_mask[None, :], s_ptrs, n_mask, two_i, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
+        acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, w_ptrs + I, two_i, n_mask[None, :], s_ptrs + I, n_mask, two_i, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
     out = rows[:, None].to(tl.int64) * I + n[None, :]  # [BM, BN]
     if SPLIT:
         part = part_ptr + pid_k.to(tl.int64) * stride_part + rows[:, None].to(tl.int64) * two_i + n[None, :]
@@ -190,7 +201,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
 def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                  D, I, n_slabs, n_slabs_per_split, stride_we, stride_se,
                  TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, EVEN_K: tl.constexpr):
+                 MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr):
     """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tile pid 1, K split pid 2."""
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(block_expert_ptr + pid_b)
@@ -213,7 +224,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
         k = kg + slab * _SLAB
         a_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + k[None, :]  # [BM, 32]
         s_ptrs = s_base + (slab * 8) * D + n
-        acc = _slab_dot(acc, a_ptrs, valid, k, I, w_ptrs, D, n_mask[None, :], s_ptrs, n_mask, D, MAGIC, MAGIC_VALUE, DTYPE, EVEN_K)
+        acc = _slab_dot(acc, a_ptrs, valid, k, I, w_ptrs, D, n_mask[None, :], s_ptrs, n_mask, D, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
     weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)  # [BM] fp32
     token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
     tl.atomic_add(out_ptr + token[:, None] * D + n[None, :], acc * weight[:, None], mask=valid[:, None] & n_mask[None, :])
@@ -303,7 +314,7 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
 
     `config` overrides the moe_configs entry (benchmark sweeps).
     """
-    if x.dtype not in MAGIC:
+    if x.dtype not in UNPACK:
         raise ValueError(f"moe (triton): x must be bfloat16 or float16, got {x.dtype}")
     if topk_ids.dtype != torch.int32 or topk_weights.dtype != torch.float32:
         raise ValueError(f"moe (triton): topk_ids must be int32 and topk_weights float32, "
@@ -349,7 +360,7 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
     _route_kernel[(1 + triton.cdiv(scratch.numel(), block),)](
         topk_ids, sorted_pairs, block_expert, counts, offsets, rank, scratch, scratch.numel(), P, M, capacity, nb_max,
         BM=BM, E_PAD=e_pad, BLOCK=block)
-    magic = dict(MAGIC=MAGIC[x.dtype], MAGIC_VALUE=MAGIC_VALUE[x.dtype])
+    magic = UNPACK[x.dtype]
     g = cfg["gate_up"]
     _gate_up_kernel[(nb_max, gu_tiles, gu_split)](
         x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert,
@@ -368,7 +379,7 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
 def compile_specs(cfg, dtype="bf16", top_k=8):
     """(kernel, (signature, constexprs, arch, num_warps, num_stages)) for each GEMM kernel under config `cfg`,
     for ahead-of-time checks with triton_kernels.aot.compile_for."""
-    magic = dict(MAGIC=MAGIC[torch.bfloat16], MAGIC_VALUE=MAGIC_VALUE[torch.bfloat16])
+    magic = UNPACK[torch.bfloat16 if dtype == "bf16" else torch.float16]
     common = dict(sorted_ptr="*i32", block_expert_ptr="*i32", D="i32", I="i32", n_slabs="i32",
                   n_slabs_per_split="i32")
     gate_up = dict(x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", h_ptr=f"*{dtype}", part_ptr="*fp32",
