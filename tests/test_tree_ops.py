@@ -91,7 +91,7 @@ def test_chain_and_padding():
     assert torch.equal(tree.tokens[:, 1:6], tokens[:, :, 0]) and not tree.tokens[:, 6:].any()
     assert tree.parents[0].tolist() == [-1, 0, 1, 2, 3, 4, -1, -1, -1, -1]
     assert tree.first_child[0].tolist() == [1, 2, 3, 4, 5, -1, -1, -1, -1, -1]
-    dense = tree_mask_dense(tree.mask, 10)[0]
+    dense = tree_mask_dense(tree.mask, 10)[0].cpu()
     assert torch.equal(dense[:6, :6], torch.ones(6, 6, dtype=torch.bool).tril())
     assert torch.equal(dense[6:], torch.eye(10, dtype=torch.bool)[6:])
 
