@@ -37,7 +37,7 @@ PREFILL = ((4096, 8, 4096), (32768, 8, 2048))  # (L, H, T) causal prompt chunks,
 TORCH_REF_MAX = 1 << 28  # time the torch reference only where H*T*L is at most this (its scores are fp32)
 CANDIDATES = {  # (BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV) tried by --tune, by query rows
     16: [(16, 32, 4, 3, 512), (16, 32, 4, 4, 512), (16, 64, 4, 2, 512)],
-    None: [(64, 32, 8, 2, 512), (64, 32, 4, 3, 256), (64, 32, 4, 2, 256), (64, 32, 8, 2, 256)],
+    None: [(64, 32, 8, 2, 512), (64, 64, 8, 2, 512), (64, 32, 4, 2, 256), (64, 32, 8, 2, 256), (128, 32, 8, 2, 256)],
 }
 
 
@@ -208,6 +208,7 @@ def precompile(heads, tree_sizes, tune, workers):
     for L, H, T in PREFILL:
         for cfg in (set(candidates(T * H)) if tune else set()) | {mk.pick_config(T * H)}:
             jobs |= {(H, cfg, 1, True), (H, cfg, 2, True)}
+    jobs |= {(8, mk.pick_config(8), 2**k + 1, False) for k in range(1, 9)}  # the merge's BLOCK_S variants
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
         failures = [f for f in pool.map(_warm, sorted(jobs)) if f]

@@ -144,7 +144,7 @@ def test_write_kv_exact(dtype):
 SM120_CHECK = """
 import json, sys
 from triton_kernels.aot import compile_for
-from triton_kernels.mla_attention import CONFIGS, _mla_split_kernel
+from triton_kernels.mla_attention import CONFIGS, TAIL_STAGES, _mla_split_kernel
 sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "lens_ptr": "*i32", "mask_ptr": "*i32", "out_ptr": "*bf16",
        "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "T": "i32", "rows_kb": "i32", "sm_scale_log2": "fp32"}
 causal = sys.argv[1] == "causal"
@@ -152,7 +152,8 @@ report = []
 for _, block_m, block_n, warps, stages, block_dv in CONFIGS[120]:
     res = compile_for(_mla_split_kernel, sig,
                       {"H": 8, "CAUSAL": causal, "DIRECT": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                       "BLOCK_DV": block_dv, "BLOCK_DO": 512 - block_dv if block_dv < 512 else 16},
+                       "BLOCK_DV": block_dv, "BLOCK_DO": 512 - block_dv if block_dv < 512 else 16,
+                       "TAIL_STAGES": TAIL_STAGES[120] or stages},
                       arch=120, num_warps=warps, num_stages=stages, aligned=True)
     report.append([block_m, block_n, res.shared, res.registers, res.spill_bytes])
 print(json.dumps(report))

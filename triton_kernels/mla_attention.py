@@ -25,10 +25,13 @@ CONFIGS = {
     90: [(16, 16, 32, 4, 3, 512), (None, 64, 32, 8, 2, 512)],
     120: [(16, 16, 32, 4, 2, 512), (None, 32, 32, 8, 2, 512)],
 }
+# Pipeline stages of the masked tail loop (a few tiles): on sm_90 one, which frees the shared memory of a
+# second pipeline for larger tiles; on sm_120 (mma.sync) the pipelined tail uses less shared memory.
+TAIL_STAGES = {90: 1, 120: None}  # None: the config's stages
 # Programs per SM to aim the split count at, by programs per split (B x query tiles x value halves), measured.
 PROGRAMS_PER_SM = [(4, 1), (8, 2), (None, 4)]
-MERGE_SPLITS_BLOCK = 32  # splits combined per step of the merge
-MERGE_BLOCK_D = 64  # value columns per merge program
+MERGE_MAX_SPLITS_BLOCK = 256  # splits combined per step of the merge (one step up to this many)
+MERGE_ELEMENTS = 8192  # partial values per merge program and step: BLOCK_S x BLOCK_D
 MIN_TILES_PER_SPLIT = 4  # a split reads at least this many KV tiles
 
 
@@ -66,6 +69,7 @@ def _mla_split_kernel(
     T, rows_kb, sm_scale_log2,
     H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DO: tl.constexpr,
+    TAIL_STAGES: tl.constexpr,
 ):
     SPLIT_V: tl.constexpr = BLOCK_DV < 512  # NV programs per query tile, each owning BLOCK_DV value columns
     NV: tl.constexpr = 512 // BLOCK_DV
@@ -112,7 +116,7 @@ def _mla_split_kernel(
         s, v = _scores(q_own, q_other, q_pe, kv_base, offs_n, n_all, offs_own, offs_other, offs_pe, sm_scale_log2,
                        SPLIT_V)
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
-    for j0 in range(start + n_full * BLOCK_N, end, BLOCK_N):
+    for j0 in tl.range(start + n_full * BLOCK_N, end, BLOCK_N, num_stages=TAIL_STAGES):  # the last few tiles
         offs_n = j0 + offs_tile  # [BN]
         n_ok = offs_n < end
         s, v = _scores(q_own, q_other, q_pe, kv_base, offs_n, n_ok, offs_own, offs_other, offs_pe, sm_scale_log2,
@@ -144,27 +148,28 @@ def _mla_split_kernel(
 @triton.jit(do_not_specialize=["rows", "num_splits"])
 def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, rows, num_splits,
                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One pass over the splits, BLOCK_S at a time (all of them in one step when BLOCK_S >= num_splits)."""
     r = tl.program_id(0)
     pid_d = tl.program_id(1)
     b = tl.program_id(2)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    lse_base = lse_part_ptr + b.to(tl.int64) * num_splits * rows + r
-    m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        lse = tl.load(lse_base + (s0 + offs_s) * rows, mask=s0 + offs_s < num_splits, other=float("-inf"))
-        m = tl.maximum(m, lse)
-    m_all = tl.max(m, 0)  # finite: the split holding the row's own token saw it
-    w_sum = tl.zeros([BLOCK_S], dtype=tl.float32)
+    part0 = b.to(tl.int64) * num_splits * rows + r  # split 0 of this row
+    m = tl.full([1], -1.0e30, dtype=tl.float32)  # finite start: empty splits (lse -inf) weigh exp2(-inf) = 0
+    w_sum = tl.zeros([1], dtype=tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         s_ok = s0 + offs_s < num_splits
-        w = tl.exp2(tl.load(lse_base + (s0 + offs_s) * rows, mask=s_ok, other=float("-inf")) - m_all)  # [BS]
-        part = (b.to(tl.int64) * num_splits + s0 + offs_s) * rows + r  # [BS]
+        part = part0 + (s0 + offs_s) * rows  # [BS]
+        lse = tl.load(lse_part_ptr + part, mask=s_ok, other=float("-inf"))  # [BS]
         o = tl.load(o_part_ptr + part[:, None] * 512 + offs_d[None, :], mask=s_ok[:, None], other=0.0)  # [BS, BD]
-        acc += tl.sum(w[:, None] * o, 0)
-        w_sum += w
-    out = acc / tl.sum(w_sum, 0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        keep = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)  # [BS]
+        acc = acc * keep + tl.sum(w[:, None] * o, 0)
+        w_sum = w_sum * keep + tl.sum(w, 0)
+        m = m_new
+    out = acc / w_sum
     tl.store(out_ptr + (b.to(tl.int64) * rows + r) * 512 + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -230,6 +235,7 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     B, T, H, _ = q.shape
     rows = T * H
     block_m, block_n, warps, stages, block_dv = config or pick_config(rows)
+    tail_stages = TAIL_STAGES[_arch()] or stages
     if block_dv not in (256, 512):
         raise ValueError(f"mla_attention (triton): BLOCK_DV must be 256 or 512, got {block_dv}")
     grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
@@ -248,12 +254,14 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         q, kv_cache, cache_lens, mask, out, o_part, lse_part,
         T, kv_cache.stride(0) // ENTRY, scale * 1.4426950408889634,
         H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv,
-        BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16,
+        BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16, TAIL_STAGES=tail_stages,
         num_warps=warps, num_stages=stages,
     )
     if not direct:
-        _merge_kernel[(rows, D_LAT // MERGE_BLOCK_D, B)](
-            o_part, lse_part, out, rows, num_splits, BLOCK_S=MERGE_SPLITS_BLOCK, BLOCK_D=MERGE_BLOCK_D,
+        block_s = min(triton.next_power_of_2(num_splits), MERGE_MAX_SPLITS_BLOCK)
+        block_d = max(32, min(D_LAT, MERGE_ELEMENTS // block_s))
+        _merge_kernel[(rows, D_LAT // block_d, B)](
+            o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d,
         )
     return out
 
