@@ -289,3 +289,23 @@ def test_sm120_kernels_fit():
     assert proc.returncode == 0, proc.stderr[-2000:]
     for name, (shared, registers, spills) in json.loads(proc.stdout.strip().splitlines()[-1]).items():
         assert shared <= SM120_SHARED_LIMIT and spills == 0, (name, shared, registers, spills)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])
+def test_accept_root_only_tree(backend):
+    """A tree of the root alone (max_depth 0, what the engine samples the first token with): next_token is
+    the target's sample at the root."""
+    from ops.tree import sample_nodes_torch
+
+    B, V = 5, 33
+    none = torch.full((B, 1), -1, dtype=torch.int32, device=device())
+    tree = Tree(torch.zeros(B, 1, dtype=torch.int64, device=device()), none, torch.zeros_like(none),
+                torch.ones(B, 1, 1, dtype=torch.int32, device=device()), none, none.clone(),
+                torch.ones(B, dtype=torch.int32, device=device()), 0)
+    logits = torch.randn(B, 1, V, generator=torch.Generator().manual_seed(6)).to(device())
+    seeds = torch.arange(B, device=device())
+    for temperature in (0.0, 0.8):
+        with ops.using(accept=backend):
+            path, path_len, next_token = ops.accept(tree, logits, temperature, seeds=seeds, step=2)
+        expect = sample_nodes_torch(logits, temperature, None, seeds, torch.full_like(seeds, 2))[:, 0]
+        assert path.tolist() == [[0]] * B and path_len.tolist() == [1] * B and torch.equal(next_token, expect)

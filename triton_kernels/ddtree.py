@@ -367,10 +367,6 @@ def _arch(device):
     return 120 if major * 10 + minor >= 120 else 90
 
 
-def _num_sms(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def _split(rows, V, block, programs):
     """Vocabulary splits per row so that rows x splits fills about `programs` programs; chunk a BLOCK multiple."""
     split = max(1, min(triton.cdiv(V, block), triton.cdiv(programs, rows), 64))
