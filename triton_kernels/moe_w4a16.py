@@ -110,6 +110,8 @@ def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr
     """Program 0: sorted_ptr[slot] = pair id (or -1), block_expert_ptr[b] = expert of block b (or -1).
 
     Other programs zero BLOCK-sized chunks of the int32/fp32 scratch at zero_ptr (n_zero 32-bit words).
+    The phases are ordered by CTA barriers (bar.sync orders the global accesses, atomics included, of the
+    threads it joins), so the atomics need no fences of their own.
     """
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -127,10 +129,10 @@ def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr
     for start in range(0, P, BLOCK):
         p = start + offs
         e = tl.load(ids_ptr + p, mask=p < P, other=0)  # [BLOCK]
-        rank = tl.atomic_add(counts_ptr + e, 1, mask=p < P)  # position of the pair among its expert's
+        rank = tl.atomic_add(counts_ptr + e, 1, mask=p < P, sem="relaxed")  # the pair's place among its expert's
         tl.store(rank_ptr + p, rank, mask=p < P)
     tl.debug_barrier()
-    counts = tl.atomic_add(counts_ptr + experts, 0)  # [E_PAD], read at L2
+    counts = tl.atomic_add(counts_ptr + experts, 0, sem="relaxed")  # [E_PAD], read at L2
     padded = (counts + BM - 1) // BM * BM
     tl.store(offsets_ptr + experts, tl.cumsum(padded, 0) - padded)
     tl.debug_barrier()
