@@ -18,7 +18,7 @@ import triton.language as tl
 from triton_kernels.moe_configs import config_for
 
 GROUP, PACK = 32, 8
-SLAB = 256  # K values per repacked slab: 32 words x 8 nibbles, one quantisation group per nibble slot
+SLAB = 256  # K values per repacked slab: 32 words x 8 nibbles per column, 8 quantisation groups
 SLAB_WORDS = SLAB // PACK
 # Slab word w (of 32), nibble p (bits 4p) holds k = 256 * slab + SLAB_K[w][p]: group 2 (p % 4) + w // 16,
 # row 2 (w % 16) + p // 4 within the group, so one mask yields a group's two adjacent rows in one register.
@@ -103,9 +103,9 @@ def _slab_dot(acc, a_ptrs, row_mask, k, K, w_ptrs, stride_wk, w_mask, s_ptrs, s_
     return acc
 
 
-@triton.jit(do_not_specialize=["P", "M"])
+@triton.jit(do_not_specialize=["n_zero", "P", "CAPACITY", "NB_MAX"])
 def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr, rank_ptr,
-                  zero_ptr, n_zero, P, M, CAPACITY, NB_MAX,
+                  zero_ptr, n_zero, P, CAPACITY, NB_MAX,
                   BM: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """Program 0: sorted_ptr[slot] = pair id (or -1), block_expert_ptr[b] = expert of block b (or -1).
 
@@ -144,7 +144,7 @@ def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr
         tl.store(block_expert_ptr + slot // BM, e, mask=p < P)
 
 
-@triton.jit(do_not_specialize=["n_slabs_per_split", "split_k"])
+@triton.jit(do_not_specialize=["n_slabs_per_split", "split_k", "stride_part"])
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_ptr, block_expert_ptr,
                     D, I, n_slabs, n_slabs_per_split, split_k, stride_we, stride_se, stride_part,
                     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
@@ -363,7 +363,7 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
         raise ValueError(f"moe (triton): at most 1024 experts, got {E}")
     block = 1024
     _route_kernel[(1 + triton.cdiv(scratch.numel(), block),)](
-        topk_ids, sorted_pairs, block_expert, counts, offsets, rank, scratch, scratch.numel(), P, M, capacity, nb_max,
+        topk_ids, sorted_pairs, block_expert, counts, offsets, rank, scratch, scratch.numel(), P, capacity, nb_max,
         BM=BM, E_PAD=e_pad, BLOCK=block)
     magic = UNPACK[x.dtype]
     g = cfg["gate_up"]
