@@ -142,7 +142,7 @@ def tune_case(row):
     for cfg in candidates(rows):
         base = B * triton.cdiv(rows, cfg[0]) * (512 // cfg[4])
         for per_sm in (1, 2, 4):
-            splits = mk.choose_splits(base, L, cfg[1], q.device, programs_per_sm=per_sm)
+            splits = mk.choose_splits(base, L, cfg[1], mk.num_sms(q.device), per_sm)
             if any(r["splits"] == splits and r["config"] == list(cfg) for r in results):
                 continue
             try:
@@ -178,6 +178,46 @@ def markdown(report):
         lines.append(f"| {r['L']} | {r['H']} | {r['T']}{kind} | {r['us']:.1f} | {r['GBps']:.0f} | {r['frac_read_bw']:.2f} "
                      f"| {r['TFLOPs']:.0f} | {r['roofline_us']:.1f} | {r['x_roofline']:.2f} | {best_s} | {best_x} | {torch_s} "
                      f"| {r['rel_err']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def committed_defaults(report, arch=90):
+    """Per case: the config and split count the committed CONFIGS choose, and its time measured in `report`."""
+    sms = report.get("sms", 132)  # the H200's 132 SMs (also what the recorded split counts imply)
+    for r in report["cases"]:
+        rows = r["T"] * r["H"]
+        cfg = mk.pick_config(rows, arch)
+        base = r["B"] * triton.cdiv(rows, cfg[0]) * (512 // cfg[4])
+        splits = mk.choose_splits(base, r["L"], cfg[1], sms, mk.programs_per_sm(rows, base, arch))
+        hits = [t["us"] for t in r.get("tuned", []) if "us" in t and t["config"] == list(cfg) and t["splits"] == splits]
+        yield r, cfg, splits, hits[0] if hits else None
+
+
+def summary(report):
+    c = report["ceilings"]
+    lines = [
+        f"# MLA tree attention with the committed sm_90 configs, {report['gpu']}, {report['date']}",
+        "",
+        f"torch {report['torch']}, triton {report['triton']}. Ceilings from the same run: read {c['read_GBps']:.0f} "
+        f"GB/s (sum over 4 GiB), bf16 matmul {c['bf16_TFLOPs']:.0f} TFLOP/s (8192^3). B=1, random trees (prefill: "
+        "causal), bf16, cache cold in L2 (one CUDA graph over rotated caches). Each time is the one measured in that "
+        "run for exactly the config and split count the committed CONFIGS pick (from the --tune timings).",
+        "",
+        "| L | H | T | config (BM, BN, warps, stages, DV) | splits | us | roofline us | x roofline | frac read BW "
+        "| TFLOP/s | torch us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r, cfg, splits, us in committed_defaults(report):
+        kind = " (prefill)" if r.get("causal") else ""
+        torch_s = f"{r['torch_us']:.0f}" if "torch_us" in r else "-"
+        if us is None:
+            lines.append(f"| {r['L']} | {r['H']} | {r['T']}{kind} | {list(cfg)} | {splits} | not measured | "
+                         f"{r['roofline_us']:.1f} | - | - | - | {torch_s} |")
+            continue
+        bw = r["GBps"] * r["us"] / us / c["read_GBps"]
+        tflops = r["TFLOPs"] * r["us"] / us
+        lines.append(f"| {r['L']} | {r['H']} | {r['T']}{kind} | {list(cfg)} | {splits} | {us:.1f} | "
+                     f"{r['roofline_us']:.1f} | {us / r['roofline_us']:.2f} | {bw:.2f} | {tflops:.0f} | {torch_s} |")
     return "\n".join(lines) + "\n"
 
 
@@ -223,7 +263,7 @@ def sweep(contexts, heads, tree_sizes, tune, out):
     report = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "ceilings": ceilings(), "cases": [],
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count, "ceilings": ceilings(), "cases": [],
     }
     print("ceilings", report["ceilings"], flush=True)
     cases = [(L, H, T, False) for L in contexts for H in heads for T in tree_sizes]
@@ -249,7 +289,12 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="32k and 128k only")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling kernel variants up front")
     parser.add_argument("--with-tests", action="store_true", help="first run tests/test_attention_kernel.py here")
+    parser.add_argument("--summarize", type=Path, help="no GPU: render a run's JSON for the committed configs")
     args = parser.parse_args(argv)
+    if args.summarize:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "attention_summary.md").write_text(summary(json.loads(args.summarize.read_text())))
+        return
     if args.with_tests:
         tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", str(args.workers), "-k", "not sm120",
                                 "tests/test_attention_kernel.py"], capture_output=True, text=True)

@@ -149,7 +149,7 @@ sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "lens_ptr": "*i32", "mask_ptr": "*i3
        "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "T": "i32", "rows_kb": "i32", "sm_scale_log2": "fp32"}
 causal = sys.argv[1] == "causal"
 report = []
-for _, block_m, block_n, warps, stages, block_dv in CONFIGS[120]:
+for _, (block_m, block_n, warps, stages, block_dv), _ in CONFIGS[120]:
     res = compile_for(_mla_split_kernel, sig,
                       {"H": 8, "CAUSAL": causal, "DIRECT": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
                        "BLOCK_DV": block_dv, "BLOCK_DO": 512 - block_dv if block_dv < 512 else 16,

@@ -17,19 +17,24 @@ D_LAT = 512  # value dim: the latent c
 D_PE = 64  # rope part of an entry
 ENTRY = D_LAT + D_PE
 
-# Configs as data, per arch (compute capability major*10+minor): (max query rows, BLOCK_M, BLOCK_N, warps,
-# stages, BLOCK_DV); the first entry whose max rows >= R is used, None = any. BLOCK_DV 256 splits the values
-# over two programs per query tile. sm_90 entries: the fastest measured on the H200 (bench/results/attention_*);
-# sm_120 entries fit its 101,376 bytes of shared memory without spills (tests/test_attention_kernel.py).
+# Configs as data, per arch (compute capability major*10+minor). Entry: (max query rows R = T*H, config,
+# programs per SM); the first entry whose max rows >= R is used (None = any). config = (BLOCK_M, BLOCK_N,
+# warps, stages, BLOCK_DV); BLOCK_DV 256 splits the values over two programs per query tile (a tuning option).
+# Programs per SM: [(max base, n)], base = B x query tiles x value halves; the split count aims at n programs
+# per SM, rounded up.
 CONFIGS = {
-    90: [(16, 16, 32, 4, 3, 512), (None, 64, 32, 8, 2, 512)],
-    120: [(16, 16, 32, 4, 2, 512), (None, 32, 32, 8, 2, 512)],
+    90: [  # the fastest measured on the H200, cache cold, CUDA graph (bench/results/attention_h200.md)
+        (16, (16, 32, 4, 3, 512), [(None, 2)]),  # 93 KB of shared memory: two programs per SM
+        (None, (64, 64, 8, 2, 512), [(4, 1), (8, 2), (None, 4)]),  # 221 KB: one per SM, whole waves
+    ],
+    120: [  # compile-checked only (tests/test_attention_kernel.py): fit 101,376 bytes, no spills; untimed
+        (16, (16, 32, 4, 2, 512), [(None, 1)]),
+        (None, (32, 32, 8, 2, 512), [(None, 1)]),
+    ],
 }
 # Pipeline stages of the masked tail loop (a few tiles): on sm_90 one, which frees the shared memory of a
 # second pipeline for larger tiles; on sm_120 (mma.sync) the pipelined tail uses less shared memory.
 TAIL_STAGES = {90: 1, 120: None}  # None: the config's stages
-# Programs per SM to aim the split count at, by programs per split (B x query tiles x value halves), measured.
-PROGRAMS_PER_SM = [(4, 1), (8, 2), (None, 4)]
 MERGE_MAX_SPLITS_BLOCK = 256  # splits combined per step of the merge (one step up to this many)
 MERGE_ELEMENTS = 8192  # partial values per merge program and step: BLOCK_S x BLOCK_D
 MIN_TILES_PER_SPLIT = 4  # a split reads at least this many KV tiles
@@ -192,24 +197,31 @@ def _arch():
     return 120 if major >= 12 else 90
 
 
-def pick_config(rows, arch=None):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, BLOCK_DV) for a query block of `rows` = T*H rows on `arch`."""
-    for max_rows, *cfg in CONFIGS[arch if arch is not None else _arch()]:
+def _entry(rows, arch):
+    for max_rows, cfg, per_sm in CONFIGS[arch if arch is not None else _arch()]:
         if max_rows is None or rows <= max_rows:
-            return tuple(cfg)
+            return cfg, per_sm
     raise ValueError(f"no attention config for {rows} rows")
 
 
-def _num_sms(device):
+def pick_config(rows, arch=None):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, BLOCK_DV) for a query block of `rows` = T*H rows on `arch`."""
+    return _entry(rows, arch)[0]
+
+
+def programs_per_sm(rows, base, arch=None):
+    """Programs per SM the split count aims at, for `rows` query rows and `base` programs per split."""
+    return next(n for max_base, n in _entry(rows, arch)[1] if max_base is None or base <= max_base)
+
+
+def num_sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def choose_splits(base, max_len, block_n, device, programs_per_sm=None):
-    """Splits per sequence for `base` programs per split: about programs_per_sm programs per SM (default from
-    PROGRAMS_PER_SM), each split reading at least MIN_TILES_PER_SPLIT tiles."""
-    if programs_per_sm is None:
-        programs_per_sm = next(n for max_base, n in PROGRAMS_PER_SM if max_base is None or base <= max_base)
-    want = triton.cdiv(programs_per_sm * _num_sms(device), base)
+def choose_splits(base, max_len, block_n, sms, per_sm):
+    """Splits per sequence: about per_sm programs per SM over `sms` SMs with `base` programs per split, each
+    split reading at least MIN_TILES_PER_SPLIT tiles of the max_len-entry cache."""
+    want = triton.cdiv(per_sm * sms, base)
     cap = max(1, triton.cdiv(max_len, block_n * MIN_TILES_PER_SPLIT))
     return max(1, min(want, cap))
 
@@ -240,7 +252,8 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         raise ValueError(f"mla_attention (triton): BLOCK_DV must be 256 or 512, got {block_dv}")
     grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
     if num_splits is None:
-        num_splits = choose_splits(B * grid_m, kv_cache.shape[1], block_n, q.device)
+        per_sm = programs_per_sm(rows, B * grid_m)
+        num_splits = choose_splits(B * grid_m, kv_cache.shape[1], block_n, num_sms(q.device), per_sm)
     out = torch.empty(B, T, H, D_LAT, dtype=q.dtype, device=q.device)
     direct = num_splits == 1
     if direct:
