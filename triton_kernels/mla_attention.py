@@ -2,11 +2,11 @@
 
 All H heads x T new tokens of a sequence form one query block of R = T*H rows (row r = t*H + h, q[b] viewed
 as [R, 576]), so every KV tile loaded is shared by all of them and the prefix is read once per split.
-Grid (query tiles, splits, B). A split covers a contiguous range of the sequence's entries, sized on the
-device from cache_lens (no host sync, CUDA-graph safe); tiles wholly inside the prefix run unmasked, the rest
-(the last T entries, the tree) apply the bit mask or, with mask None (prefill), the causal rule. With one
-split the kernel writes the output; otherwise it writes per-split (o, log2-sum-exp) and `_merge_kernel`
-combines them. See the attention section of triton_kernels/README.md for the derivations.
+Grid (query tiles x value parts, splits, B). A split covers a contiguous range of the sequence's entries,
+sized on the device from cache_lens (no host sync, CUDA-graph safe); tiles wholly inside the prefix run
+unmasked, the rest (the last T entries, the tree) apply the bit mask or, with mask None (prefill), the causal
+rule. With one split the kernel writes the output; otherwise it writes per-split (o, log2-sum-exp) and
+`_merge_kernel` combines them. See the attention section of triton_kernels/README.md for the derivations.
 """
 
 import torch
