@@ -338,7 +338,6 @@ class DFlashDrafter(nn.Module):
     def new_cache(self, batch, max_len):
         return DraftCache.empty(self.cfg, batch, max_len, self.dtype, self.device)
 
-    @torch.no_grad()
     def append_context(self, cache, features, counts, host_counts=None):
         """Append target features to each sequence's context: rows t < counts[b] of features[b].
 
@@ -360,7 +359,6 @@ class DFlashDrafter(nn.Module):
         if host_counts is not None:
             cache.set_host_lens([n + c for n, c in zip(cache.host_lens, host_counts)] + cache.host_lens[B:])
 
-    @torch.no_grad()
     def draft(self, cache, bonus):
         """Draft one block per sequence after its committed context; returns logits [B, L, V] for depths 1..L.
 
@@ -382,7 +380,6 @@ class DFlashDrafter(nn.Module):
         h = ops.rms_norm(h[:, 1:], self.norm.weight, self.cfg.rms_norm_eps)
         return self.target.par.all_gather_last(F.linear(h, self.target.lm_head.weight))
 
-    @torch.no_grad()
     def init_random_(self, seed=0, std=0.02):
         """Seeded random weights (tests and the embedded default)."""
         gen = torch.Generator(device=self.device).manual_seed(seed)

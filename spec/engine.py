@@ -11,7 +11,7 @@ decoding, as a tree of one node), so a run is a deterministic function of (seed,
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +45,6 @@ class GenerationResult:
     steps: int  # decode steps run for the batch
     prefill_s: float
     decode_s: float
-    timings: dict = field(default_factory=dict)
 
     @property
     def tokens(self):

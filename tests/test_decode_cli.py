@@ -4,6 +4,7 @@ clear error line with exit code 2 for each kind of bad input."""
 import dataclasses
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -41,6 +42,8 @@ def test_readme_first_command_prints_text_and_stats_fast():
     assert text.strip()
     assert stats.startswith("[DDTree budget 32] 64 tokens in ") and "tok/s" in stats
     assert elapsed < 60
+    accept = float(re.search(r"mean accept length ([0-9.]+)", stats)[1])
+    assert accept > 1.5, "the shipped drafter no longer fits the default target: python -m spec.default_model"
 
 
 def run_json(*args):

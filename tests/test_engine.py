@@ -175,7 +175,7 @@ def test_greedy_ddtree_is_lossless_on_triton(paths):
         pytest.skip("no op has a Triton kernel yet")
     with ops.using(**{n: "triton" for n in kernels}):
         target, drafter = load_pair(paths, torch.float16)
-        prompts, new = PROMPTS[:2], 10
+        prompts, new = PROMPTS[:2], 4
         reference = Engine(target).generate(prompts, new, spec=False).output_ids
         sequences = [p + r for p, r in zip(prompts, reference)]
         result = Engine(target, OracleDrafter(drafter, sequences, seed=1), 16).generate(prompts, new)
