@@ -8,7 +8,7 @@ import torch
 import ops
 from model.checkpoint import load_model
 from model.generate import greedy_generate
-from spec.default_model import write_default
+from spec.default_model import load_default, write_default
 from spec.drafter_checkpoint import load_drafter
 from spec.engine import Engine, SamplingParams
 from tests.conftest import requires_triton
@@ -90,6 +90,17 @@ def test_greedy_ddtree_is_lossless(pair, reference, budget):
     assert result.output_ids == reference
     assert result.finish_reasons == ["length"] * 3
     check_accounting(result)
+
+
+@pytest.mark.parametrize("budget", [4, 32])
+def test_greedy_ddtree_is_lossless_with_the_trained_default_drafter(budget):
+    """The shipped drafter was trained on the default target's text: a real DFlash network accepting deep."""
+    target, drafter, _ = load_default()
+    reference = greedy_generate(target, PROMPTS, NEW)
+    result = Engine(target, drafter, budget).generate(PROMPTS, NEW)
+    assert result.output_ids == reference
+    check_accounting(result)
+    assert result.mean_accept_length > 1.5
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
