@@ -338,17 +338,32 @@ class DFlashDrafter(nn.Module):
     def new_cache(self, batch, max_len):
         return DraftCache.empty(self.cfg, batch, max_len, self.dtype, self.device)
 
+    def hf_features(self, features):
+        """The features z-lab trains on, HF's hidden_states[i + 1]: the output of decoder layer i, except for
+        the last layer, whose entry HF takes after the final norm. features: [B, C, n*D] raw layer outputs."""
+        if self.target is None:
+            raise RuntimeError("drafter: call bind(target) first")
+        last = self.target.cfg.num_hidden_layers - 1
+        if last not in self.cfg.target_layer_ids:
+            return features
+        parts = list(features.split(self.cfg.hidden_size, dim=-1))
+        for j, layer in enumerate(self.cfg.target_layer_ids):
+            if layer == last:
+                parts[j] = ops.rms_norm(parts[j], self.target.norm.weight, self.target.cfg.rms_norm_eps)
+        return torch.cat(parts, dim=-1)
+
     def append_context(self, cache, features, counts, host_counts=None):
         """Append target features to each sequence's context: rows t < counts[b] of features[b].
 
-        features: [B, C, n*D] (outputs of target_layer_ids, concatenated); counts: [B] int32 on the device.
+        features: [B, C, n*D] (raw outputs of target_layer_ids, concatenated, as the target's forward returns
+        them; see hf_features); counts: [B] int32 on the device.
         All C rows are written (rows past counts[b] land beyond the committed length and are overwritten
         later); lens += counts. host_counts (list) updates host_lens now; without it the caller sets them.
         """
         B, C, _ = features.shape
         cache.check_room(C)
-        ctx = ops.rms_norm(F.linear(features.to(self.dtype), self.fc.weight), self.hidden_norm.weight,
-                           self.cfg.rms_norm_eps).reshape(B * C, -1)
+        ctx = ops.rms_norm(F.linear(self.hf_features(features).to(self.dtype), self.fc.weight),
+                           self.hidden_norm.weight, self.cfg.rms_norm_eps).reshape(B * C, -1)
         positions = (cache.lens[:B, None] + torch.arange(C, device=self.device)).reshape(-1)
         rope = (self.inv_freq, self.rope_factor)
         for i, layer in enumerate(self.layers):

@@ -44,6 +44,7 @@ def test_readme_first_command_prints_text_and_stats_fast():
     assert elapsed < 60
     accept = float(re.search(r"mean accept length ([0-9.]+)", stats)[1])
     assert accept > 1.5, "the shipped drafter no longer fits the default target: python -m spec.default_model"
+    assert run_json(*command[3:])["text"] == text  # the streamed text is the whole text
 
 
 def run_json(*args):

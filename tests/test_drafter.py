@@ -41,7 +41,14 @@ def reference_draft(d, target, features, bonus):
         rot = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
         return x * ang.cos() + rot * ang.sin()
 
-    ctx = norm(features.double() @ w["fc.weight"].T, w["hidden_norm.weight"])
+    D, last = cfg.hidden_size, TARGET.num_hidden_layers - 1
+    hf_states = [features[:, j * D : (j + 1) * D].double() for j in range(len(cfg.target_layer_ids))]
+    for j, layer in enumerate(cfg.target_layer_ids):  # HF's last hidden state is after the final norm
+        if layer == last:
+            x = hf_states[j]
+            hf_states[j] = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + TARGET.rms_norm_eps) \
+                * target.norm.weight.double()
+    ctx = norm(torch.cat(hf_states, -1) @ w["fc.weight"].T, w["hidden_norm.weight"])
     block = torch.tensor([bonus] + [cfg.mask_token_id] * (S - 1))
     h = target.embed_tokens.weight.double()[block]
     pos = torch.arange(C + S, dtype=torch.float64)
