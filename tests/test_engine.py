@@ -2,6 +2,8 @@
 budgets 1..64, batches of different prompt lengths, both backends), stops, reproducible sampling, and the
 target-only path against HF transformers' generate."""
 
+import sys
+
 import pytest
 import torch
 
@@ -123,6 +125,21 @@ def test_finished_sequence_rides_along_as_padding(pair, reference):
     result = Engine(pair[0], oracle, 64).generate(prompts, new)
     assert result.output_ids == [t[:new] for t in truth]
     assert result.accept_lengths[0] == [8] * 5 and len(result.accept_lengths[1]) > 10
+
+
+@pytest.mark.parametrize("spec", [True, False])
+def test_one_host_read_per_step(pair, monkeypatch, spec):
+    """The engine and drafter read the device once per step (and once after prefill); op references may
+    read more (the torch MLA reference loops over lengths), kernels do not."""
+    reads = []
+    for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        def counting(self, *args, _original=getattr(torch.Tensor, name), _name=name, **kwargs):
+            if sys._getframe(1).f_code.co_filename.endswith(("spec/engine.py", "spec/drafter.py")):
+                reads.append(_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    result = Engine(*pair, 16).generate(PROMPTS, 20, spec=spec)
+    assert reads == ["tolist"] * (result.steps + 1)
 
 
 def test_target_only_equals_greedy_generate(pair, reference):
