@@ -215,10 +215,6 @@ class DraftCache:
                    torch.zeros(batch, dtype=torch.int32, device=device), [0] * batch)
 
     @property
-    def batch(self):
-        return self.k.shape[1]
-
-    @property
     def max_len(self):
         return self.k.shape[2]
 
