@@ -5,8 +5,9 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-if ! pip install --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1; then
-  echo "pip install -e . failed (see pip.log); importing from the tree instead"
+python -m pip install --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1
+if ! python -c "import ops, model, spec, triton_kernels" 2>>"$OUT/pip.log"; then
+  echo "the editable install does not import (see pip.log); importing from the tree instead"
   export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
