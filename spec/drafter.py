@@ -174,7 +174,7 @@ def drafter_attention(q, k_cache, v_cache, lens, max_len, scale):
                          f"{tuple(v_cache.shape)} do not fit")
     if lens.shape != (B,) or lens.dtype != torch.int32 or not 0 < max_len <= k_cache.shape[1]:
         raise ValueError(f"drafter_attention: lens {tuple(lens.shape)} {lens.dtype} / max_len {max_len} do not fit")
-    return dispatch("drafter_attention")(q, k_cache, v_cache, lens, max_len, scale)
+    return dispatch("drafter_attention", q.device)(q, k_cache, v_cache, lens, max_len, scale)
 
 
 def drafter_attention_torch(q, k_cache, v_cache, lens, max_len, scale):

@@ -38,6 +38,9 @@ def gpu():
     return torch.cuda.is_available()
 
 
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where tests that run Triton kernels put tensors
+
+
 def kernel_dtypes():
     """Dtypes to test Triton kernels with: the interpreter gets bf16 tl.dot wrong, so fp16/fp32 there."""
     return [torch.bfloat16, torch.float16] if gpu() else [torch.float16, torch.float32]

@@ -13,7 +13,7 @@ from model.generate import greedy_generate
 from spec.default_model import load_default, write_default
 from spec.drafter_checkpoint import load_drafter
 from spec.engine import Engine, SamplingParams
-from tests.conftest import requires_triton
+from tests.conftest import TRITON_DEVICE, requires_triton
 from tests.test_generate import hf_greedy
 from tests.test_model_vs_hf import hf_checkpoint, one_thread  # noqa: F401 (autouse fixture)
 
@@ -28,9 +28,9 @@ def paths(tmp_path_factory):
     return write_default(tmp_path_factory.mktemp("pair"), seed=7)
 
 
-def load_pair(paths, dtype):
-    target = load_model(paths[0], dtype=dtype, progress=False)
-    return target, load_drafter(paths[1], target, dtype=dtype)
+def load_pair(paths, dtype, device="cpu"):
+    target = load_model(paths[0], dtype=dtype, device=device, progress=False)
+    return target, load_drafter(paths[1], target, dtype=dtype, device=device)
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +202,7 @@ def test_greedy_ddtree_is_lossless_on_triton(paths):
     if not kernels:
         pytest.skip("no op has a Triton kernel yet")
     with ops.using(**{n: "triton" for n in kernels}):
-        target, drafter = load_pair(paths, torch.float16)
+        target, drafter = load_pair(paths, torch.float16, TRITON_DEVICE)
         prompts, new = PROMPTS[:2], 4
         reference = Engine(target).generate(prompts, new, spec=False).output_ids
         sequences = [p + r for p, r in zip(prompts, reference)]

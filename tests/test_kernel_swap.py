@@ -13,7 +13,7 @@ from model.model import KimiModel
 from spec.drafter import DFlashDrafter
 from spec.default_model import drafter_config
 from spec.engine import Engine
-from tests.conftest import kernel_dtypes, rel_err, requires_triton
+from tests.conftest import TRITON_DEVICE, kernel_dtypes, rel_err, requires_triton
 from tests.test_engine import OracleDrafter
 from tests.test_model_vs_hf import one_thread  # noqa: F401 (autouse fixture)
 
@@ -28,18 +28,18 @@ CFG = preset("tiny")
 def forward_outputs(model, drafter):
     """Prefill 9 tokens into 2 rows, draft a block from their features, then verify a 12-node tree: logits
     and hidden states of both target passes and the drafter's logits."""
-    gen = torch.Generator().manual_seed(0)
+    gen, dev = torch.Generator().manual_seed(0), model.device
     cache = model.new_cache(2, 32)
-    tokens = torch.randint(0, CFG.vocab_size, (2, 9), generator=gen)
-    first = model(tokens, torch.arange(9).expand(2, 9), cache, hidden_layers=(0, 2))
+    tokens = torch.randint(0, CFG.vocab_size, (2, 9), generator=gen).to(dev)
+    first = model(tokens, torch.arange(9, device=dev).expand(2, 9), cache, hidden_layers=(0, 2))
     cache.advance([9, 9])
     draft_cache = drafter.new_cache(2, 32)
-    drafter.append_context(draft_cache, first.hidden, torch.tensor([9, 7], dtype=torch.int32), [9, 7])
-    draft = drafter.draft(draft_cache, torch.tensor([5, 6]))
-    logprobs = torch.randn(2, 4, 5, generator=gen).log_softmax(-1).sort(-1, descending=True).values
+    drafter.append_context(draft_cache, first.hidden, torch.tensor([9, 7], dtype=torch.int32, device=dev), [9, 7])
+    draft = drafter.draft(draft_cache, torch.tensor([5, 6], device=dev))
+    logprobs = torch.randn(2, 4, 5, generator=gen).log_softmax(-1).sort(-1, descending=True).values.to(dev)
     with ops.using(tree_build="torch"):
-        tree = ops.build_tree(logprobs, torch.randint(0, CFG.vocab_size, (2, 4, 5), generator=gen),
-                              torch.tensor([3, 4]), 11)
+        tree = ops.build_tree(logprobs, torch.randint(0, CFG.vocab_size, (2, 4, 5), generator=gen).to(dev),
+                              torch.tensor([3, 4], device=dev), 11)
     second = model(tree.tokens, cache.lens[:, None].long() + tree.depths, cache, tree_mask=tree.mask,
                    hidden_layers=(1,))
     return [first.logits, first.hidden, draft, second.logits, second.hidden]
@@ -57,8 +57,8 @@ def switch(model, names):
 def test_model_outputs_with_kernel_swapped_in(names, dtype):
     if not names:
         pytest.skip("no model op has a Triton kernel yet")
-    model = KimiModel(CFG, dtype=dtype).init_random_(1).prepare()
-    drafter = DFlashDrafter(drafter_config(CFG), dtype=dtype).init_random_(2).bind(model)
+    model = KimiModel(CFG, dtype=dtype, device=TRITON_DEVICE).init_random_(1).prepare()
+    drafter = DFlashDrafter(drafter_config(CFG), dtype=dtype, device=TRITON_DEVICE).init_random_(2).bind(model)
     reference = forward_outputs(model, drafter)
     switch(model, names)
     try:
@@ -78,8 +78,8 @@ def test_model_outputs_with_kernel_swapped_in(names, dtype):
 def test_engine_output_with_tree_kernel_swapped_in(names):
     if not names:
         pytest.skip("no tree op has a Triton kernel yet")
-    target = KimiModel(CFG, dtype=torch.float32).init_random_(2).prepare()
-    drafter = DFlashDrafter(drafter_config(CFG), dtype=torch.float32).init_random_(3).bind(target)
+    target = KimiModel(CFG, dtype=torch.float32, device=TRITON_DEVICE).init_random_(2).prepare()
+    drafter = DFlashDrafter(drafter_config(CFG), dtype=torch.float32, device=TRITON_DEVICE).init_random_(3).bind(target)
     prompts = [[10, 11, 12, 13, 14], [200, 201]]
     new = 2 if "draft_topk" in names else 6  # its kernel takes ~10 s a call under the interpreter: one step
     greedy = Engine(target).generate(prompts, new, spec=False).output_ids

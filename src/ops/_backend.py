@@ -74,21 +74,22 @@ def use_spec(spec):
     use(**choices)
 
 
-def current(name):
-    """The backend op `name` runs now."""
+def current(name, device=None):
+    """The backend op `name` runs now, for inputs on `device` (None: this machine's default device)."""
     name = _follows.get(name, name)
     if name in _choice:
         return _choice[name]
-    return "triton" if has_triton(name) and torch.cuda.is_available() else "torch"
+    on_gpu = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    return "triton" if has_triton(name) and on_gpu else "torch"
 
 
 def table():
     return {name: current(name) for name in op_names()}
 
 
-def dispatch(name):
-    """The callable implementing op `name` under the current backend."""
-    if current(name) == "torch":
+def dispatch(name, device=None):
+    """The callable implementing op `name` under the current backend, for inputs on `device`."""
+    if current(name, device) == "torch":
         return _torch_impls[name]
     if not _triton_runnable():
         raise RuntimeError(f"op {name!r} is set to triton but there is no CUDA device (and TRITON_INTERPRET!=1)")

@@ -34,7 +34,7 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=LATENT_DI
         if tree_mask.shape != (q.shape[0], q.shape[1], words):
             raise ValueError(f"tree_mask: expected {(q.shape[0], q.shape[1], words)}, got {tuple(tree_mask.shape)}")
         check_dtype("tree_mask", tree_mask, torch.int32)
-    return dispatch("attention")(q, kv_cache, cache_lens, tree_mask, scale, value_dim)
+    return dispatch("attention", q.device)(q, kv_cache, cache_lens, tree_mask, scale, value_dim)
 
 
 def tree_mask_dense(tree_mask, T):
@@ -92,7 +92,7 @@ def write_kv(kv_cache, entries, starts):
             f"write_kv: kv_cache {tuple(kv_cache.shape)}, entries {tuple(entries.shape)}, starts "
             f"{tuple(starts.shape)} do not fit [B, L, D], [B, T, D], [B]"
         )
-    return dispatch("write_kv")(kv_cache, entries, starts)
+    return dispatch("write_kv", kv_cache.device)(kv_cache, entries, starts)
 
 
 def write_kv_torch(kv_cache, entries, starts):

@@ -14,7 +14,7 @@ def mlp(x, gate_up_weight, down_weight):
             f"mlp: x {tuple(x.shape)}, gate_up {tuple(gate_up_weight.shape)}, down {tuple(down_weight.shape)} "
             "do not fit [M, D], [2I, D], [D, I]"
         )
-    return dispatch("mlp")(x, gate_up_weight, down_weight)
+    return dispatch("mlp", x.device)(x, gate_up_weight, down_weight)
 
 
 def mlp_torch(x, gate_up_weight, down_weight):

@@ -23,7 +23,7 @@ def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm
         raise ValueError(f"route: x {tuple(x.shape)}, gate {tuple(gate_weight.shape)}, bias {tuple(bias.shape)}")
     if E % n_group or not 0 < topk_group <= n_group or not 0 < top_k <= E:
         raise ValueError(f"route: bad grouping E={E}, n_group={n_group}, topk_group={topk_group}, top_k={top_k}")
-    return dispatch("router")(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob)
+    return dispatch("router", x.device)(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob)
 
 
 def route_torch(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob=True):
@@ -97,7 +97,7 @@ def prepare_moe(gate_up_packed, gate_up_scale, down_packed, down_scale):
     `moe` takes; a Triton backend may repack into its own tiled layout.
     """
     check_packed_experts(gate_up_packed, gate_up_scale, down_packed, down_scale)
-    return dispatch("prepare_moe")(gate_up_packed, gate_up_scale, down_packed, down_scale)
+    return dispatch("prepare_moe", gate_up_packed.device)(gate_up_packed, gate_up_scale, down_packed, down_scale)
 
 
 def prepare_moe_torch(gate_up_packed, gate_up_scale, down_packed, down_scale):
@@ -133,12 +133,13 @@ def moe(x, topk_ids, topk_weights, experts):
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"moe: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, "
                          f"topk_weights {tuple(topk_weights.shape)} do not fit")
-    if experts.backend != current("moe"):
+    backend = current("moe", x.device)
+    if experts.backend != backend:
         raise ValueError(f"moe: experts were prepared for {experts.backend!r} but the moe backend is "
-                         f"{current('moe')!r}; call prepare_moe again after switching")
+                         f"{backend!r}; call prepare_moe again after switching")
     if x.shape[1] != experts.hidden:
         raise ValueError(f"moe: x hidden {x.shape[1]} but experts hidden {experts.hidden}")
-    return dispatch("moe")(x, topk_ids, topk_weights, experts)
+    return dispatch("moe", x.device)(x, topk_ids, topk_weights, experts)
 
 
 def moe_torch(x, topk_ids, topk_weights, experts):

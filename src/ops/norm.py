@@ -10,7 +10,7 @@ def rms_norm(x, weight, eps):
     """
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"rms_norm: x has last dim {x.shape[-1]} but weight has {weight.shape[0]}")
-    return dispatch("rms_norm")(x, weight, eps)
+    return dispatch("rms_norm", x.device)(x, weight, eps)
 
 
 def rms_norm_torch(x, weight, eps):

@@ -56,7 +56,7 @@ def apply_rope(x, positions, inv_freq, attention_factor=1.0):
             f"apply_rope: want x [N, H, R], positions [N], inv_freq [R/2]; got {tuple(x.shape)}, "
             f"{tuple(positions.shape)}, {tuple(inv_freq.shape)}"
         )
-    return dispatch("rope")(x, positions, inv_freq, attention_factor)
+    return dispatch("rope", x.device)(x, positions, inv_freq, attention_factor)
 
 
 def apply_rope_torch(x, positions, inv_freq, attention_factor=1.0):

@@ -52,7 +52,7 @@ def draft_topk(logits, k):
     check_dims("logits", logits, 3)
     if not 1 <= k <= logits.shape[-1]:
         raise ValueError(f"draft_topk: k = {k} must be in [1, V = {logits.shape[-1]}]")
-    return dispatch("draft_topk")(logits, k)
+    return dispatch("draft_topk", logits.device)(logits, k)
 
 
 def build_tree(logprobs, tokens, root_tokens, budget):
@@ -73,7 +73,7 @@ def build_tree(logprobs, tokens, root_tokens, budget):
     check_dtype("root_tokens", root_tokens, torch.int64)
     if budget < 1:
         raise ValueError(f"build_tree: budget {budget} must be >= 1")
-    return Tree(*dispatch("tree_build")(logprobs, tokens, root_tokens, budget), max_depth=logprobs.shape[1])
+    return Tree(*dispatch("tree_build", logprobs.device)(logprobs, tokens, root_tokens, budget), max_depth=logprobs.shape[1])
 
 
 def accept(tree, target_logits, temperature, top_p=1.0, top_k=0, seeds=None, step=0):
@@ -105,7 +105,7 @@ def accept(tree, target_logits, temperature, top_p=1.0, top_k=0, seeds=None, ste
     floor = None
     if temperature > 0 and (top_p < 1 or 0 < top_k < target_logits.shape[-1]):
         floor = sampling_floor(target_logits, temperature, top_p, top_k)
-    return dispatch("accept")(tree, target_logits, float(temperature), floor, seeds, step)
+    return dispatch("accept", target_logits.device)(tree, target_logits, float(temperature), floor, seeds, step)
 
 
 def compact(kv, starts, path, path_len, hidden):
@@ -126,7 +126,7 @@ def compact(kv, starts, path, path_len, hidden):
     check_dtype("starts", starts, torch.int32)
     check_dtype("path", path, torch.int32)
     check_dtype("path_len", path_len, torch.int32)
-    return dispatch("compact")(kv, starts, path, path_len, hidden)
+    return dispatch("compact", kv.device)(kv, starts, path, path_len, hidden)
 
 
 # ---- shared helpers (both backends) ----
