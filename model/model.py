@@ -128,9 +128,10 @@ class Experts(nn.Module):
         self.register_buffer("down_scale", _empty((E, D, local // 32), torch.bfloat16, device))
         self.prepared = None
 
-    def prepare(self, keep_checkpoint_form=True):
+    def prepare(self, activation_dtype, keep_checkpoint_form=True):
         """Hand the experts to the current moe backend (once per backend switch)."""
-        self.prepared = ops.prepare_moe(self.gate_up_packed, self.gate_up_scale, self.down_packed, self.down_scale)
+        self.prepared = ops.prepare_moe(self.gate_up_packed, self.gate_up_scale, self.down_packed, self.down_scale,
+                                        activation_dtype)
         if not keep_checkpoint_form:
             for name in ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale"):
                 setattr(self, name, None)
@@ -209,7 +210,7 @@ class KimiModel(nn.Module):
     def prepare(self, keep_checkpoint_form=True):
         """Lay the experts out for the current moe backend; call again after switching it."""
         for moe in self.moe_layers():
-            moe.experts.prepare(keep_checkpoint_form)
+            moe.experts.prepare(self.dtype, keep_checkpoint_form)
         return self
 
     def set_naive_attention(self, naive):

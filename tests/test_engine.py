@@ -78,7 +78,7 @@ class OracleDrafter:
                     logits[b, j, true] = 30.0
                 elif rank is not None:
                     logits[b, j, true] = 10.5 - rank
-        return logits
+        return logits.to(bonus.device)
 
 
 def check_accounting(result):

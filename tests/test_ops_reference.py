@@ -160,3 +160,15 @@ def test_backend_from_environment():
     env["SPEC_KERNELS"] = "attention=bogus"
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "unknown backend" in bad.stderr
+
+
+def test_default_backend_follows_device_and_dtype(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(ops._backend._triton_impls, "rms_norm", "triton_kernels.none:none")
+    assert ops.current("rms_norm", "cpu") == "torch"
+    assert ops.current("rms_norm", "cuda") == "triton"
+    assert ops.current("moe", "cuda", torch.bfloat16) == "triton"
+    assert ops.current("moe", "cuda", torch.float32) == "torch"  # the kernel takes 16-bit activations
+    assert ops.current("prepare_moe", "cuda", torch.float32) == "torch"  # follows moe
+    with ops.using(moe="triton"):
+        assert ops.current("moe", "cpu", torch.float32) == "triton"  # an explicit choice always wins

@@ -232,6 +232,9 @@ def _check(q, kv_cache, value_dim):
                          f"{tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)}, value_dim {value_dim}")
     if q.dtype != kv_cache.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"mla_attention (triton): q {q.dtype} and kv_cache {kv_cache.dtype} must share a float dtype")
+    if q.is_cuda and q.dtype == torch.float32:
+        raise ValueError("mla_attention (triton): fp32 tiles do not fit shared memory on a GPU; use bf16/fp16 "
+                         "(fp32 runs under TRITON_INTERPRET only) or the torch backend")
     if not q.is_contiguous() or kv_cache.stride(2) != 1 or kv_cache.stride(1) != ENTRY or kv_cache.stride(0) % ENTRY:
         raise ValueError("mla_attention (triton): q must be contiguous and kv_cache rows contiguous [.., L, 576]")
 

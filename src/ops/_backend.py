@@ -18,18 +18,23 @@ _torch_impls: dict = {}
 _triton_impls: dict = {}  # name -> "module:function", imported on first use
 _choice: dict = {}
 _follows: dict = {}  # companion function -> the op whose backend it follows (prepare_moe -> moe)
+_triton_dtypes: dict = {}  # op -> the activation dtypes its kernel takes on a GPU (absent: any)
 
 
-def register(name, torch_impl, triton_impl=None, follows=None):
+def register(name, torch_impl, triton_impl=None, follows=None, triton_dtypes=None):
     """Declare op `name` with its torch reference and optionally its Triton launcher ("module:function").
 
     A companion (`follows="moe"`) has no switch of its own: it runs whatever backend its op runs.
+    `triton_dtypes` limits the default choice of Triton to activations of those dtypes (an explicit choice
+    still runs the kernel, which then raises its own clear error).
     """
     _torch_impls[name] = torch_impl
     if triton_impl is not None:
         _triton_impls[name] = triton_impl
     if follows is not None:
         _follows[name] = follows
+    if triton_dtypes is not None:
+        _triton_dtypes[name] = tuple(triton_dtypes)
 
 
 def op_names():
@@ -74,22 +79,23 @@ def use_spec(spec):
     use(**choices)
 
 
-def current(name, device=None):
-    """The backend op `name` runs now, for inputs on `device` (None: this machine's default device)."""
+def current(name, device=None, dtype=None):
+    """The backend op `name` runs now, for activations of `dtype` on `device` (None: this machine's default)."""
     name = _follows.get(name, name)
     if name in _choice:
         return _choice[name]
     on_gpu = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
-    return "triton" if has_triton(name) and on_gpu else "torch"
+    dtype_ok = dtype is None or dtype in _triton_dtypes.get(name, (dtype,))
+    return "triton" if has_triton(name) and on_gpu and dtype_ok else "torch"
 
 
 def table():
     return {name: current(name) for name in op_names()}
 
 
-def dispatch(name, device=None):
-    """The callable implementing op `name` under the current backend, for inputs on `device`."""
-    if current(name, device) == "torch":
+def dispatch(name, device=None, dtype=None):
+    """The callable implementing op `name` under the current backend, for activations of `dtype` on `device`."""
+    if current(name, device, dtype) == "torch":
         return _torch_impls[name]
     if not _triton_runnable():
         raise RuntimeError(f"op {name!r} is set to triton but there is no CUDA device (and TRITON_INTERPRET!=1)")

@@ -34,7 +34,7 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=LATENT_DI
         if tree_mask.shape != (q.shape[0], q.shape[1], words):
             raise ValueError(f"tree_mask: expected {(q.shape[0], q.shape[1], words)}, got {tuple(tree_mask.shape)}")
         check_dtype("tree_mask", tree_mask, torch.int32)
-    return dispatch("attention", q.device)(q, kv_cache, cache_lens, tree_mask, scale, value_dim)
+    return dispatch("attention", q.device, q.dtype)(q, kv_cache, cache_lens, tree_mask, scale, value_dim)
 
 
 def tree_mask_dense(tree_mask, T):
@@ -102,5 +102,6 @@ def write_kv_torch(kv_cache, entries, starts):
     kv_cache[rows, cols] = entries.to(kv_cache.dtype)
 
 
-register("attention", mla_attention_torch, "triton_kernels.mla_attention:mla_attention")
+register("attention", mla_attention_torch, "triton_kernels.mla_attention:mla_attention",
+         triton_dtypes=(torch.float16, torch.bfloat16))
 register("write_kv", write_kv_torch, "triton_kernels.mla_attention:write_kv")

@@ -90,14 +90,16 @@ def check_packed_experts(gate_up_packed, gate_up_scale, down_packed, down_scale)
     return E, D, I
 
 
-def prepare_moe(gate_up_packed, gate_up_scale, down_packed, down_scale):
+def prepare_moe(gate_up_packed, gate_up_scale, down_packed, down_scale, activation_dtype=None):
     """Lay the routed experts out for the current `moe` backend, once, at load.
 
-    Inputs as in `PackedExperts` (compressed-tensors INT4, group 32). Returns a backend-owned object that
-    `moe` takes; a Triton backend may repack into its own tiled layout.
+    Inputs as in `PackedExperts` (compressed-tensors INT4, group 32); activation_dtype: the dtype `moe` will
+    get (it decides the default backend). Returns a backend-owned object that `moe` takes; a Triton backend
+    may repack into its own tiled layout.
     """
     check_packed_experts(gate_up_packed, gate_up_scale, down_packed, down_scale)
-    return dispatch("prepare_moe", gate_up_packed.device)(gate_up_packed, gate_up_scale, down_packed, down_scale)
+    impl = dispatch("prepare_moe", gate_up_packed.device, activation_dtype)
+    return impl(gate_up_packed, gate_up_scale, down_packed, down_scale)
 
 
 def prepare_moe_torch(gate_up_packed, gate_up_scale, down_packed, down_scale):
@@ -133,13 +135,13 @@ def moe(x, topk_ids, topk_weights, experts):
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"moe: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, "
                          f"topk_weights {tuple(topk_weights.shape)} do not fit")
-    backend = current("moe", x.device)
+    backend = current("moe", x.device, x.dtype)
     if experts.backend != backend:
         raise ValueError(f"moe: experts were prepared for {experts.backend!r} but the moe backend is "
                          f"{backend!r}; call prepare_moe again after switching")
     if x.shape[1] != experts.hidden:
         raise ValueError(f"moe: x hidden {x.shape[1]} but experts hidden {experts.hidden}")
-    return dispatch("moe", x.device)(x, topk_ids, topk_weights, experts)
+    return dispatch("moe", x.device, x.dtype)(x, topk_ids, topk_weights, experts)
 
 
 def moe_torch(x, topk_ids, topk_weights, experts):
@@ -163,5 +165,5 @@ def moe_torch(x, topk_ids, topk_weights, experts):
 
 
 register("router", route_torch)
-register("moe", moe_torch, "triton_kernels.moe_w4a16:moe")
+register("moe", moe_torch, "triton_kernels.moe_w4a16:moe", triton_dtypes=(torch.float16, torch.bfloat16))
 register("prepare_moe", prepare_moe_torch, "triton_kernels.moe_w4a16:prepare_moe", follows="moe")
