@@ -8,6 +8,18 @@ from pathlib import Path
 from ops.rope import yarn_mscale
 
 
+def read_config_json(path, what):
+    """The JSON object of `path` (or `path`/config.json); one clear error if it is missing or malformed."""
+    path = Path(path)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what}: {path} does not exist") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{what}: {path} is not valid JSON: {err}") from None
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """compressed-tensors pack-quantized INT4 for the routed experts (everything else stays bf16)."""
@@ -162,16 +174,7 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path):
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            hf = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"config: {path} does not exist") from None
-        except json.JSONDecodeError as err:
-            raise ValueError(f"config: {path} is not valid JSON: {err}") from None
-        return cls.from_hf(hf)
+        return cls.from_hf(read_config_json(path, "config"))
 
     def to_hf(self):
         """The K2.5/K2.6-style config.json: the text model nested under `text_config`."""

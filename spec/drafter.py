@@ -14,9 +14,7 @@ RoPE is Qwen3's rotate-half form; it runs through `ops.apply_rope` (interleaved 
 halves as pairs, which rotates the same (x[i], x[i + hd/2]) pairs by the same angles.
 """
 
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -24,6 +22,7 @@ import torch.nn.functional as F
 
 import ops
 from ops._backend import dispatch, register
+from model.config import read_config_json
 from model.model import Tensors
 
 
@@ -123,15 +122,7 @@ class DrafterConfig:
 
     @classmethod
     def from_file(cls, path):
-        path = Path(path)
-        path = path / "config.json" if path.is_dir() else path
-        try:
-            hf = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"drafter config: {path} does not exist") from None
-        except json.JSONDecodeError as err:
-            raise ValueError(f"drafter config: {path} is not valid JSON: {err}") from None
-        return cls.from_hf(hf)
+        return cls.from_hf(read_config_json(path, "drafter config"))
 
     def to_hf(self, block_size_in_dflash_config=False):
         """z-lab's config.json layout (Qwen3 keys plus block_size and dflash_config)."""
