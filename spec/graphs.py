@@ -1,0 +1,212 @@
+"""CUDA graphs of the target's verify pass, one per tree-size bucket, over static buffers.
+
+A bucket is a tree budget N (N + 1 nodes with the root); budget 0 is the root-only verify of target-only
+decoding (one token, causal). A verify of N nodes pads to the smallest captured bucket >= N: padded nodes
+are token 0 at the root's position (depth 0) with a self-only mask, so no real node sees them, none is a
+child of anything and acceptance never walks into them; the real nodes' logits and features are those of
+the unpadded tree. A verify outside every bucket runs eagerly.
+
+Static buffers are sized for the largest bucket: one flat storage per input (tokens, positions, tree mask)
+of which bucket b uses the first B*(b+1)(*words) entries as a contiguous [B, b+1(, words)] view, and flat
+outputs (logits, features) into which each captured pass copies its result. The graph also bakes in the
+cache's `kv` and `lens` tensors: a `StepGraphs` serves that one cache object.
+
+Capture needs a pass without host synchronisation: the torch references of attention and moe read lengths
+and expert counts back (`.tolist()`), so graphs are offered only when every op with a kernel on the verify
+path runs Triton on a CUDA device (`eligibility`); otherwise the caller runs eagerly.
+"""
+
+import time
+
+import torch
+
+import ops
+from model.model import ForwardOutput
+
+DEFAULT_BUCKETS = (0, 8, 16, 32, 64, 128)
+VERIFY_KERNEL_OPS = ("attention", "write_kv", "moe")  # the ops on the verify path that have Triton kernels
+
+
+def parse_buckets(spec):
+    """'0,8,16' -> (0, 8, 16): sorted, distinct, non-negative budgets."""
+    try:
+        values = sorted({int(part) for part in spec.split(",") if part.strip()})
+    except ValueError:
+        raise ValueError(f"buckets: expected comma-separated integers, got {spec!r}") from None
+    if not values or values[0] < 0:
+        raise ValueError(f"buckets: need at least one budget >= 0, got {spec!r}")
+    return tuple(values)
+
+
+def bucket_for(n, buckets=DEFAULT_BUCKETS):
+    """The smallest bucket >= budget n, or None (run eagerly) when n is past the largest."""
+    fits = [b for b in buckets if b >= n]
+    return min(fits) if fits else None
+
+
+def mask_words(nodes):
+    return (nodes + 31) // 32
+
+
+def self_mask(B, nodes, device):
+    """[B, nodes, words] int32: every node sees only itself (the padded nodes' rows)."""
+    dense = torch.eye(nodes, dtype=torch.bool, device=device).expand(B, nodes, nodes)
+    return ops.pack_tree_mask(dense)
+
+
+def pad_mask(mask, nodes):
+    """Pad a packed tree mask [B, T, W] to [B, nodes, words(nodes)]: old rows keep their bits, new rows self only."""
+    B, T, W = mask.shape
+    out = self_mask(B, nodes, mask.device)
+    out[:, :T] = 0
+    out[:, :T, :W] = mask
+    return out
+
+
+def pad_tree(tree, budget):
+    """The tree padded to budget + 1 nodes (token 0, parent -1, depth 0, no children, mask self only);
+    num_nodes and max_depth unchanged. A tree already of that size is returned as is."""
+    B, T = tree.tokens.shape
+    nodes = budget + 1
+    if nodes < T:
+        raise ValueError(f"pad_tree: a tree of {T} nodes does not fit budget {budget}")
+    if nodes == T:
+        return tree
+    extra = nodes - T
+
+    def fill(x, value):
+        return torch.cat([x, torch.full((B, extra), value, dtype=x.dtype, device=x.device)], 1)
+
+    return type(tree)(tokens=fill(tree.tokens, 0), parents=fill(tree.parents, -1), depths=fill(tree.depths, 0),
+                      mask=pad_mask(tree.mask, nodes), first_child=fill(tree.first_child, -1),
+                      next_sibling=fill(tree.next_sibling, -1), num_nodes=tree.num_nodes, max_depth=tree.max_depth)
+
+
+def eligibility(model):
+    """(True, '') when the verify pass of `model` can be captured; else (False, why)."""
+    dev, dtype = model.device, model.dtype
+    if dev.type != "cuda":
+        return False, f"CUDA graphs need a CUDA device (model on {dev.type})"
+    if model.par.joined:
+        return False, "CUDA graphs are not captured across tensor-parallel collectives"
+    torch_ops = [name for name in VERIFY_KERNEL_OPS if ops.current(name, dev, dtype) != "triton"]
+    if torch_ops:
+        return False, f"ops {', '.join(torch_ops)} run their torch references, which synchronise the host"
+    if any(layer.self_attn.naive for layer in model.layers):
+        return False, "the naive attention form synchronises the host"
+    return True, ""
+
+
+class StaticBuffers:
+    """Inputs and outputs of the captured passes, sized for `batch` sequences of `max_nodes` nodes."""
+
+    def __init__(self, batch, max_nodes, vocab, features, logits_dtype, hidden_dtype, device):
+        self.batch, self.max_nodes = batch, max_nodes
+        words = mask_words(max_nodes)
+        self.tokens = torch.zeros(batch * max_nodes, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(batch * max_nodes, dtype=torch.int64, device=device)
+        self.mask = torch.zeros(batch * max_nodes * words, dtype=torch.int32, device=device)
+        self.logits = torch.zeros(batch * max_nodes * vocab, dtype=logits_dtype, device=device)
+        self.hidden = torch.zeros(batch * max_nodes * features, dtype=hidden_dtype, device=device) if features else None
+        self.vocab, self.features = vocab, features
+
+    def views(self, nodes):
+        """Contiguous [B, nodes(, ...)] views for one bucket: tokens, positions, mask, logits, hidden."""
+        B, n = self.batch, self.batch * nodes
+        words = mask_words(nodes)
+        hidden = self.hidden[: n * self.features].view(B, nodes, self.features) if self.features else None
+        return (self.tokens[:n].view(B, nodes), self.positions[:n].view(B, nodes),
+                self.mask[: n * words].view(B, nodes, words), self.logits[: n * self.vocab].view(B, nodes, self.vocab),
+                hidden)
+
+
+class StepGraphs:
+    """Verify passes of `model` over `cache` for a batch of `batch` sequences, captured per bucket.
+
+    hidden_layers: the layers whose outputs the verify returns (the drafter's features), fixed at capture.
+    `verify(tokens, positions, tree_mask)` has the model's forward signature and result for the first B
+    rows of the cache; it replays a graph when one fits and runs eagerly otherwise.
+    """
+
+    def __init__(self, model, cache, batch, buckets=DEFAULT_BUCKETS, hidden_layers=(), log=print):
+        if batch > cache.batch:
+            raise ValueError(f"graphs: batch {batch} exceeds the cache's {cache.batch} rows")
+        self.model, self.cache, self.batch = model, cache, batch
+        self.buckets, self.hidden_layers, self.log = tuple(sorted(buckets)), tuple(hidden_layers), log
+        _, v_local = model.par.shard(model.cfg.vocab_size, "vocab_size")
+        vocab = model.cfg.vocab_size if model.par.joined else v_local
+        features = len(self.hidden_layers) * model.cfg.hidden_size
+        self.bufs = StaticBuffers(batch, self.buckets[-1] + 1, vocab, features, model.dtype, model.dtype,
+                                  model.device)
+        self.graphs = {}
+        self.pool = None
+        self.key = None  # what the owner built it for (the engine reuses it while the key matches)
+
+    def _run_static(self, bucket):
+        """The captured body: forward over the bucket's static inputs, results copied into the static outputs."""
+        tokens, positions, mask, logits, hidden = self.bufs.views(bucket + 1)
+        out = self.model(tokens, positions, self.cache, tree_mask=mask if bucket else None,
+                         hidden_layers=self.hidden_layers)
+        logits.copy_(out.logits)
+        if hidden is not None:
+            hidden.copy_(out.hidden)
+
+    def capture(self):
+        """Capture every bucket (largest first, one memory pool), after a warm-up on a side stream."""
+        dev = self.model.device
+        self.cache.check_room(self.buckets[-1] + 1, range(self.batch))
+        for bucket in reversed(self.buckets):
+            t0 = time.perf_counter()
+            self._reset_inputs(bucket)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._run_static(bucket)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._run_static(bucket)
+            self.pool = graph.pool()
+            self.graphs[bucket] = graph
+            torch.cuda.synchronize(dev)
+            self.log(f"cuda graph: verify of {bucket + 1} node(s) x batch {self.batch} captured "
+                     f"in {time.perf_counter() - t0:.2f} s")
+        return self
+
+    def _reset_inputs(self, bucket):
+        tokens, positions, mask, _, _ = self.bufs.views(bucket + 1)
+        tokens.zero_()
+        positions.zero_()
+        mask.copy_(self_mask(self.batch, bucket + 1, mask.device))
+
+    def bucket(self, T, causal):
+        """The captured bucket a verify of T tokens replays in, or None (eager: a causal block, or too big)."""
+        if causal and T > 1:
+            return None
+        return bucket_for(T - 1, tuple(self.graphs))
+
+    def load(self, bucket, tokens, positions, tree_mask):
+        """Copy a verify's inputs into the bucket's static views, padding past T (no host sync)."""
+        T = tokens.shape[1]
+        s_tok, s_pos, s_mask, _, _ = self.bufs.views(bucket + 1)
+        s_tok[:, :T].copy_(tokens)
+        s_pos[:, :T].copy_(positions)
+        if T < bucket + 1:
+            s_tok[:, T:].zero_()
+            s_pos[:, T:].copy_(positions[:, :1].expand(-1, bucket + 1 - T))
+        if bucket:
+            s_mask.copy_(pad_mask(tree_mask, bucket + 1) if tree_mask is not None else
+                         pad_mask(ops.causal_tree_mask(self.batch, T, tokens.device), bucket + 1))
+
+    def verify(self, tokens, positions, tree_mask=None):
+        """The target's verify pass (forward with hidden_layers fixed at capture): replayed or eager."""
+        B, T = tokens.shape
+        bucket = self.bucket(T, tree_mask is None) if B == self.batch else None
+        if bucket is None:
+            return self.model(tokens, positions, self.cache, tree_mask=tree_mask, hidden_layers=self.hidden_layers)
+        self.cache.check_room(bucket + 1, range(B))
+        self.load(bucket, tokens, positions, tree_mask)
+        self.graphs[bucket].replay()
+        _, _, _, logits, hidden = self.bufs.views(bucket + 1)
+        return ForwardOutput(logits[:, :T], hidden[:, :T] if hidden is not None else None)

@@ -1,0 +1,234 @@
+"""CUDA-graph groundwork on the CPU: bucket choice, tree padding (a padded verify gives the real nodes the
+same logits, features and accepted path: torch backend, tiny model), static buffers and the replay's input
+padding, the eligibility rule, and the step benchmark's model building and floor arithmetic."""
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import ops
+from model.config import preset
+from model.model import KimiModel
+from model.parallel import Parallel
+from spec.engine import cache_row
+from spec.graphs import (DEFAULT_BUCKETS, StaticBuffers, StepGraphs, bucket_for, eligibility, pad_mask, pad_tree,
+                         parse_buckets)
+from tests.conftest import rel_err
+
+_spec = importlib.util.spec_from_file_location("bench_step", Path(__file__).parents[1] / "bench" / "bench_step.py")
+bench_step = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_step)
+
+TORCH = dict(attention="torch", write_kv="torch", moe="torch", draft_topk="torch", tree_build="torch",
+             accept="torch", compact="torch")
+
+
+def test_bucket_for():
+    assert DEFAULT_BUCKETS == (0, 8, 16, 32, 64, 128)
+    assert [bucket_for(n) for n in (0, 1, 8, 9, 31, 32, 33, 128)] == [0, 8, 8, 16, 32, 32, 64, 128]
+    assert bucket_for(129) is None
+    assert bucket_for(5, (4, 12)) == 12 and bucket_for(0, (4, 12)) == 4 and bucket_for(13, (4, 12)) is None
+    assert parse_buckets("32, 8,0,8") == (0, 8, 32)
+    for bad in ("", "a,1", "-1,4"):
+        with pytest.raises(ValueError):
+            parse_buckets(bad)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny preset at TP2 (one rank alone), fp32 on the CPU, built by the benchmark's own code."""
+    with ops.using(moe="torch"):
+        model = bench_step.build_target("tiny", tp=2, dtype=torch.float32, device="cpu", seed=3)
+    return model, bench_step.build_drafter(model, bench_step.DFLASH_TINY)
+
+
+def prefilled(model, lengths, max_len=128, seed=0):
+    """A cache whose rows hold random prompts of the given lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = model.new_cache(len(lengths), max_len)
+    for b, n in enumerate(lengths):
+        row = cache_row(cache, b)
+        tokens = torch.randint(0, model.cfg.vocab_size, (1, n), generator=gen)
+        model(tokens, torch.arange(n)[None], row)
+    cache.lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+    cache.set_host_lens(lengths)
+    return cache
+
+
+def clone_cache(cache):
+    other = type(cache)(cache.kv.shape[0], cache.batch, cache.max_len, cache.kv.shape[-1], cache.kv.dtype, "cpu")
+    other.kv.copy_(cache.kv)
+    other.lens.copy_(cache.lens)
+    other.set_host_lens(cache.host_lens)
+    return other
+
+
+def random_tree(B, L, V, budget, seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, L, V, generator=gen) * 3
+    lp, tok = ops.draft_topk(logits, min(budget, V))
+    return ops.build_tree(lp, tok, torch.randint(0, V, (B,), generator=gen), budget)
+
+
+def test_pad_tree_fields():
+    with ops.using(**TORCH):
+        tree = random_tree(2, 3, 50, 20, seed=1)
+    padded = pad_tree(tree, 40)
+    assert padded.tokens.shape == (2, 41) and padded.mask.shape == (2, 41, 2)
+    assert torch.equal(padded.tokens[:, :21], tree.tokens) and not padded.tokens[:, 21:].any()
+    assert (padded.parents[:, 21:] == -1).all() and not padded.depths[:, 21:].any()
+    assert (padded.first_child[:, 21:] == -1).all() and (padded.next_sibling[:, 21:] == -1).all()
+    assert torch.equal(padded.num_nodes, tree.num_nodes) and padded.max_depth == tree.max_depth
+    dense = ops.tree_mask_dense(padded.mask, 41)
+    assert torch.equal(dense[:, :21, :21], ops.tree_mask_dense(tree.mask, 21)) and not dense[:, :21, 21:].any()
+    assert torch.equal(dense[:, 21:], torch.eye(41, dtype=torch.bool)[21:].expand(2, 20, 41))
+    assert pad_tree(tree, 20) is tree
+    with pytest.raises(ValueError):
+        pad_tree(tree, 19)
+
+
+def follow_first_child(tree, V, seed):
+    """Target logits whose argmax at every node is its first child's token (deep paths), random elsewhere."""
+    B, N1 = tree.tokens.shape
+    logits = torch.randn(B, N1, V, generator=torch.Generator().manual_seed(seed))
+    fc = tree.first_child.long()
+    b, n = torch.nonzero(fc >= 0, as_tuple=True)
+    logits[b, n, tree.tokens[b, fc[b, n]]] = 30.0
+    return logits
+
+
+@pytest.mark.parametrize("budget,bucket", [(5, 8), (20, 40)])
+def test_padding_equivalence(tiny, budget, bucket):
+    """Padded verify = unpadded verify on the real nodes (logits, features, cache entries), and acceptance on
+    the padded tree walks the same path (greedy on the model's logits, greedy and T=1 on deep-path logits)."""
+    model, drafter = tiny
+    V = model.lm_head.weight.shape[0]
+    layers = drafter.target_layer_ids
+    with ops.using(**TORCH):
+        tree = random_tree(2, 3, V, budget, seed=budget)
+        padded = pad_tree(tree, bucket)
+        cache = prefilled(model, [9, 17])
+        other = clone_cache(cache)
+        T = budget + 1
+        out = model(tree.tokens, cache.lens[:, None].long() + tree.depths.long(), cache, tree.mask,
+                    hidden_layers=layers)
+        pout = model(padded.tokens, other.lens[:, None].long() + padded.depths.long(), other, padded.mask,
+                     hidden_layers=layers)
+        assert rel_err(pout.logits[:, :T], out.logits) < 1e-6
+        assert rel_err(pout.hidden[:, :T], out.hidden) < 1e-6
+        for b, n in enumerate([9, 17]):
+            assert rel_err(other.kv[:, b, : n + T], cache.kv[:, b, : n + T]) < 1e-6
+        seeds = torch.tensor([5, 6])
+        cases = [(out.logits, pout.logits, 0.0)]
+        deep = follow_first_child(tree, V, seed=1)
+        deep_padded = torch.cat([deep, torch.randn(2, bucket - budget, V) * 30], 1)
+        cases += [(deep, deep_padded, 0.0), (deep, deep_padded, 1.0)]
+        for logits, plogits, temperature in cases:
+            want = ops.accept(tree, logits, temperature, seeds=seeds, step=4)
+            got = ops.accept(padded, plogits, temperature, seeds=seeds, step=4)
+            assert all(torch.equal(w, g) for w, g in zip(want, got))
+        assert ops.accept(padded, deep_padded, 0.0)[1].max() > 2  # the deep case does walk deep
+
+
+def test_static_buffers():
+    bufs = StaticBuffers(batch=2, max_nodes=129, vocab=50, features=12, logits_dtype=torch.float16,
+                         hidden_dtype=torch.float32, device="cpu")
+    assert bufs.tokens.shape == (2 * 129,) and bufs.mask.shape == (2 * 129 * 5,)
+    assert bufs.logits.shape == (2 * 129 * 50,) and bufs.hidden.shape == (2 * 129 * 12,)
+    for nodes, words in ((1, 1), (9, 1), (33, 2), (129, 5)):
+        tokens, positions, mask, logits, hidden = bufs.views(nodes)
+        assert tokens.shape == positions.shape == (2, nodes) and mask.shape == (2, nodes, words)
+        assert logits.shape == (2, nodes, 50) and logits.dtype == torch.float16 and hidden.shape == (2, nodes, 12)
+        for view, flat in ((tokens, bufs.tokens), (mask, bufs.mask), (logits, bufs.logits), (hidden, bufs.hidden)):
+            assert view.is_contiguous() and view.data_ptr() == flat.data_ptr()
+    assert StaticBuffers(1, 9, 50, 0, torch.float32, torch.float32, "cpu").views(9)[4] is None
+
+
+def test_step_graphs_inputs_and_eager_fallback(tiny):
+    """On the CPU nothing is captured: verify runs the forward as is; `load` writes the padded tree."""
+    model, drafter = tiny
+    with ops.using(**TORCH):
+        cache = prefilled(model, [4, 6])
+        graphs = StepGraphs(model, cache, 2, (0, 8, 16), drafter.target_layer_ids)
+        assert graphs.bufs.max_nodes == 17 and graphs.bufs.views(17)[2].shape == (2, 17, 1)
+        assert graphs.bucket(6, False) is None  # nothing captured: eager
+        graphs.graphs = dict.fromkeys((0, 8, 16))  # pretend all three were captured, to test the choice
+        assert [graphs.bucket(T, False) for T in (1, 2, 9, 10, 17, 18)] == [0, 8, 8, 16, 16, None]
+        assert graphs.bucket(1, True) == 0 and graphs.bucket(5, True) is None
+        tree = random_tree(2, 3, model.lm_head.weight.shape[0], 6, seed=2)
+        positions = cache.lens[:, None].long() + tree.depths.long()
+        graphs.load(8, tree.tokens, positions, tree.mask)
+        tokens, s_pos, mask, _, _ = graphs.bufs.views(9)
+        padded = pad_tree(tree, 8)
+        assert torch.equal(tokens, padded.tokens) and torch.equal(mask, padded.mask)
+        assert torch.equal(s_pos, cache.lens[:, None].long() + padded.depths.long())
+        graphs.graphs = {}
+        other = clone_cache(cache)
+        got = graphs.verify(tree.tokens, positions, tree.mask)
+        want = model(tree.tokens, positions, other, tree.mask, hidden_layers=drafter.target_layer_ids)
+        assert torch.equal(got.logits, want.logits) and torch.equal(got.hidden, want.hidden)
+
+
+def fake_cuda_model(joined=False, naive=False):
+    return SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, par=SimpleNamespace(joined=joined),
+                           layers=[SimpleNamespace(self_attn=SimpleNamespace(naive=naive))])
+
+
+def test_eligibility(tiny):
+    ok, why = eligibility(tiny[0])
+    assert not ok and "CUDA" in why
+    assert eligibility(fake_cuda_model()) == (True, "")
+    with ops.using(moe="torch"):
+        ok, why = eligibility(fake_cuda_model())
+        assert not ok and "moe" in why
+    with ops.using(attention="torch", write_kv="torch"):
+        ok, why = eligibility(fake_cuda_model())
+        assert not ok and "attention, write_kv" in why
+    assert not eligibility(fake_cuda_model(naive=True))[0]
+    assert not eligibility(fake_cuda_model(joined=True))[0]
+    mask = pad_mask(ops.causal_tree_mask(1, 3, "cpu"), 40)
+    assert mask.shape == (1, 40, 2)
+
+
+def test_floor_arithmetic(tiny):
+    model, drafter = tiny
+    cfg = model.cfg
+    assert bench_step.expert_bytes(preset("kimi-k2.6"), 8) == 3 * 7168 * 256 // 2 + 3 * 7168 * 256 // 32 * 2
+    assert bench_step.expected_distinct(384, 8, 1) == pytest.approx(8)
+    assert bench_step.expected_distinct(8, 2, 1000) == pytest.approx(8)
+    with ops.using(**TORCH):
+        cache = prefilled(model, [5])
+        tokens = torch.randint(0, cfg.vocab_size, (1, 4))
+        experts = bench_step.count_experts(model, tokens, cache.lens[:, None].long() + torch.arange(4), cache)
+    assert len(experts) == len(model.moe_layers()) == 2
+    assert all(cfg.num_experts_per_tok <= e <= min(cfg.n_routed_experts, 4 * cfg.num_experts_per_tok)
+               for e in experts)
+    parts = bench_step.floor_bytes(model, batch=1, nodes=4, context=100, distinct=experts)
+    H, D, R = 2, cfg.hidden_size, cfg.kv_lora_rank  # 4 heads over TP2
+    attn = (cfg.q_lora_rank * D + cfg.q_lora_rank + H * 96 * cfg.q_lora_rank + 576 * D + R + H * 64 * R
+            + D * H * 32) * 3 * 4
+    assert parts["attention"] == attn
+    shared = 3 * D * 32 * 4  # gate, up, down of the shared expert: intermediate 64 / TP2
+    dense_mlp = 3 * D * 128 * 4  # layer 0's dense MLP: 256 / TP2
+    router = (cfg.n_routed_experts * D + cfg.n_routed_experts) * 4
+    assert parts["dense"] == (2 * D * 3 + D) * 4 + dense_mlp + 2 * (shared + router)
+    assert parts["experts"] == sum(experts) * (3 * D * 32 // 2 + 3 * D * 32 // 32 * 2)
+    assert parts["kv"] == 3 * 104 * 576 * 4
+    assert parts["lm_head"] == 256 * D * 4 and parts["logits"] == 4 * 256 * 4
+    draft = bench_step.drafter_floor_bytes(drafter, batch=1, context=100)
+    assert draft["kv"] == 2 * 1 * (100 + 4) * 2 * 32 * 4 and draft["logits"] == 3 * 256 * 4
+    assert draft["weights"] == sum(b.numel() * 4 for n, b in drafter.named_buffers() if n != "inv_freq")
+
+
+def test_k26_tp8_rank_sizes():
+    """One TP8 rank of K2.6 at its real shapes (meta tensors): ~69 GB of weights, the floor's parts."""
+    model = KimiModel(preset("kimi-k2.6"), Parallel(8, 0), torch.bfloat16, "meta")
+    total = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if not n.endswith("inv_freq"))
+    assert 60e9 < total < 80e9
+    parts = bench_step.floor_bytes(model, batch=1, nodes=33, context=4096, distinct=120)
+    assert parts["experts"] == 60 * 120 * bench_step.expert_bytes(model.cfg, 8)
+    assert parts["kv"] == 61 * (4096 + 33) * 576 * 2
+    assert parts["lm_head"] == 163840 // 8 * 7168 * 2
