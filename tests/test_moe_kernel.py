@@ -81,6 +81,19 @@ def test_moe_narrow_unpack_path(monkeypatch):
 
 
 @requires_triton
+@pytest.mark.parametrize("E,D,I", [(6, 512, 64), (5, 320, 96)], ids=["even_n", "ragged_n"])
+def test_moe_lean_variant(E, D, I):
+    """The `lean` configs (loop-carried slab pointers; no column masks when BN divides N), split over K."""
+    cfg = {"BM": 16, "gate_up": dict(BN=32, waves=8, num_warps=4, num_stages=2, lean=True),
+           "down": dict(BN=128, waves=8, num_warps=4, num_stages=2, lean=True)}
+    raw = make_experts(E, D, I, seed=4)
+    ids, weights = make_routing(3, E, 2, seed=4)
+    x = torch.randn(3, D, generator=torch.Generator().manual_seed(4)).to(device()).to(kernel_dtypes()[0])
+    out = moe_w4a16.moe(x, ids, weights, moe_w4a16.prepare_moe(*raw), config=cfg)
+    assert rel_err(out, moe_torch(x.float(), ids, weights, PackedExperts(*raw))) < 1e-2
+
+
+@requires_triton
 @pytest.mark.parametrize("dtype", kernel_dtypes()[:1] if not gpu() else kernel_dtypes(), ids=str)
 @pytest.mark.parametrize("M", [1, 3, 17, 64], ids=lambda m: f"M{m}")
 def test_moe_matches_reference(M, dtype):

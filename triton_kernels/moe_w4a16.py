@@ -103,6 +103,21 @@ def _slab_dot(acc, a_ptrs, row_mask, k, K, w_ptrs, stride_wk, w_mask, s_ptrs, s_
     return acc
 
 
+@triton.jit
+def _slab_ptrs(w_base, s_base, a_rows, kw, kg, n, slab, N):
+    """Pointers of slab `slab`: words [16, BN] (first half), activations [BM, 32] (first group) from row
+    pointers a_rows [BM, 1], scales [BN] (first group), and k [32] (the first group's columns); N = row stride."""
+    w_ptrs = w_base + (kw + slab * _SLAB_WORDS)[:, None].to(tl.int64) * N + n[None, :]  # [16, BN]
+    k = kg + slab * _SLAB  # [32]
+    return w_ptrs, a_rows + k[None, :], s_base + (slab * 8) * N + n, k
+
+
+@triton.jit
+def _next_slab(w_ptrs, a_ptrs, s_ptrs, k, N):
+    """The `_slab_ptrs` of the next slab, by increments (loop-carried pointers, no per-slab 64-bit products)."""
+    return w_ptrs + _SLAB_WORDS * N, a_ptrs + _SLAB, s_ptrs + 8 * N, k + _SLAB
+
+
 @triton.jit(do_not_specialize=["n_zero", "P", "CAPACITY", "NB_MAX"])
 def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr, rank_ptr,
                   zero_ptr, n_zero, P, CAPACITY, NB_MAX,
@@ -147,7 +162,8 @@ def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr
 @triton.jit(do_not_specialize=["n_slabs_per_split", "split_k", "stride_part"])
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_ptr, block_expert_ptr,
                     D, I, n_slabs, n_slabs_per_split, split_k, stride_we, stride_se, stride_part,
-                    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, LEAN: tl.constexpr,
+                    EVEN_N: tl.constexpr,
                     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr):
     """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate.
 
@@ -162,7 +178,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     pair = tl.load(sorted_ptr + rows)
     token = tl.where(pair >= 0, pair // TOP_K, 0).to(tl.int64)
     n = pid_n * BN + tl.arange(0, BN)  # [BN] gate columns; up columns are n + I
-    n_mask = n < I
+    n_mask = (n < I) | EVEN_N  # all-true (folded away) when BN divides I
     kw = tl.arange(0, _SLAB_WORDS // 2)
     kg = tl.arange(0, _GROUP)
     w_base = w_ptr + e.to(tl.int64) * stride_we
@@ -171,13 +187,14 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     first = pid_k * n_slabs_per_split
+    w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token[:, None] * D, kw, kg, n, first, two_i)
     for slab in range(first, tl.minimum(first + n_slabs_per_split, n_slabs)):
-        w_ptrs = w_base + (kw + slab * _SLAB_WORDS)[:, None].to(tl.int64) * two_i + n[None, :]  # [16, BN]
-        k = kg + slab * _SLAB  # [32]: the first group of this slab
-        a_ptrs = x_ptr + token[:, None] * D + k[None, :]  # [BM, 32]
-        s_ptrs = s_base + (slab * 8) * two_i + n
+        if not LEAN:  # recomputed from the slab index (the measured default); LEAN carries them below
+            w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token[:, None] * D, kw, kg, n, slab, two_i)
         acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, w_ptrs, two_i, n_mask[None, :], s_ptrs, n_mask, two_i, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
         acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, w_ptrs + I, two_i, n_mask[None, :], s_ptrs + I, n_mask, two_i, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
+        if LEAN:
+            w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, two_i)
     out = rows[:, None].to(tl.int64) * I + n[None, :]  # [BM, BN]
     if SPLIT:
         part = part_ptr + pid_k.to(tl.int64) * stride_part + rows[:, None].to(tl.int64) * two_i + n[None, :]
@@ -202,7 +219,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
 @triton.jit(do_not_specialize=["n_slabs_per_split"])
 def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                  D, I, n_slabs, n_slabs_per_split, stride_we, stride_se,
-                 TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LEAN: tl.constexpr, EVEN_N: tl.constexpr,
                  MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr):
     """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tile pid 1, K split pid 2."""
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -214,19 +231,21 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
     pair = tl.load(sorted_ptr + rows)
     valid = pair >= 0
     n = pid_n * BN + tl.arange(0, BN)  # [BN] hidden columns
-    n_mask = n < D
+    n_mask = (n < D) | EVEN_N
     kw = tl.arange(0, _SLAB_WORDS // 2)
     kg = tl.arange(0, _GROUP)
     w_base = w_ptr + e.to(tl.int64) * stride_we
     s_base = s_ptr + e.to(tl.int64) * stride_se
+    h_rows = h_ptr + rows[:, None].to(tl.int64) * I
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     first = pid_k * n_slabs_per_split
+    w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, n, first, D)
     for slab in range(first, tl.minimum(first + n_slabs_per_split, n_slabs)):
-        w_ptrs = w_base + (kw + slab * _SLAB_WORDS)[:, None].to(tl.int64) * D + n[None, :]  # [16, BN]
-        k = kg + slab * _SLAB
-        a_ptrs = h_ptr + rows[:, None].to(tl.int64) * I + k[None, :]  # [BM, 32]
-        s_ptrs = s_base + (slab * 8) * D + n
+        if not LEAN:
+            w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, n, slab, D)
         acc = _slab_dot(acc, a_ptrs, valid, k, I, w_ptrs, D, n_mask[None, :], s_ptrs, n_mask, D, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
+        if LEAN:
+            w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, D)
     weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)  # [BM] fp32
     token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
     # relaxed: only atomicity is needed (the cast reads out in a later launch); the default acq_rel fences every
@@ -314,6 +333,13 @@ def _expected_experts(E, pairs):
     return min(E, pairs, max(1, round(E * (1 - (1 - 1 / E) ** pairs))))
 
 
+def _lean(kernel_cfg, N):
+    """LEAN / EVEN_N constexprs of a kernel config: `lean` carries the slab pointers across the K loop and drops
+    the column masks when BN divides N (sm_90 variants under test; the measured defaults leave it off)."""
+    lean = kernel_cfg.get("lean", False)
+    return dict(LEAN=lean, EVEN_N=lean and N % kernel_cfg["BN"] == 0)
+
+
 def moe(x, topk_ids, topk_weights, experts, config=None):
     """Triton backend of ops.moe (see there): x [M, D] bf16/fp16, topk_ids [M, k] int32, topk_weights [M, k] fp32.
 
@@ -371,19 +397,20 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
         x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert,
         D, I, gu_slabs, gu_per_split, gu_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
         part.stride(0) if gu_split > 1 else 0,
-        TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, num_warps=g["num_warps"], num_stages=g["num_stages"],
-        **magic)
+        TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_lean(g, I), num_warps=g["num_warps"],
+        num_stages=g["num_stages"], **magic)
     d = cfg["down"]
     _down_kernel[(nb_max, dn_tiles, dn_split)](
         h, experts.down, experts.down_scale, out, topk_weights, sorted_pairs, block_expert,
         D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0),
-        TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, num_warps=d["num_warps"], num_stages=d["num_stages"], **magic)
+        TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_lean(d, D), num_warps=d["num_warps"],
+        num_stages=d["num_stages"], **magic)
     return out.to(x.dtype)
 
 
-def compile_specs(cfg, dtype="bf16", top_k=8):
-    """(kernel, (signature, constexprs, arch, num_warps, num_stages)) for each GEMM kernel under config `cfg`,
-    for ahead-of-time checks with triton_kernels.aot.compile_for."""
+def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
+    """(kernel, (signature, constexprs, arch, num_warps, num_stages)) for each GEMM kernel under config `cfg`
+    at hidden D / intermediate I (for EVEN_N), for ahead-of-time checks with triton_kernels.aot.compile_for."""
     magic = UNPACK[torch.bfloat16 if dtype == "bf16" else torch.float16]
     common = dict(sorted_ptr="*i32", block_expert_ptr="*i32", D="i32", I="i32", n_slabs="i32",
                   n_slabs_per_split="i32")
@@ -393,8 +420,8 @@ def compile_specs(cfg, dtype="bf16", top_k=8):
                 stride_we="i64", stride_se="i64")
     g, d = cfg["gate_up"], cfg["down"]
     return [
-        (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT=True, EVEN_K=True, **magic), 120,
-                           g["num_warps"], g["num_stages"])),
-        (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], EVEN_K=True, **magic), 120,
+        (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT=True, EVEN_K=True, **_lean(g, I),
+                                         **magic), arch, g["num_warps"], g["num_stages"])),
+        (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], EVEN_K=True, **_lean(d, D), **magic), arch,
                         d["num_warps"], d["num_stages"])),
     ]
