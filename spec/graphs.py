@@ -138,6 +138,7 @@ class StepGraphs:
         features = len(self.hidden_layers) * model.cfg.hidden_size
         self.bufs = StaticBuffers(batch, self.buckets[-1] + 1, vocab, features, model.dtype, model.dtype,
                                   model.device)
+        self.self_masks = {b: self_mask(batch, b + 1, model.device) for b in self.buckets}  # padding templates
         self.graphs = {}
         self.pool = None
         self.key = None  # what the owner built it for (the engine reuses it while the key matches)
@@ -178,7 +179,7 @@ class StepGraphs:
         tokens, positions, mask, _, _ = self.bufs.views(bucket + 1)
         tokens.zero_()
         positions.zero_()
-        mask.copy_(self_mask(self.batch, bucket + 1, mask.device))
+        mask.copy_(self.self_masks[bucket])
 
     def bucket(self, T, causal):
         """The captured bucket a verify of T tokens replays in, or None (eager: a causal block, or too big)."""
@@ -187,7 +188,8 @@ class StepGraphs:
         return bucket_for(T - 1, tuple(self.graphs))
 
     def load(self, bucket, tokens, positions, tree_mask):
-        """Copy a verify's inputs into the bucket's static views, padding past T (no host sync)."""
+        """Copy a verify's inputs into the bucket's static views, padding past T (no host sync). A causal
+        verify (tree_mask None) is a single token here: its self-only row is the template's."""
         T = tokens.shape[1]
         s_tok, s_pos, s_mask, _, _ = self.bufs.views(bucket + 1)
         s_tok[:, :T].copy_(tokens)
@@ -196,8 +198,10 @@ class StepGraphs:
             s_tok[:, T:].zero_()
             s_pos[:, T:].copy_(positions[:, :1].expand(-1, bucket + 1 - T))
         if bucket:
-            s_mask.copy_(pad_mask(tree_mask, bucket + 1) if tree_mask is not None else
-                         pad_mask(ops.causal_tree_mask(self.batch, T, tokens.device), bucket + 1))
+            s_mask.copy_(self.self_masks[bucket])
+            if tree_mask is not None:
+                s_mask[:, :T].zero_()
+                s_mask[:, :T, : tree_mask.shape[2]].copy_(tree_mask)
 
     def verify(self, tokens, positions, tree_mask=None):
         """The target's verify pass (forward with hidden_layers fixed at capture): replayed or eager."""

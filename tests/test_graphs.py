@@ -16,7 +16,7 @@ from model.parallel import Parallel
 from spec.engine import cache_row
 from spec.graphs import (DEFAULT_BUCKETS, StaticBuffers, StepGraphs, bucket_for, eligibility, pad_mask, pad_tree,
                          parse_buckets)
-from tests.conftest import rel_err
+from tests.conftest import rel_err, requires_gpu
 
 _spec = importlib.util.spec_from_file_location("bench_step", Path(__file__).parents[1] / "bench" / "bench_step.py")
 bench_step = importlib.util.module_from_spec(_spec)
@@ -232,3 +232,73 @@ def test_k26_tp8_rank_sizes():
     assert parts["experts"] == 60 * 120 * bench_step.expert_bytes(model.cfg, 8)
     assert parts["kv"] == 61 * (4096 + 33) * 576 * 2
     assert parts["lm_head"] == 163840 // 8 * 7168 * 2
+
+
+@pytest.fixture(scope="module")
+def gpu_pair():
+    from spec.default_model import load_default
+
+    target, drafter, _ = load_default(dtype=torch.float16, device="cuda")
+    return target, drafter
+
+
+@requires_gpu
+def test_replay_matches_eager_gpu(gpu_pair):
+    """A replayed verify (padded to its bucket) gives the real nodes the eager pass's logits and features."""
+    target, drafter = gpu_pair
+    assert eligibility(target) == (True, "")
+    cache = target.new_cache(2, 256)
+    cache.lens.copy_(torch.tensor([30, 50], dtype=torch.int32, device="cuda"))
+    cache.set_host_lens([30, 50])
+    other = target.new_cache(2, 256)
+    graphs = StepGraphs(target, cache, 2, (0, 8, 16), drafter.target_layer_ids, log=lambda line: None).capture()
+    for budget in (1, 5, 8, 13):
+        tree = random_tree(2, 3, target.cfg.vocab_size, budget, seed=budget)
+        tree = type(tree)(*(t.cuda() if torch.is_tensor(t) else t for t in vars(tree).values()))
+        for c in (cache, other):
+            gen = torch.Generator("cuda").manual_seed(0)
+            c.kv.copy_(torch.randn(c.kv.shape, generator=gen, device="cuda") * 0.1)
+        other.lens.copy_(cache.lens)
+        other.set_host_lens(cache.host_lens)
+        positions = cache.lens[:, None].long() + tree.depths.long()
+        got = graphs.verify(tree.tokens, positions, tree.mask)
+        want = target(tree.tokens, positions, other, tree.mask, hidden_layers=drafter.target_layer_ids)
+        assert rel_err(got.logits, want.logits) < 1e-2 and rel_err(got.hidden, want.hidden) < 1e-2
+    tokens = torch.tensor([[3], [4]], device="cuda")
+    got = graphs.verify(tokens, cache.lens[:, None].long(), None)
+    assert rel_err(got.logits, target(tokens, other.lens[:, None].long(), other).logits) < 1e-2
+
+
+@requires_gpu
+@pytest.mark.parametrize("budget", (4, 8, 13, 40, 200))
+def test_greedy_with_graphs_equals_without_gpu(gpu_pair, budget):
+    """Greedy outputs with graphs equal those without, speculative (a bucket per budget; 200 is past the
+    buckets: eager) and target-only, for a batch of prompts of different lengths."""
+    from spec.engine import Engine
+
+    target, drafter = gpu_pair
+    prompts = [[257, 84, 104, 101, 32, 116], [7], list(range(40, 63))]
+    for spec in (True, False):
+        runs = [Engine(target, drafter, budget, cuda_graphs=g).generate(prompts, 48, spec=spec).output_ids
+                for g in (True, False)]
+        assert runs[0] == runs[1]
+
+
+def test_bench_step_pieces_on_cpu(tiny):
+    """The benchmark's step closures and report on the tiny model (eager: nothing is captured on the CPU)."""
+    model, drafter = tiny
+    with ops.using(**TORCH):
+        bench = bench_step.Bench(model, drafter, (0, 8), max_context=64)
+        bench.set_context(20)
+        nxt = bench.spec_step(8)()
+        assert nxt.shape == (1,) and bench.dcache.lens.tolist() == [20] and bench.cache.lens.tolist() == [20]
+        assert bench.ar_step()().shape == (1,)
+        tokens, positions, mask = bench.verify_inputs(8)
+        assert tokens.shape == (1, 9) and mask.shape == (1, 9, 1) and positions.min().item() == 20
+    row = dict(context=20, budget=8, distinct_experts=3.0, floor_ms=1.0, verify_eager_ms=3.0, verify_graph_ms=1.2,
+               verify_kernels_ms=1.1, overhead_removed=0.95, graph_over_kernels=1.09, verify_graph_over_floor=1.2,
+               step_ms=2.0, step_over_floor=1.5)
+    meta = dict(gpu="cpu", date="now", torch="t", triton="t", read_GBps=1.0, build_s=1.0, capture_s=0.5,
+                drafter_note="n")
+    table = bench_step.markdown(meta, [row, dict(row, budget=0, ar_step_ms=1.0, ar_step_over_floor=1.0)])
+    assert table.count("\n| 20 |") == 2 and "95%" in table
