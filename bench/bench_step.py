@@ -173,16 +173,16 @@ def wall_ms(fn, iters, warmup=2):
 
 
 def kernel_ms(fn):
-    """Sum of the GPU kernel times of one call (profiler), in ms."""
+    """Sum of the GPU kernel times of one call (profiler), in ms; None if the profiler saw no kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         sync()
     cuda = torch.autograd.DeviceType.CUDA
-    return sum(evt.device_time_total for evt in prof.events() if evt.device_type == cuda) / 1e3
+    return sum(evt.device_time_total for evt in prof.events() if evt.device_type == cuda) / 1e3 or None
 
 
 def read_GBps(gib=4):
@@ -278,10 +278,13 @@ def measure(bench, budget, context, bw, iters):
     row = dict(context=context, budget=budget, nodes=nodes, distinct_experts=sum(experts) / len(experts),
                floor_MB=sum(floor.values()) / 1e6, floor_parts_MB={k: v / 1e6 for k, v in floor.items()},
                floor_ms=floor_ms, verify_eager_ms=eager, verify_graph_ms=graph, verify_kernels_ms=kernels,
-               host_overhead_eager_ms=eager - kernels, host_overhead_graph_ms=graph - kernels,
-               graph_over_kernels=graph / kernels if kernels else None, verify_graph_over_floor=graph / floor_ms)
-    row["overhead_removed"] = (1 - row["host_overhead_graph_ms"] / row["host_overhead_eager_ms"]
-                               if row["host_overhead_eager_ms"] > 0 else None)
+               verify_graph_over_floor=graph / floor_ms, host_overhead_eager_ms=None, host_overhead_graph_ms=None,
+               graph_over_kernels=None, overhead_removed=None)
+    if kernels:
+        row.update(host_overhead_eager_ms=eager - kernels, host_overhead_graph_ms=graph - kernels,
+                   graph_over_kernels=graph / kernels)
+        if eager > kernels:
+            row["overhead_removed"] = 1 - (graph - kernels) / (eager - kernels)
     if budget:
         draft = drafter_floor_bytes(bench.drafter, bench.batch, context)
         step_floor_ms = (sum(floor.values()) + sum(draft.values())) / bw / 1e6
@@ -308,7 +311,7 @@ def markdown(meta, rows):
         removed = f"{r['overhead_removed']:.0%}" if r["overhead_removed"] is not None else "-"
         ratio = f"{r['graph_over_kernels']:.2f}" if r["graph_over_kernels"] else "-"
         lines.append(f"| {r['context']} | {r['budget']} | {r['distinct_experts']:.0f} | {r['floor_ms']:.2f} | "
-                     f"{r['verify_eager_ms']:.2f} | {r['verify_graph_ms']:.2f} | {r['verify_kernels_ms']:.2f} | "
+                     f"{r['verify_eager_ms']:.2f} | {r['verify_graph_ms']:.2f} | {r['verify_kernels_ms'] or 0:.2f} | "
                      f"{removed} | {ratio} | {r['verify_graph_over_floor']:.2f} | {step} |")
     return "\n".join(lines) + "\n"
 
