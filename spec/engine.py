@@ -10,6 +10,7 @@ Sampling goes through `ops.accept` everywhere (also for the first token after pr
 decoding, as a tree of one node), so a run is a deterministic function of (seed, step, node).
 """
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import torch
 
 import ops
 from ops.tree import Tree
+from spec.graphs import DEFAULT_BUCKETS, StepGraphs, bucket_for, eligibility
 
 MAX_BUDGET = 512
 
@@ -80,11 +82,43 @@ def cache_row(cache, b):
 class Engine:
     """Speculative (DDTree) or target-only decoding of batches of token prompts with a KimiModel target."""
 
-    def __init__(self, target, drafter=None, budget=32):
+    def __init__(self, target, drafter=None, budget=32, cuda_graphs=True, buckets=DEFAULT_BUCKETS):
         if not 1 <= budget <= MAX_BUDGET:
             raise ValueError(f"tree budget must be in 1..{MAX_BUDGET}, got {budget}")
         self.target, self.drafter, self.budget = target, drafter, budget
         self.device = target.device
+        self.cuda_graphs, self.buckets = cuda_graphs, tuple(buckets)
+        self.graphs = None  # the last StepGraphs (its cache and captured verify), reused by the next run that fits
+        self.graph_notice = False
+
+    def graph_bucket(self, spec):
+        """The bucket this engine's verify replays in, or None: graphs off, no CUDA, an op that syncs, or a
+        budget past the buckets (then eager, with a one-line notice on a CUDA device)."""
+        if not self.cuda_graphs or self.device.type != "cuda":
+            return None
+        ok, why = eligibility(self.target)
+        bucket = bucket_for(self.budget if spec else 0, self.buckets) if ok else None
+        if bucket is None and not self.graph_notice:
+            why = why or f"tree budget {self.budget} is past the largest bucket {max(self.buckets)}"
+            print(f"cuda graphs off: {why}; running eagerly", file=sys.stderr)
+            self.graph_notice = True
+        return bucket
+
+    def step_graphs(self, batch, cache_len, hidden_layers, bucket):
+        """A StepGraphs with its own cache of batch x cache_len (emptied), captured for `bucket`."""
+        key = (batch, cache_len, tuple(hidden_layers), bucket)
+        if self.graphs is None or self.graphs.key != key:
+            self.graphs = None
+            cache = self.target.new_cache(batch, cache_len)
+            graphs = StepGraphs(self.target, cache, batch, (bucket,), hidden_layers, log=self.graph_log)
+            graphs.key = key
+            self.graphs = graphs.capture()
+        self.graphs.cache.reset()
+        return self.graphs
+
+    @staticmethod
+    def graph_log(line):
+        print(line, file=sys.stderr)
 
     @property
     def context_len(self):
@@ -129,19 +163,27 @@ class _Run:
         # step may commit up to L + 1 more than it emits, and a finished row still takes each step's tree
         # (N + 1 entries) and the drafter's context rows and block after its frozen length.
         top = max(self.limits)
+        self.hidden_layers = tuple(engine.drafter.target_layer_ids) if spec else ()
+        bucket = engine.graph_bucket(spec)  # with graphs, a verify writes bucket + 1 entries (padding included)
         if spec:
             L, block = engine.drafter.cfg.draft_len, engine.drafter.cfg.block_size
-            self.cache = target.new_cache(B, top + L + engine.budget)
+            cache_len = top + L + (engine.budget if bucket is None else bucket)
             self.dcache = engine.drafter.new_cache(B, top + L + max(L + 1, block))
         else:
-            self.cache = target.new_cache(B, top)
+            cache_len = top
+        if bucket is None:
+            self.cache = target.new_cache(B, cache_len)
+            self.verify = lambda tokens, positions, mask: target(tokens, positions, self.cache, tree_mask=mask,
+                                                                 hidden_layers=self.hidden_layers)
+        else:
+            graphs = engine.step_graphs(B, cache_len, self.hidden_layers, bucket)
+            self.cache, self.verify = graphs.cache, graphs.verify
         self.seeds = torch.tensor([sampling.seed + b for b in range(B)], dtype=torch.int64, device=dev)
         self.outputs = [[] for _ in range(B)]
         self.accept = [[] for _ in range(B)]
         self.reasons = [None] * B
         self.live = [True] * B
         self.live_dev = torch.ones(B, dtype=torch.int32, device=dev)
-        self.hidden_layers = tuple(engine.drafter.target_layer_ids) if spec else ()
 
     def sample(self, tree, logits, step):
         s = self.sampling
@@ -191,7 +233,7 @@ class _Run:
         logprobs, tokens = ops.draft_topk(logits, min(e.budget, logits.shape[-1]))
         tree = ops.build_tree(logprobs, tokens, bonus, e.budget)
         positions = cache.lens[:B, None].long() + tree.depths.long()
-        out = e.target(tree.tokens, positions, cache, tree_mask=tree.mask, hidden_layers=self.hidden_layers)
+        out = self.verify(tree.tokens, positions, tree.mask)
         path, path_len, nxt = self.sample(tree, out.logits, step)
         hidden_path = ops.compact(cache.kv, cache.lens[:B], path, path_len, out.hidden)
         commit = path_len.to(torch.int32) * self.live_dev
@@ -210,7 +252,7 @@ class _Run:
 
     def plain_step(self, bonus, step):
         cache, B = self.cache, len(self.prompts)
-        out = self.e.target(bonus[:, None], cache.lens[:B, None].long(), cache)
+        out = self.verify(bonus[:, None], cache.lens[:B, None].long(), None)
         _, _, nxt = self.sample(root_tree(bonus), out.logits, step)
         cache.lens[:B] += self.live_dev
         host = nxt.tolist()  # the step's one read

@@ -302,3 +302,21 @@ def test_bench_step_pieces_on_cpu(tiny):
                 drafter_note="n")
     table = bench_step.markdown(meta, [row, dict(row, budget=0, ar_step_ms=1.0, ar_step_over_floor=1.0)])
     assert table.count("\n| 20 |") == 2 and "95%" in table
+
+
+def test_engine_graph_bucket(capsys, tiny):
+    """The engine's choice: the bucket of its budget (0 for target-only) on CUDA, None on the CPU, with graphs
+    off, or past the buckets (one notice)."""
+    from spec.engine import Engine
+
+    assert Engine(tiny[0], budget=8).graph_bucket(True) is None
+    fake = fake_cuda_model()
+    assert Engine(fake, budget=40).graph_bucket(True) == 64 and Engine(fake, budget=40).graph_bucket(False) == 0
+    assert Engine(fake, budget=8, cuda_graphs=False).graph_bucket(True) is None
+    assert capsys.readouterr().err == ""
+    engine = Engine(fake, budget=200)
+    assert engine.graph_bucket(True) is None and engine.graph_bucket(True) is None
+    assert capsys.readouterr().err.count("cuda graphs off") == 1
+    with ops.using(moe="torch"):
+        assert Engine(fake, budget=8).graph_bucket(True) is None
+        assert "moe" in capsys.readouterr().err
