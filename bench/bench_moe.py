@@ -8,6 +8,8 @@ measured in the same run (a sum over 4 GiB).
 
     pytest bench/bench_moe.py --benchmark-only      # pytest-benchmark sweep (CUDA)
     python bench/bench_moe.py --out DIR            # standalone: GPU tests, ceilings, config sweep, JSON + markdown
+    python bench/bench_moe.py --out DIR --variants --budget 150   # default vs moe_configs.VARIANTS, TP8 shape
+    python bench/bench_moe.py --sass               # CPU: static SASS instructions per weight of those configs
 """
 
 import argparse
@@ -68,6 +70,12 @@ def time_graph(calls, reps=10):
         for fn in calls:
             fn()
     return time_events(graph.replay, reps) / len(calls)
+
+
+def n_layers(D, I):
+    """Layers to rotate over so that top-8 calls read >= 4x the L2 between reuses (2 to 8)."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(2, min(8, math.ceil(4 * l2 / (TOP_K * expert_bytes(D, I)))))
 
 
 def random_triton_layer(E, D, I, gen):
@@ -140,6 +148,82 @@ def sweep_configs(M):
     return variants
 
 
+# ----------------------------------------------------------------------------------------------- static SASS count
+
+ALU_PIPE = {"LOP3", "SHF", "IADD3", "PRMT", "LEA", "SEL", "ISETP", "VIADD", "PLOP3", "P2R", "R2P", "FSEL", "IABS"}
+H200_ISSUE = dict(sms=132, clock_hz=1.98e9, read_gbs=4317.0)  # read bandwidth: bench/results/moe_h200.md
+
+
+def _cubin_sass(kernel, signature, constexprs, num_warps, num_stages, arch=90):
+    """nvdisasm text of `kernel` compiled on the CPU with the specialisations the JIT gives the TP8 call:
+    16-byte aligned pointers, D/I/strides divisible by 16, and the down kernel's n_slabs == 1 (I = 256)."""
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from triton_kernels.moe_w4a16 import _down_kernel
+
+    signature, constexprs = dict(signature), dict(constexprs)
+    if kernel is _down_kernel:
+        del signature["n_slabs"]
+        constexprs["n_slabs"] = 1
+    full = {**signature, **{k: "constexpr" for k in constexprs}}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in full.items()
+             if ty.startswith("*") or name in ("D", "I", "stride_we", "stride_se")}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=full, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _loop_opcodes(sass):
+    """Opcodes of the largest backward-branch loop (the K loop) of a SASS listing."""
+    import re
+
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", l.strip()))}
+    start, end = max(((labels[m.group(1)], i) for i, l in enumerate(lines)
+                      if (m := re.search(r"BRA `\((\.L_x_\d+)\)", l)) and labels.get(m.group(1), i) < i),
+                     key=lambda span: span[1] - span[0])
+    ops = [m.group(1) for l in lines[start:end + 1] if (m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", l))]
+    return ops
+
+
+def sass_count(cfg, shape="tp8"):
+    """Per GEMM kernel under `cfg`: SASS instructions per weight per thread in the K loop (sm_90 build), the
+    integer-ALU and IMAD shares, and the issue-bound read-bandwidth fraction predicted from them (H200: 4
+    schedulers per SM issue one warp instruction a cycle; LOP3/SHF/IADD3/PRMT/... and IMAD run at half that).
+    An upper bound: it ignores latency, which the measured defaults show dominates (see the README)."""
+    import collections
+
+    from triton_kernels.moe_w4a16 import SLAB, compile_specs
+
+    D, I = SHAPES[shape]["D"], SHAPES[shape]["I"]
+    budget = 4 * H200_ISSUE["sms"] * H200_ISSUE["clock_hz"] * 32 / (H200_ISSUE["read_gbs"] * 1e9 * 2)  # per weight
+    out = {}
+    for (kernel, (sig, cx, _, warps, stages)), tile in zip(compile_specs(cfg, arch=90, D=D, I=I), ("gate_up", "down")):
+        ops = collections.Counter(_loop_opcodes(_cubin_sass(kernel, sig, cx, warps, stages)))
+        weights = SLAB * cx["BN"] * (2 if tile == "gate_up" else 1) / (32 * warps)  # per thread per loop trip
+        total, alu, imad = sum(ops.values()), sum(ops[o] for o in ALU_PIPE), ops["IMAD"]
+        out[tile] = dict(instr_per_weight=total / weights, alu_per_weight=alu / weights, imad_per_weight=imad / weights,
+                         issue_bound_frac=min(1.0, budget / max(total, 2 * alu, 2 * imad) * weights),
+                         top=dict(ops.most_common(8)))
+    return out
+
+
+def sass_table(M=1):
+    """sass_count of the sm_90 entry for M tokens and of each of its VARIANTS (CPU, about 5 s a config)."""
+    from triton_kernels.moe_configs import VARIANTS, config_for, with_variant
+
+    base = config_for(torch.device("cpu"), M)
+    return {name: sass_count(cfg) for name, cfg in [("default", base)] + [(n, with_variant(base, n)) for n in VARIANTS]}
+
+
 def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
@@ -200,10 +284,8 @@ def kernel_breakdown(M, layer, gen, calls=8):
 
 def run_shape(shape, bw, gen, deadline, sweep, out_rows, save):
     E, D, I = SHAPES[shape]["E"], SHAPES[shape]["D"], SHAPES[shape]["I"]
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     per_layer = E * expert_bytes(D, I)
-    n_layers = max(2, min(8, math.ceil(4 * l2 / (TOP_K * expert_bytes(D, I)))))
-    layers = [random_triton_layer(E, D, I, gen) for _ in range(n_layers)]
+    layers = [random_triton_layer(E, D, I, gen) for _ in range(n_layers(D, I))]
     ct_layer = random_ct_layer(E, D, I, gen)
     from triton_kernels.moe_w4a16 import prepare_moe
 
@@ -224,7 +306,7 @@ def run_shape(shape, bw, gen, deadline, sweep, out_rows, save):
             print(f"{shape} M={M}: {exc!r}", flush=True)
             out_rows.append(dict(shape=shape, M=M, error=repr(exc)[:500]))
             continue
-        row.update(layers=n_layers, layer_bytes=per_layer)
+        row.update(layers=len(layers), layer_bytes=per_layer)
         if shape == "tp8" and M in (1, 16, 256):
             try:
                 row["kernel_us"] = kernel_breakdown(M, layers[0], gen)
@@ -240,6 +322,60 @@ def run_shape(shape, bw, gen, deadline, sweep, out_rows, save):
     del layers, ct_layer, checked_layer, bf16_weights
     torch.cuda.empty_cache()
     return rows
+
+
+def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8"):
+    """The measured default against moe_configs.VARIANTS at one shape, per M: each config checked against the
+    fp32 reference, timed cold under a CUDA graph; keeps the fastest correct one per M (`best`)."""
+    from ops.moe import moe_torch
+    from triton_kernels.moe_configs import VARIANTS, config_for, with_variant
+    from triton_kernels.moe_w4a16 import moe, prepare_moe
+
+    E, D, I = SHAPES[shape]["E"], SHAPES[shape]["D"], SHAPES[shape]["I"]
+    layers = [random_triton_layer(E, D, I, gen) for _ in range(n_layers(D, I))]
+    ct_layer = random_ct_layer(E, D, I, gen)
+    checked = prepare_moe(ct_layer.gate_up_packed, ct_layer.gate_up_scale, ct_layer.down_packed, ct_layer.down_scale)
+    for M in MS[:-1]:  # 1..256: the range the issue's targets cover
+        calls = routings(M, E, CALLS, gen)
+        touched = sum(ids.unique().numel() for _, ids, _ in calls) / len(calls)
+        nbytes = touched * expert_bytes(D, I)
+        ref = moe_torch(*calls[0], ct_layer)
+        base = config_for(torch.device(DEV), M)
+        row = dict(shape=shape, M=M, experts_touched=touched, bytes=nbytes, variants={})
+        for name, cfg in [("default", base)] + [(n, with_variant(base, n)) for n in VARIANTS]:
+            if time.time() > deadline:
+                break
+            try:
+                err = rel_err(moe(*calls[0], checked, config=cfg), ref)
+                ms = time_graph([lambda c=c, j=j, cfg=cfg: moe(*c, layers[j % len(layers)], config=cfg)
+                                 for j, c in enumerate(calls)])
+                row["variants"][name] = dict(us=ms * 1e3, frac=nbytes / ms / 1e6 / bw, rel_err=err, config=cfg)
+            except Exception as exc:  # record, keep going
+                row["variants"][name] = dict(error=repr(exc)[:300])
+        ok = {n: v for n, v in row["variants"].items() if v.get("rel_err", 1.0) < 1e-2}
+        if ok:
+            row["best"] = min(ok, key=lambda n: ok[n]["us"])
+        out_rows.append(row)
+        save()
+        print(f"{shape} M={M:4d} " + " ".join(f"{n} {v['us']:.1f}us {v['frac']:.0%}" if "us" in v else f"{n} FAILED"
+                                              for n, v in row["variants"].items()) + f" best {row.get('best')}", flush=True)
+        if time.time() > deadline:
+            break
+
+
+def variants_markdown(meta, rows):
+    names = list(dict.fromkeys(n for r in rows for n in r.get("variants", {})))
+    lines = [f"# W4A16 MoE variants vs default ({meta['gpu']}, {meta['date']})", "",
+             f"TP8 shape, cold L2, CUDA graph; HBM read {meta['hbm_read_gbs']:.0f} GB/s measured in this run. "
+             "Cells: us (% of HBM read); '-' not run, 'x' failed or wrong.", "",
+             "| M | experts | " + " | ".join(names) + " | best |", "|---|---|" + "---|" * len(names) + "---|"]
+    for r in rows:
+        cells = []
+        for n in names:
+            v = r["variants"].get(n)
+            cells.append("-" if v is None else f"{v['us']:.1f} ({v['frac']:.0%})" if v.get("rel_err", 1) < 1e-2 else "x")
+        lines.append(f"| {r['M']} | {r['experts_touched']:.1f} | " + " | ".join(cells) + f" | {r.get('best', '-')} |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(meta, rows):
@@ -259,11 +395,19 @@ def markdown(meta, rows):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="results folder (required except with --sass)")
     parser.add_argument("--budget", type=float, default=280.0, help="seconds for the whole run")
     parser.add_argument("--sweep-budget", type=float, default=170.0, help="seconds for the benchmark points")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--variants", action="store_true",
+                        help="only time the default against moe_configs.VARIANTS at the TP8 shape (about --budget s)")
+    parser.add_argument("--sass", action="store_true", help="CPU only: static SASS counts of the default and variants")
     args = parser.parse_args()
+    if args.sass:
+        print(json.dumps(sass_table(), indent=1))
+        return
+    if not args.out:
+        parser.error("--out is required")
     start = time.time()
     os.makedirs(args.out, exist_ok=True)
     import triton
@@ -281,6 +425,12 @@ def main():
     meta["hbm_read_gbs"] = bw
     print(f"HBM read {bw:.0f} GB/s", flush=True)
     gen = torch.Generator(DEV).manual_seed(0)
+    if args.variants:
+        compare_variants(bw, gen, start + args.budget - 10, rows, save)
+        with open(os.path.join(args.out, "moe_variants.md"), "w") as f:
+            f.write(variants_markdown(meta, rows))
+        print(variants_markdown(meta, rows), flush=True)
+        return
     for i, shape in enumerate(SHAPES):
         remaining = args.sweep_budget - (time.time() - start)
         run_shape(shape, bw, gen, time.time() + remaining / (len(SHAPES) - i), not args.no_sweep, rows, save)
