@@ -29,14 +29,15 @@ CONFIGS = {
 
 
 # sm_90 variants under test, as overrides of an entry's per-kernel dicts (not used by config_for). `lean` carries
-# the slab pointers across the K loop and drops column masks when BN divides N. Static SASS counts per variant
-# (instructions per weight in the K loop, predicted bandwidth) are in triton_kernels/README.md;
-# `python bench/bench_moe.py --variants` times them against the defaults at the TP8 shape.
+# the slab pointers across the K loop, drops column masks when BN divides N and loads a block's pair ids together
+# with its expert. Static SASS counts per variant (instructions per weight in the K loop, predicted bandwidth) are
+# in triton_kernels/README.md; `python bench/bench_moe.py --variants` times them against the defaults (TP8 shape).
 VARIANTS = {
     "lean": dict(gate_up=dict(lean=True), down=dict(lean=True)),
     "lean_gu64": dict(gate_up=dict(BN=64, lean=True), down=dict(lean=True)),
     "lean_gu64_w8": dict(gate_up=dict(BN=64, num_warps=8, lean=True), down=dict(lean=True)),
     "lean_gu64_dn256w8": dict(gate_up=dict(BN=64, lean=True), down=dict(BN=256, num_warps=8, lean=True)),
+    "lean_gu64_dn128w8": dict(gate_up=dict(BN=64, lean=True), down=dict(num_warps=8, lean=True)),
     "lean_gu64_deep": dict(gate_up=dict(BN=64, num_stages=6, waves=2, lean=True), down=dict(num_stages=3, lean=True)),
 }
 

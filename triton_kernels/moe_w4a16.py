@@ -170,12 +170,15 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     With SPLIT, pid 2 of split_k sums a range of slabs into part; the last split to arrive finishes the tile.
     """
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
     e = tl.load(block_expert_ptr + pid_b)
+    if LEAN:  # pair ids loaded before the early return, with the expert (volatile: not sunk past the branch)
+        pair = tl.load(sorted_ptr + rows, volatile=True)
     if e < 0:
         return
+    if not LEAN:
+        pair = tl.load(sorted_ptr + rows)
     DTYPE = x_ptr.dtype.element_ty
-    rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
-    pair = tl.load(sorted_ptr + rows)
     token = tl.where(pair >= 0, pair // TOP_K, 0).to(tl.int64)
     n = pid_n * BN + tl.arange(0, BN)  # [BN] gate columns; up columns are n + I
     n_mask = (n < I) | EVEN_N  # all-true (folded away) when BN divides I
@@ -223,12 +226,15 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
                  MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr):
     """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tile pid 1, K split pid 2."""
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
     e = tl.load(block_expert_ptr + pid_b)
+    if LEAN:  # pair ids loaded before the early return, with the expert (volatile: not sunk past the branch)
+        pair = tl.load(sorted_ptr + rows, volatile=True)
     if e < 0:
         return
+    if not LEAN:
+        pair = tl.load(sorted_ptr + rows)
     DTYPE = h_ptr.dtype.element_ty
-    rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
-    pair = tl.load(sorted_ptr + rows)
     valid = pair >= 0
     n = pid_n * BN + tl.arange(0, BN)  # [BN] hidden columns
     n_mask = (n < D) | EVEN_N
@@ -334,8 +340,9 @@ def _expected_experts(E, pairs):
 
 
 def _lean(kernel_cfg, N):
-    """LEAN / EVEN_N constexprs of a kernel config: `lean` carries the slab pointers across the K loop and drops
-    the column masks when BN divides N (sm_90 variants under test; the measured defaults leave it off)."""
+    """LEAN / EVEN_N constexprs of a kernel config: `lean` carries the slab pointers across the K loop, drops the
+    column masks when BN divides N and loads a block's pair ids with its expert (sm_90 variants under test; the
+    measured defaults leave it off)."""
     lean = kernel_cfg.get("lean", False)
     return dict(LEAN=lean, EVEN_N=lean and N % kernel_cfg["BN"] == 0)
 
