@@ -6,8 +6,9 @@ in bf16 with random weights made on the GPU (INT4 experts included, no checkpoin
 Kimi-K2.5-DFlash shape. The drafter has no tensor parallelism: it runs unsharded (its full 6 layers on this
 rank), scoring with the target's lm_head shard. Per context {4k, 32k} and bucket it times (host clock around
 synchronised back-to-back calls, so host overhead shows): the verify eagerly and as a graph replay, the sum of
-its kernels (profiler, eager run), the whole step (draft, top-k, tree build, verify replay, accept, compact,
-drafter context append) and the autoregressive step (root-only verify replay + accept). Each is divided by
+its kernels (profiler, eager run), the whole step (draft, top-k, tree build, verify, accept, compact, drafter
+context append) eagerly and graphed (draft + top-k + build one replay, the verify another) and the
+autoregressive step (root-only verify replay + accept). Each is divided by
 its floor: the bytes it must read (`floor_bytes`) over the read bandwidth measured in the same run
 (a sum over 4 GiB). Writes step.json and step.md to --out; prints a short table last.
 
@@ -29,7 +30,7 @@ from model.model import KimiModel, MoE
 from model.parallel import Parallel
 from spec.drafter import DFlashDrafter, DrafterConfig
 from spec.engine import root_tree
-from spec.graphs import DEFAULT_BUCKETS, StepGraphs, eligibility
+from spec.graphs import DEFAULT_BUCKETS, DraftGraphs, StepGraphs, draft_eligibility, eligibility
 
 CONTEXTS = (4096, 32768)
 DFLASH_K25 = dict(num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
@@ -207,13 +208,13 @@ class Bench:
         dev = target.device
         self.bonus = torch.full((batch,), 7, dtype=torch.int64, device=dev)
         self.seeds = torch.arange(batch, dtype=torch.int64, device=dev)
-        self.trees = {}
+        self.trees, self.drafts = {}, {}
 
     def set_context(self, n):
         for c in (self.cache, self.dcache):
             c.lens.fill_(n)
             c.set_host_lens([n] * self.batch)
-        self.trees = {}
+        self.trees, self.drafts = {}, {}
 
     def tree(self, budget):
         """A tree built from the drafter's real pass (kept per budget for the verify-only timings)."""
@@ -229,25 +230,36 @@ class Bench:
         tree = self.tree(budget)
         return tree.tokens, self.cache.lens[:, None].long() + tree.depths.long(), tree.mask
 
+    def verify_eager_of(self, tokens, positions, mask):
+        return self.target(tokens, positions, self.cache, tree_mask=mask, hidden_layers=self.graphs.hidden_layers)
+
     def verify_eager(self, budget):
         tokens, positions, mask = self.verify_inputs(budget)
-        return lambda: self.target(tokens, positions, self.cache, tree_mask=mask,
-                                   hidden_layers=self.graphs.hidden_layers)
+        return lambda: self.verify_eager_of(tokens, positions, mask)
 
     def verify_graph(self, budget):
         tokens, positions, mask = self.verify_inputs(budget)
         return lambda: self.graphs.verify(tokens, positions, mask)
 
-    def spec_step(self, budget):
-        """draft, top-k, build, verify (replay), accept, compact, drafter append; nothing committed: the
-        drafter's lengths are put back after each call."""
+    def draft_tree(self, budget, graphed):
+        """draft -> top-k -> build: one replay (captured on first use) when graphed and capturable, else eager."""
+        if graphed and draft_eligibility(self.drafter)[0]:
+            if budget not in self.drafts:
+                self.drafts[budget] = DraftGraphs(self.drafter, self.dcache, self.batch, budget)
+            return self.drafts[budget].tree(self.bonus)
+        logits = self.drafter.draft(self.dcache, self.bonus)
+        lp, tok = ops.draft_topk(logits, min(budget, logits.shape[-1]))
+        return ops.build_tree(lp, tok, self.bonus, budget)
+
+    def spec_step(self, budget, graphed=True):
+        """draft, top-k, build, verify, accept, compact, drafter append (graphed: the first three as one replay,
+        the verify as another); nothing committed: the drafter's lengths are put back after each call."""
         lens = self.dcache.lens.clone()
+        verify = self.graphs.verify if graphed else self.verify_eager_of
 
         def step():
-            logits = self.drafter.draft(self.dcache, self.bonus)
-            lp, tok = ops.draft_topk(logits, min(budget, logits.shape[-1]))
-            tree = ops.build_tree(lp, tok, self.bonus, budget)
-            out = self.graphs.verify(tree.tokens, self.cache.lens[:, None].long() + tree.depths.long(), tree.mask)
+            tree = self.draft_tree(budget, graphed)
+            out = verify(tree.tokens, self.cache.lens[:, None].long() + tree.depths.long(), tree.mask)
             path, path_len, nxt = ops.accept(tree, out.logits, 0.0, seeds=self.seeds, step=1)
             hidden = ops.compact(self.cache.kv, self.cache.lens, path, path_len, out.hidden)
             self.drafter.append_context(self.dcache, hidden, path_len)
@@ -289,6 +301,7 @@ def measure(bench, budget, context, bw, iters):
         draft = drafter_floor_bytes(bench.drafter, bench.batch, context)
         step_floor_ms = (sum(floor.values()) + sum(draft.values())) / bw / 1e6
         row["step_ms"] = wall_ms(bench.spec_step(budget), iters)
+        row["step_eager_ms"] = wall_ms(bench.spec_step(budget, graphed=False), max(3, iters // 4))
         row["step_floor_ms"] = step_floor_ms
         row["step_over_floor"] = row["step_ms"] / step_floor_ms
     else:
@@ -303,11 +316,11 @@ def markdown(meta, rows):
              f"(sum over 4 GiB); build {meta['build_s']:.0f} s, capture {meta['capture_s']:.1f} s; batch 1.",
              f"Drafter: {meta['drafter_note']}", "",
              "| ctx | budget | experts/layer | floor ms | verify eager ms | verify graph ms | kernels ms | "
-             "overhead removed | graph / kernels | verify / floor | step ms | step / floor |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "overhead removed | graph / kernels | verify / floor | step eager ms | step ms | step / floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        step = (f"{r['step_ms']:.2f} | {r['step_over_floor']:.2f}" if r["budget"]
-                else f"AR {r['ar_step_ms']:.2f} | {r['ar_step_over_floor']:.2f}")
+        step = (f"{r['step_eager_ms']:.2f} | {r['step_ms']:.2f} | {r['step_over_floor']:.2f}" if r["budget"]
+                else f"- | AR {r['ar_step_ms']:.2f} | {r['ar_step_over_floor']:.2f}")
         removed = f"{r['overhead_removed']:.0%}" if r["overhead_removed"] is not None else "-"
         ratio = f"{r['graph_over_kernels']:.2f}" if r["graph_over_kernels"] else "-"
         lines.append(f"| {r['context']} | {r['budget']} | {r['distinct_experts']:.0f} | {r['floor_ms']:.2f} | "

@@ -18,7 +18,7 @@ import torch
 
 import ops
 from ops.tree import Tree
-from spec.graphs import DEFAULT_BUCKETS, StepGraphs, bucket_for, eligibility
+from spec.graphs import DEFAULT_BUCKETS, DraftGraphs, StepGraphs, bucket_for, draft_eligibility, eligibility
 
 MAX_BUDGET = 512
 
@@ -178,12 +178,21 @@ class _Run:
         else:
             graphs = engine.step_graphs(B, cache_len, self.hidden_layers, bucket)
             self.cache, self.verify = graphs.cache, graphs.verify
+        if spec and bucket is not None and draft_eligibility(engine.drafter)[0]:
+            self.draft_tree = DraftGraphs(engine.drafter, self.dcache, B, engine.budget, log=engine.graph_log).tree
         self.seeds = torch.tensor([sampling.seed + b for b in range(B)], dtype=torch.int64, device=dev)
         self.outputs = [[] for _ in range(B)]
         self.accept = [[] for _ in range(B)]
         self.reasons = [None] * B
         self.live = [True] * B
         self.live_dev = torch.ones(B, dtype=torch.int32, device=dev)
+
+    def draft_tree(self, bonus):
+        """The next tree: the drafter's pass, its per-depth top-k and the best-first build (eager)."""
+        e = self.e
+        logits = e.drafter.draft(self.dcache, bonus)  # [B, L, V]
+        logprobs, tokens = ops.draft_topk(logits, min(e.budget, logits.shape[-1]))
+        return ops.build_tree(logprobs, tokens, bonus, e.budget)
 
     def sample(self, tree, logits, step):
         s = self.sampling
@@ -229,9 +238,7 @@ class _Run:
     def spec_step(self, bonus, step):
         e, cache = self.e, self.cache
         B = len(self.prompts)
-        logits = e.drafter.draft(self.dcache, bonus)  # [B, L, V]
-        logprobs, tokens = ops.draft_topk(logits, min(e.budget, logits.shape[-1]))
-        tree = ops.build_tree(logprobs, tokens, bonus, e.budget)
+        tree = self.draft_tree(bonus)
         positions = cache.lens[:B, None].long() + tree.depths.long()
         out = self.verify(tree.tokens, positions, tree.mask)
         path, path_len, nxt = self.sample(tree, out.logits, step)

@@ -1,4 +1,5 @@
-"""CUDA graphs of the target's verify pass, one per tree-size bucket, over static buffers.
+"""CUDA graphs of a DDTree step: the target's verify pass per tree-size bucket (`StepGraphs`), and the
+drafter's pass + top-k + tree build per context bucket (`DraftGraphs`).
 
 A bucket is a tree budget N (N + 1 nodes with the root); budget 0 is the root-only verify of target-only
 decoding (one token, causal). A verify of N nodes pads to the smallest captured bucket >= N: padded nodes
@@ -13,7 +14,7 @@ cache's `kv` and `lens` tensors: a `StepGraphs` serves that one cache object.
 
 Capture needs a pass without host synchronisation: the torch references of attention and moe read lengths
 and expert counts back (`.tolist()`), so graphs are offered only when every op with a kernel on the verify
-path runs Triton on a CUDA device (`eligibility`); otherwise the caller runs eagerly.
+path runs Triton on a CUDA device (`eligibility`, `draft_eligibility`); otherwise the caller runs eagerly.
 """
 
 import time
@@ -22,9 +23,11 @@ import torch
 
 import ops
 from model.model import ForwardOutput
+from spec.drafter import DFlashDrafter
 
 DEFAULT_BUCKETS = (0, 8, 16, 32, 64, 128)
 VERIFY_KERNEL_OPS = ("attention", "write_kv", "moe")  # the ops on the verify path that have Triton kernels
+DRAFT_KERNEL_OPS = ("draft_topk", "tree_build")  # the same for the draft + tree build (their references loop)
 
 
 def parse_buckets(spec):
@@ -94,6 +97,20 @@ def eligibility(model):
         return False, f"ops {', '.join(torch_ops)} run their torch references, which synchronise the host"
     if any(layer.self_attn.naive for layer in model.layers):
         return False, "the naive attention form synchronises the host"
+    return True, ""
+
+
+def draft_eligibility(drafter):
+    """(True, '') when a drafter's pass + top-k + tree build can be captured; else (False, why)."""
+    if not isinstance(drafter, DFlashDrafter):
+        return False, f"{type(drafter).__name__} is not a DFlashDrafter"
+    if drafter.device.type != "cuda":
+        return False, f"CUDA graphs need a CUDA device (drafter on {drafter.device.type})"
+    if drafter.target is None or drafter.target.par.joined:
+        return False, "the drafter is unbound or joined over tensor-parallel ranks"
+    torch_ops = [name for name in DRAFT_KERNEL_OPS if ops.current(name, drafter.device) != "triton"]
+    if torch_ops:
+        return False, f"ops {', '.join(torch_ops)} run their torch references"
     return True, ""
 
 
@@ -214,3 +231,61 @@ class StepGraphs:
         self.graphs[bucket].replay()
         _, _, _, logits, hidden = self.bufs.views(bucket + 1)
         return ForwardOutput(logits[:, :T], hidden[:, :T] if hidden is not None else None)
+
+
+class DraftGraphs:
+    """The drafter's pass, top-k and tree build of one budget, captured per context bucket.
+
+    The drafter's attention bounds its work by a host length (the longest context + the block); a graph fixes
+    it at the context bucket's end (a multiple of `granularity`, at most the cache's length), which changes
+    nothing but the masked work. Graphs are captured on first use of a bucket and share one memory pool; the
+    tree comes back in static buffers, valid until the next `tree` call.
+    """
+
+    def __init__(self, drafter, cache, batch, budget, granularity=1024, log=print):
+        self.drafter, self.cache, self.batch, self.budget = drafter, cache, batch, budget
+        self.granularity, self.log = granularity, log
+        self.bonus = torch.zeros(batch, dtype=torch.int64, device=drafter.device)
+        self.graphs, self.outputs, self.pool = {}, None, None
+
+    def span(self):
+        """The attention length of the next draft, rounded up to its bucket (host ints only)."""
+        need = max(self.cache.host_lens[: self.batch]) + self.drafter.cfg.block_size
+        return min(-(-need // self.granularity) * self.granularity, self.cache.max_len)
+
+    def _run_static(self, span):
+        S = self.drafter.cfg.block_size
+        view = type(self.cache)(self.cache.k, self.cache.v, self.cache.lens, [span - S] * self.batch)
+        logits = self.drafter.draft(view, self.bonus)
+        logprobs, tokens = ops.draft_topk(logits, min(self.budget, logits.shape[-1]))
+        tree = ops.build_tree(logprobs, tokens, self.bonus, self.budget)
+        if self.outputs is None:
+            self.outputs = {name: torch.empty_like(t) for name, t in vars(tree).items() if torch.is_tensor(t)}
+            self.max_depth = tree.max_depth
+        for name, out in self.outputs.items():
+            out.copy_(getattr(tree, name))
+
+    def capture(self, span):
+        dev, t0 = self.drafter.device, time.perf_counter()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run_static(span)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._run_static(span)
+        self.pool, self.graphs[span] = graph.pool(), graph
+        self.log(f"cuda graph: draft + tree of budget {self.budget} over {span} context entries captured "
+                 f"in {time.perf_counter() - t0:.2f} s")
+
+    def tree(self, bonus):
+        """draft -> draft_topk -> build_tree for the next step (bonus [B] int64), as one replay."""
+        span = self.span()
+        self.cache.check_room(self.drafter.cfg.block_size)
+        self.bonus.copy_(bonus)
+        if span not in self.graphs:
+            self.capture(span)
+        self.graphs[span].replay()
+        return ops.Tree(**self.outputs, max_depth=self.max_depth)

@@ -14,8 +14,8 @@ from model.config import preset
 from model.model import KimiModel
 from model.parallel import Parallel
 from spec.engine import cache_row
-from spec.graphs import (DEFAULT_BUCKETS, StaticBuffers, StepGraphs, bucket_for, eligibility, pad_mask, pad_tree,
-                         parse_buckets)
+from spec.graphs import (DEFAULT_BUCKETS, DraftGraphs, StaticBuffers, StepGraphs, bucket_for, draft_eligibility,
+                         eligibility, pad_mask, pad_tree, parse_buckets)
 from tests.conftest import rel_err, requires_gpu
 
 _spec = importlib.util.spec_from_file_location("bench_step", Path(__file__).parents[1] / "bench" / "bench_step.py")
@@ -291,13 +291,14 @@ def test_bench_step_pieces_on_cpu(tiny):
         bench = bench_step.Bench(model, drafter, (0, 8), max_context=64)
         bench.set_context(20)
         nxt = bench.spec_step(8)()
+        assert torch.equal(bench.spec_step(8, graphed=False)(), nxt)
         assert nxt.shape == (1,) and bench.dcache.lens.tolist() == [20] and bench.cache.lens.tolist() == [20]
         assert bench.ar_step()().shape == (1,)
         tokens, positions, mask = bench.verify_inputs(8)
         assert tokens.shape == (1, 9) and mask.shape == (1, 9, 1) and positions.min().item() == 20
     row = dict(context=20, budget=8, distinct_experts=3.0, floor_ms=1.0, verify_eager_ms=3.0, verify_graph_ms=1.2,
                verify_kernels_ms=1.1, overhead_removed=0.95, graph_over_kernels=1.09, verify_graph_over_floor=1.2,
-               step_ms=2.0, step_over_floor=1.5)
+               step_eager_ms=4.0, step_ms=2.0, step_over_floor=1.5)
     meta = dict(gpu="cpu", date="now", torch="t", triton="t", read_GBps=1.0, build_s=1.0, capture_s=0.5,
                 drafter_note="n")
     table = bench_step.markdown(meta, [row, dict(row, budget=0, ar_step_ms=1.0, ar_step_over_floor=1.0)])
@@ -320,3 +321,35 @@ def test_engine_graph_bucket(capsys, tiny):
     with ops.using(moe="torch"):
         assert Engine(fake, budget=8).graph_bucket(True) is None
         assert "moe" in capsys.readouterr().err
+
+
+def test_draft_graphs_body_on_cpu(tiny):
+    """The captured draft body over a span rounded up to its bucket builds the eager pass's tree."""
+    model, drafter = tiny
+    assert not draft_eligibility(drafter)[0] and not draft_eligibility(SimpleNamespace())[0]
+    with ops.using(**TORCH):
+        dcache = drafter.new_cache(2, 100)
+        feats = torch.randn(2, 30, len(drafter.target_layer_ids) * model.cfg.hidden_size)
+        drafter.append_context(dcache, feats, torch.tensor([20, 5], dtype=torch.int32), [20, 5])
+        drafts = DraftGraphs(drafter, dcache, 2, 6, granularity=16)
+        assert drafts.span() == 32  # 20 + block 4, rounded up to 16s
+        dcache.set_host_lens([95, 5])
+        assert drafts.span() == 100  # clamped to the cache
+        dcache.set_host_lens([20, 5])
+        bonus = torch.tensor([3, 9])
+        drafts.bonus.copy_(bonus)
+        drafts._run_static(drafts.span())
+        got = ops.Tree(**drafts.outputs, max_depth=drafts.max_depth)
+        logits = drafter.draft(dcache, bonus)
+        lp, tok = ops.draft_topk(logits, 6)
+        want = ops.build_tree(lp, tok, bonus, 6)
+        for name, t in vars(want).items():
+            assert t == getattr(got, name) if name == "max_depth" else torch.equal(t, getattr(got, name)), name
+        assert dcache.lens.tolist() == [20, 5] and dcache.host_lens == [20, 5]
+
+
+def test_decode_flag():
+    from spec.decode import parse_args
+
+    assert parse_args(["--prompt", "hi", "--no-cuda-graphs"]).no_cuda_graphs
+    assert not parse_args(["--prompt", "hi"]).no_cuda_graphs
