@@ -247,6 +247,7 @@ class DraftGraphs:
         self.granularity, self.log = granularity, log
         self.bonus = torch.zeros(batch, dtype=torch.int64, device=drafter.device)
         self.graphs, self.outputs, self.pool = {}, None, None
+        self.max_depth = None  # the trees' L, known after the first pass
 
     def span(self):
         """The attention length of the next draft, rounded up to its bucket (host ints only)."""
@@ -267,6 +268,8 @@ class DraftGraphs:
 
     def capture(self, span):
         dev, t0 = self.drafter.device, time.perf_counter()
+        if self.outputs is None:
+            self._run_static(span)  # allocates the static outputs on this stream
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
