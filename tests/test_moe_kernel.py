@@ -81,13 +81,17 @@ def test_moe_narrow_unpack_path(monkeypatch):
 
 
 @requires_triton
-@pytest.mark.parametrize("E,D,I", [(6, 512, 64), (5, 320, 96)], ids=["even_n", "ragged_n"])
-def test_moe_lean_variant(E, D, I):
-    """The `lean` configs (loop-carried slab pointers; no column masks when BN divides N), split over K."""
-    cfg = {"BM": 16, "gate_up": dict(BN=32, waves=8, num_warps=4, num_stages=2, lean=True),
-           "down": dict(BN=128, waves=8, num_warps=4, num_stages=2, lean=True)}
+@pytest.mark.parametrize("E,D,I,extra", [(6, 512, 64, {}), (5, 320, 96, {}), (5, 320, 96, {"decode": True}),
+                                          (6, 512, 64, {"decode": True})], ids=["even_n", "ragged_n", "decode", "decode_even_n"])
+def test_moe_variant_configs(E, D, I, extra):
+    """The `lean` configs (loop-carried slab pointers; no column masks when BN divides N) split over K, and the
+    decode path (one block per pair, no routing pass; here with a repeated expert), with and without lean."""
+    lean = not extra or D == 512
+    cfg = {"BM": 16, "gate_up": dict(BN=32, waves=8, num_warps=4, num_stages=2, lean=lean),
+           "down": dict(BN=128, waves=8, num_warps=4, num_stages=2, lean=lean), **extra}
     raw = make_experts(E, D, I, seed=4)
     ids, weights = make_routing(3, E, 2, seed=4)
+    ids[2] = ids[0]  # two tokens on the same experts
     x = torch.randn(3, D, generator=torch.Generator().manual_seed(4)).to(device()).to(kernel_dtypes()[0])
     out = moe_w4a16.moe(x, ids, weights, moe_w4a16.prepare_moe(*raw), config=cfg)
     assert rel_err(out, moe_torch(x.float(), ids, weights, PackedExperts(*raw))) < 1e-2

@@ -30,8 +30,9 @@ CONFIGS = {
 
 # sm_90 variants under test, as overrides of an entry's per-kernel dicts (not used by config_for). `lean` carries
 # the slab pointers across the K loop, drops column masks when BN divides N and loads a block's pair ids together
-# with its expert. Static SASS counts per variant (instructions per weight in the K loop, predicted bandwidth) are
-# in triton_kernels/README.md; `python bench/bench_moe.py --variants` times them against the defaults (TP8 shape).
+# with its expert; `decode` (top level) gives each (token, expert) pair its own block of rows and replaces the
+# routing pass by a memset (for a few tokens: an expert chosen by two tokens is read twice). Static SASS counts
+# per variant are in triton_kernels/README.md; `python bench/bench_moe.py --variants` times them (TP8 shape).
 VARIANTS = {
     "lean": dict(gate_up=dict(lean=True), down=dict(lean=True)),
     "lean_gu64": dict(gate_up=dict(BN=64, lean=True), down=dict(lean=True)),
@@ -39,13 +40,14 @@ VARIANTS = {
     "lean_gu64_dn256w8": dict(gate_up=dict(BN=64, lean=True), down=dict(BN=256, num_warps=8, lean=True)),
     "lean_gu64_dn128w8": dict(gate_up=dict(BN=64, lean=True), down=dict(num_warps=8, lean=True)),
     "lean_gu64_deep": dict(gate_up=dict(BN=64, num_stages=6, waves=2, lean=True), down=dict(num_stages=3, lean=True)),
+    "lean_gu64_decode": dict(decode=True, gate_up=dict(BN=64, lean=True), down=dict(lean=True)),
 }
 
 
 def with_variant(cfg, name):
-    """Entry `cfg` with the overrides of VARIANTS[name] applied to its per-kernel dicts."""
+    """Entry `cfg` with the overrides of VARIANTS[name]: per-kernel dicts merged, other keys set."""
     over = VARIANTS[name]
-    return {**cfg, **{kernel: {**cfg[kernel], **over.get(kernel, {})} for kernel in ("gate_up", "down")}}
+    return {**cfg, **over, **{kernel: {**cfg[kernel], **over.get(kernel, {})} for kernel in ("gate_up", "down")}}
 
 
 def arch_of(device):

@@ -163,7 +163,7 @@ def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_ptr, block_expert_ptr,
                     D, I, n_slabs, n_slabs_per_split, split_k, stride_we, stride_se, stride_part,
                     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, LEAN: tl.constexpr,
-                    EVEN_N: tl.constexpr,
+                    EVEN_N: tl.constexpr, DECODE: tl.constexpr,
                     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr):
     """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate.
 
@@ -172,12 +172,15 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
     e = tl.load(block_expert_ptr + pid_b)
-    if LEAN:  # pair ids loaded before the early return, with the expert (volatile: not sunk past the branch)
+    if DECODE:  # block b holds pair b alone, in row 0 (block_expert_ptr is topk_ids; no routing pass)
+        pair = tl.where(tl.arange(0, BM) == 0, pid_b, -1)
+    elif LEAN:  # pair ids loaded before the early return, with the expert (volatile: not sunk past the branch)
         pair = tl.load(sorted_ptr + rows, volatile=True)
     if e < 0:
         return
-    if not LEAN:
-        pair = tl.load(sorted_ptr + rows)
+    if not DECODE:
+        if not LEAN:
+            pair = tl.load(sorted_ptr + rows)
     DTYPE = x_ptr.dtype.element_ty
     token = tl.where(pair >= 0, pair // TOP_K, 0).to(tl.int64)
     n = pid_n * BN + tl.arange(0, BN)  # [BN] gate columns; up columns are n + I
@@ -223,17 +226,20 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
 def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                  D, I, n_slabs, n_slabs_per_split, stride_we, stride_se,
                  TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LEAN: tl.constexpr, EVEN_N: tl.constexpr,
-                 MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr):
+                 DECODE: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr):
     """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tile pid 1, K split pid 2."""
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
     e = tl.load(block_expert_ptr + pid_b)
-    if LEAN:  # pair ids loaded before the early return, with the expert (volatile: not sunk past the branch)
+    if DECODE:  # block b holds pair b alone, in row 0 (block_expert_ptr is topk_ids; no routing pass)
+        pair = tl.where(tl.arange(0, BM) == 0, pid_b, -1)
+    elif LEAN:  # pair ids loaded before the early return, with the expert (volatile: not sunk past the branch)
         pair = tl.load(sorted_ptr + rows, volatile=True)
     if e < 0:
         return
-    if not LEAN:
-        pair = tl.load(sorted_ptr + rows)
+    if not DECODE:
+        if not LEAN:
+            pair = tl.load(sorted_ptr + rows)
     DTYPE = h_ptr.dtype.element_ty
     valid = pair >= 0
     n = pid_n * BN + tl.arange(0, BN)  # [BN] hidden columns
@@ -347,6 +353,22 @@ def _lean(kernel_cfg, N):
     return dict(LEAN=lean, EVEN_N=lean and N % kernel_cfg["BN"] == 0)
 
 
+def _route(topk_ids, scratch, E, BM, capacity, nb_max):
+    """Launch `_route_kernel` (it also zeroes `scratch`): -> (sorted pair ids [capacity], block experts [nb_max])."""
+    P = topk_ids.numel()
+    ints = torch.empty(2 * 1024 + P + capacity + nb_max, dtype=torch.int32, device=topk_ids.device)
+    counts, offsets = ints[:1024], ints[1024:2048]
+    rank, sorted_pairs, block_expert = ints[2048 : 2048 + P], ints[2048 + P : 2048 + P + capacity], ints[2048 + P + capacity :]
+    e_pad = triton.next_power_of_2(E)
+    if e_pad > 1024:
+        raise ValueError(f"moe (triton): at most 1024 experts, got {E}")
+    block = 1024
+    _route_kernel[(1 + triton.cdiv(scratch.numel(), block),)](
+        topk_ids, sorted_pairs, block_expert, counts, offsets, rank, scratch, scratch.numel(), P, capacity, nb_max,
+        BM=BM, E_PAD=e_pad, BLOCK=block)
+    return sorted_pairs, block_expert
+
+
 def moe(x, topk_ids, topk_weights, experts, config=None):
     """Triton backend of ops.moe (see there): x [M, D] bf16/fp16, topk_ids [M, k] int32, topk_weights [M, k] fp32.
 
@@ -362,11 +384,11 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
     top_k, E, I = topk_ids.shape[1], experts.num_experts, experts.intermediate
     P = M * top_k
     cfg = config or config_for(x.device, M)
-    BM = cfg["BM"]
-    nb_max = triton.cdiv(P, BM) + min(E, P)
+    BM, decode = cfg["BM"], cfg.get("decode", False)
+    nb_max = P if decode else triton.cdiv(P, BM) + min(E, P)
     capacity = nb_max * BM
     sms = _sm_count(x.device)
-    est_blocks = _expected_experts(E, P) + triton.cdiv(P, BM)
+    est_blocks = P if decode else _expected_experts(E, P) + triton.cdiv(P, BM)
 
     gu_bn = cfg["gate_up"]["BN"]
     gu_tiles = triton.cdiv(I, gu_bn)
@@ -382,36 +404,30 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
     dn_split = triton.cdiv(dn_slabs, dn_per_split)
 
     dev = x.device
-    ints = torch.empty(2 * 1024 + P + capacity + nb_max, dtype=torch.int32, device=dev)
-    counts, offsets = ints[:1024], ints[1024:2048]
-    rank, sorted_pairs, block_expert = ints[2048 : 2048 + P], ints[2048 + P : 2048 + P + capacity], ints[2048 + P + capacity :]
     n_counters = nb_max * gu_tiles if gu_split > 1 else 0
-    scratch = torch.empty(M * D + n_counters, dtype=torch.float32, device=dev)  # zeroed by _route_kernel
+    if decode:  # one block per pair: a memset instead of the routing pass
+        scratch = torch.zeros(M * D + n_counters, dtype=torch.float32, device=dev)
+        sorted_pairs = block_expert = topk_ids
+    else:
+        scratch = torch.empty(M * D + n_counters, dtype=torch.float32, device=dev)  # zeroed by _route_kernel
+        sorted_pairs, block_expert = _route(topk_ids, scratch, E, BM, capacity, nb_max)
     out, counters = scratch[: M * D].view(M, D), scratch[M * D :].view(torch.int32)
     h = torch.empty((capacity, I), dtype=x.dtype, device=dev)
     part = torch.empty((gu_split if gu_split > 1 else 0, capacity, 2 * I), dtype=torch.float32, device=dev)
-
-    e_pad = triton.next_power_of_2(E)
-    if e_pad > 1024:
-        raise ValueError(f"moe (triton): at most 1024 experts, got {E}")
-    block = 1024
-    _route_kernel[(1 + triton.cdiv(scratch.numel(), block),)](
-        topk_ids, sorted_pairs, block_expert, counts, offsets, rank, scratch, scratch.numel(), P, capacity, nb_max,
-        BM=BM, E_PAD=e_pad, BLOCK=block)
     magic = UNPACK[x.dtype]
     g = cfg["gate_up"]
     _gate_up_kernel[(nb_max, gu_tiles, gu_split)](
         x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert,
         D, I, gu_slabs, gu_per_split, gu_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
         part.stride(0) if gu_split > 1 else 0,
-        TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_lean(g, I), num_warps=g["num_warps"],
-        num_stages=g["num_stages"], **magic)
+        TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_lean(g, I), DECODE=decode,
+        num_warps=g["num_warps"], num_stages=g["num_stages"], **magic)
     d = cfg["down"]
     _down_kernel[(nb_max, dn_tiles, dn_split)](
         h, experts.down, experts.down_scale, out, topk_weights, sorted_pairs, block_expert,
         D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0),
-        TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_lean(d, D), num_warps=d["num_warps"],
-        num_stages=d["num_stages"], **magic)
+        TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_lean(d, D), DECODE=decode,
+        num_warps=d["num_warps"], num_stages=d["num_stages"], **magic)
     return out.to(x.dtype)
 
 
@@ -425,10 +441,10 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
                    counter_ptr="*i32", **common, split_k="i32", stride_we="i64", stride_se="i64", stride_part="i64")
     down = dict(h_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", weights_ptr="*fp32", **common,
                 stride_we="i64", stride_se="i64")
-    g, d = cfg["gate_up"], cfg["down"]
+    g, d, decode = cfg["gate_up"], cfg["down"], cfg.get("decode", False)
     return [
         (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT=True, EVEN_K=True, **_lean(g, I),
-                                         **magic), arch, g["num_warps"], g["num_stages"])),
-        (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], EVEN_K=True, **_lean(d, D), **magic), arch,
-                        d["num_warps"], d["num_stages"])),
+                                         DECODE=decode, **magic), arch, g["num_warps"], g["num_stages"])),
+        (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], EVEN_K=True, **_lean(d, D), DECODE=decode,
+                                   **magic), arch, d["num_warps"], d["num_stages"])),
     ]
