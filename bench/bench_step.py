@@ -30,7 +30,7 @@ from model.model import KimiModel, MoE
 from model.parallel import Parallel
 from spec.drafter import DFlashDrafter, DrafterConfig
 from spec.engine import root_tree
-from spec.graphs import DEFAULT_BUCKETS, DraftGraphs, StepGraphs, draft_eligibility, eligibility
+from spec.graphs import DEFAULT_BUCKETS, DraftGraphs, StepGraphs, draft_eligibility, eligibility, parse_buckets
 
 CONTEXTS = (4096, 32768)
 DFLASH_K25 = dict(num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
@@ -340,7 +340,7 @@ def main():
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    buckets = (0, 32) if args.quick else tuple(int(b) for b in args.buckets.split(","))
+    buckets = (0, 32) if args.quick else parse_buckets(args.buckets)
     contexts = CONTEXTS[:1] if args.quick else CONTEXTS
     iters = 5 if args.quick else args.iters
     meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
