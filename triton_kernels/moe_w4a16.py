@@ -7,6 +7,7 @@ Three launches per `moe` call, no host synchronisation:
    partials and writes h = silu(gate) * up for its tile.
 3. `_down_kernel`: per (block, N tile, K split) h @ W_down^T, scaled by the top-k weight and atomically added
    into the token's fp32 output row (the reduction over k).
+With a `decode` config, 1 is a memset and block b of the GEMMs holds pair b alone (see moe_configs.VARIANTS).
 """
 
 from dataclasses import dataclass
