@@ -310,16 +310,17 @@ def test_engine_graph_bucket(capsys, tiny):
     off, or past the buckets (one notice)."""
     from spec.engine import Engine
 
-    assert Engine(tiny[0], budget=8).graph_bucket(True) is None
+    assert Engine(tiny[0], budget=8, cuda_graphs=True).graph_bucket(True) is None
     fake = fake_cuda_model()
-    assert Engine(fake, budget=40).graph_bucket(True) == 64 and Engine(fake, budget=40).graph_bucket(False) == 0
-    assert Engine(fake, budget=8, cuda_graphs=False).graph_bucket(True) is None
+    on = dict(cuda_graphs=True)
+    assert Engine(fake, budget=40, **on).graph_bucket(True) == 64 and Engine(fake, budget=40, **on).graph_bucket(False) == 0
+    assert Engine(fake, budget=8).graph_bucket(True) is None  # off by default
     assert capsys.readouterr().err == ""
-    engine = Engine(fake, budget=200)
+    engine = Engine(fake, budget=200, **on)
     assert engine.graph_bucket(True) is None and engine.graph_bucket(True) is None
     assert capsys.readouterr().err.count("cuda graphs off") == 1
     with ops.using(moe="torch"):
-        assert Engine(fake, budget=8).graph_bucket(True) is None
+        assert Engine(fake, budget=8, **on).graph_bucket(True) is None
         assert "moe" in capsys.readouterr().err
 
 
@@ -351,5 +352,6 @@ def test_draft_graphs_body_on_cpu(tiny):
 def test_decode_flag():
     from spec.decode import parse_args
 
-    assert parse_args(["--prompt", "hi", "--no-cuda-graphs"]).no_cuda_graphs
-    assert not parse_args(["--prompt", "hi"]).no_cuda_graphs
+    assert not parse_args(["--prompt", "hi", "--no-cuda-graphs"]).cuda_graphs
+    assert parse_args(["--prompt", "hi", "--cuda-graphs"]).cuda_graphs
+    assert not parse_args(["--prompt", "hi"]).cuda_graphs
