@@ -22,6 +22,12 @@ class LatentCache:
     def for_model(cls, cfg, batch, max_len, dtype, device):
         return cls(cfg.num_hidden_layers, batch, max_len, cfg.cache_entry_dim, dtype, device)
 
+    def row(self, b):
+        """A one-sequence cache viewing row b (kv and lens share storage; host_lens is a copy: write it back)."""
+        view = object.__new__(LatentCache)
+        view.kv, view.lens, view.host_lens = self.kv[:, b : b + 1], self.lens[b : b + 1], [self.host_lens[b]]
+        return view
+
     @property
     def batch(self):
         return self.kv.shape[1]

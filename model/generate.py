@@ -2,8 +2,6 @@
 
 import torch
 
-from model.cache import LatentCache
-
 
 def greedy_generate(model, prompts, max_new_tokens, stop_ids=(), max_len=None):
     """Greedy-decode up to `max_new_tokens` tokens after each prompt; returns the new tokens per prompt.
@@ -27,7 +25,7 @@ def greedy_generate(model, prompts, max_new_tokens, stop_ids=(), max_len=None):
     device, stop = model.device, set(stop_ids)
     for b, p in enumerate(prompts):
         tokens = torch.tensor([p], dtype=torch.long, device=device)
-        logits = model(tokens, torch.arange(len(p), device=device)[None], _row(cache, b),
+        logits = model(tokens, torch.arange(len(p), device=device)[None], cache.row(b),
                        logit_rows=torch.tensor([[len(p) - 1]], device=device)).logits
         cache.advance([len(p) if i == b else 0 for i in range(len(prompts))])
         out[b].append(int(logits[0, -1].argmax()))
@@ -46,10 +44,3 @@ def greedy_generate(model, prompts, max_new_tokens, stop_ids=(), max_len=None):
 
 def _running(seq, stop, max_new_tokens, used, max_len):
     return len(seq) < max_new_tokens and seq[-1] not in stop and used < max_len
-
-
-def _row(cache, b):
-    """A one-row LatentCache sharing row b of `cache` (its kv and lens are views)."""
-    row = LatentCache.__new__(LatentCache)
-    row.kv, row.lens, row.host_lens = cache.kv[:, b : b + 1], cache.lens[b : b + 1], [cache.host_lens[b]]
-    return row

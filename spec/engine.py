@@ -72,13 +72,6 @@ def root_tree(tokens):
                 num_nodes=torch.ones(B, dtype=torch.int32, device=dev), max_depth=0)
 
 
-def cache_row(cache, b):
-    """A one-sequence view of row b of a LatentCache sharing its storage (host_lens is a copy)."""
-    view = object.__new__(type(cache))
-    view.kv, view.lens, view.host_lens = cache.kv[:, b : b + 1], cache.lens[b : b + 1], [cache.host_lens[b]]
-    return view
-
-
 class Engine:
     """Speculative (DDTree) or target-only decoding of batches of token prompts with a KimiModel target."""
 
@@ -218,7 +211,7 @@ class _Run:
             P = len(prompt)
             tokens = torch.tensor([prompt], dtype=torch.int64, device=self.e.device)
             positions = torch.arange(P, device=self.e.device)[None]
-            row = cache_row(self.cache, b)
+            row = self.cache.row(b)
             out = target(tokens, positions, row, logit_rows=torch.full((1, 1), P - 1, device=self.e.device),
                          hidden_layers=self.hidden_layers)
             row.advance([P])

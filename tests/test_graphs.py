@@ -13,7 +13,6 @@ import ops
 from model.config import preset
 from model.model import KimiModel
 from model.parallel import Parallel
-from spec.engine import cache_row
 from spec.graphs import (DEFAULT_BUCKETS, DraftGraphs, StaticBuffers, StepGraphs, bucket_for, draft_eligibility,
                          eligibility, pad_mask, pad_tree, parse_buckets)
 from tests.conftest import rel_err, requires_gpu
@@ -50,7 +49,7 @@ def prefilled(model, lengths, max_len=128, seed=0):
     gen = torch.Generator().manual_seed(seed)
     cache = model.new_cache(len(lengths), max_len)
     for b, n in enumerate(lengths):
-        row = cache_row(cache, b)
+        row = cache.row(b)
         tokens = torch.randint(0, model.cfg.vocab_size, (1, n), generator=gen)
         model(tokens, torch.arange(n)[None], row)
     cache.lens.copy_(torch.tensor(lengths, dtype=torch.int32))
