@@ -213,7 +213,3 @@ def preset(name):
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return PRESETS[name]
-
-
-def kv_cache_bytes_per_token(cfg, dtype_bytes=2):
-    return cfg.num_hidden_layers * cfg.cache_entry_dim * dtype_bytes

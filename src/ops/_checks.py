@@ -6,11 +6,6 @@ def check_dims(name, tensor, ndim):
         raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(tensor.shape)}")
 
 
-def check_size(name, tensor, dim, size):
-    if tensor.shape[dim] != size:
-        raise ValueError(f"{name}: expected size {size} at dim {dim}, got shape {tuple(tensor.shape)}")
-
-
 def check_dtype(name, tensor, *dtypes):
     if tensor.dtype not in dtypes:
         raise ValueError(f"{name}: expected dtype in {dtypes}, got {tensor.dtype}")
