@@ -114,6 +114,20 @@ def draft_eligibility(drafter):
     return True, ""
 
 
+def capture_graph(run, device, pool):
+    """Warm `run` up twice on a side stream (compiles, allocates), then capture it into a CUDA graph in `pool`."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        run()
+    return graph
+
+
 class StaticBuffers:
     """Inputs and outputs of the captured passes, sized for `batch` sequences of `max_nodes` nodes."""
 
@@ -176,15 +190,7 @@ class StepGraphs:
         for bucket in reversed(self.buckets):
             t0 = time.perf_counter()
             self._reset_inputs(bucket)
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._run_static(bucket)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._run_static(bucket)
+            graph = capture_graph(lambda: self._run_static(bucket), dev, self.pool)
             self.pool = graph.pool()
             self.graphs[bucket] = graph
             torch.cuda.synchronize(dev)
@@ -270,15 +276,7 @@ class DraftGraphs:
         dev, t0 = self.drafter.device, time.perf_counter()
         if self.outputs is None:
             self._run_static(span)  # allocates the static outputs on this stream
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._run_static(span)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._run_static(span)
+        graph = capture_graph(lambda: self._run_static(span), dev, self.pool)
         self.pool, self.graphs[span] = graph.pool(), graph
         self.log(f"cuda graph: draft + tree of budget {self.budget} over {span} context entries captured "
                  f"in {time.perf_counter() - t0:.2f} s")
