@@ -1,0 +1,45 @@
+"""A few launches of the MoE and attention kernels at chosen shapes, for `ncu` to profile (no timing here).
+
+Usage (device): ncu --clock-control none --set full -k regex:'_gate_up|_down|_mla_split' \
+    python bench/profile_kernels.py [--moe-m 1 64] [--attn L,H,T ...]
+"""
+
+import argparse
+
+import torch
+
+import bench_attention as ba
+import bench_moe as bm
+from triton_kernels.mla_attention import mla_attention
+from triton_kernels.moe_w4a16 import moe
+
+
+def run_moe(M, gen):
+    shape = bm.SHAPES["tp8"]
+    layer = bm.random_triton_layer(shape["E"], shape["D"], shape["I"], gen)
+    for x, ids, weights in bm.routings(M, shape["E"], 2, gen):
+        moe(x, ids, weights, layer)
+    torch.cuda.synchronize()
+
+
+def run_attention(L, H, T):
+    q, caches, lens, mask = ba.make_inputs(L, H, T)
+    for kv in caches[:2]:
+        mla_attention(q, kv, lens, mask, 576 ** -0.5)
+    torch.cuda.synchronize()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--moe-m", type=int, nargs="*", default=[1, 64])
+    parser.add_argument("--attn", nargs="*", default=["32768,8,1", "32768,64,32"])
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for M in args.moe_m:
+        run_moe(M, gen)
+    for case in args.attn:
+        run_attention(*map(int, case.split(",")))
+
+
+if __name__ == "__main__":
+    main()
