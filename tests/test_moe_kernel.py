@@ -47,12 +47,19 @@ def check(x, ids, weights, raw, dtype):
     assert rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("panels", [(0, 0), (64, 128)], ids=["slab", "panel"])
 @pytest.mark.parametrize("E,D,I", [(8, 512, 64), (6, 320, 96)], ids=lambda v: str(v))
-def test_repack_round_trip_is_exact(E, D, I):
+def test_repack_round_trip_is_exact(E, D, I, panels):
     raw = make_experts(E, D, I)
-    prepared = moe_w4a16.prepare_moe(*raw)
+    prepared = moe_w4a16.prepare_moe(*raw, panels=panels)
     assert (prepared.num_experts, prepared.hidden, prepared.intermediate) == (E, D, I)
-    assert prepared.gate_up.shape == (E, -(-D // 256) * 32, 2 * I)  # K padded to whole 256-wide slabs
+    KP8 = -(-D // 256) * 32  # K padded to whole 256-wide slabs
+    if panels == (0, 0):
+        assert prepared.gate_up.shape == (E, KP8, 2 * I)
+    else:  # gate and up each padded to whole 64-wide panels, down's D to 128-wide ones
+        assert prepared.gate_up.shape == (E, 2 * -(-I // 64), KP8, 64)
+        assert prepared.down.shape == (E, -(-D // 128), -(-I // 256) * 32, 128)
+        assert (prepared.gate_up[:, -1, :, I % 64 or 64:] == moe_w4a16.PAD_WORD).all()
     for got, want in zip(moe_w4a16.unprepare_moe(prepared), raw):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
@@ -95,6 +102,39 @@ def test_moe_variant_configs(E, D, I, extra):
     x = torch.randn(3, D, generator=torch.Generator().manual_seed(4)).to(device()).to(kernel_dtypes()[0])
     out = moe_w4a16.moe(x, ids, weights, moe_w4a16.prepare_moe(*raw), config=cfg)
     assert rel_err(out, moe_torch(x.float(), ids, weights, PackedExperts(*raw))) < 1e-2
+
+
+@requires_triton
+@pytest.mark.parametrize("panels,bn,extra", [((64, 128), (64, 128), {"lean": True}), ((64, 64), (32, 64), {}),
+                                             ((64, 128), (64, 128), {"lean": True, "decode": True})],
+                         ids=["panel_lean", "panel_bn_lt_panel", "panel_decode"])
+def test_moe_panel_layout(panels, bn, extra):
+    """The panel layout on ragged shapes (I and D not multiples of the panel: padded panels), a repeated expert,
+    split over K; tiles as wide as the panel or narrower."""
+    E, D, I = 5, 320, 96
+    lean, decode = extra.get("lean", False), extra.get("decode", False)
+    cfg = {"BM": 16, "panels": panels, "decode": decode,
+           "gate_up": dict(BN=bn[0], waves=8, num_warps=4, num_stages=2, lean=lean),
+           "down": dict(BN=bn[1], waves=8, num_warps=4, num_stages=2, lean=lean)}
+    raw = make_experts(E, D, I, seed=5)
+    ids, weights = make_routing(3, E, 2, seed=5)
+    ids[2] = ids[0]
+    x = torch.randn(3, D, generator=torch.Generator().manual_seed(5)).to(device()).to(kernel_dtypes()[0])
+    out = moe_w4a16.moe(x, ids, weights, moe_w4a16.prepare_moe(*raw, panels=panels), config=cfg)
+    assert rel_err(out, moe_torch(x.float(), ids, weights, PackedExperts(*raw))) < 1e-2
+
+
+@requires_triton
+def test_moe_rejects_config_for_another_layout():
+    raw = make_experts(4, 256, 64)
+    ids, weights = make_routing(2, 4, 2)
+    x = torch.randn(2, 256).half().to(device())
+    cfg = {"BM": 16, "gate_up": dict(BN=64, waves=1, num_warps=4, num_stages=2),
+           "down": dict(BN=128, waves=1, num_warps=4, num_stages=2)}
+    with pytest.raises(ValueError, match="must divide the layout's panel"):
+        moe_w4a16.moe(x, ids, weights, moe_w4a16.prepare_moe(*raw, panels=(32, 128)), config=cfg)
+    with pytest.raises(ValueError, match="config for panels"):
+        moe_w4a16.moe(x, ids, weights, moe_w4a16.prepare_moe(*raw, panels=(0, 0)), config={**cfg, "panels": (64, 128)})
 
 
 @requires_triton

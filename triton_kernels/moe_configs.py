@@ -28,6 +28,11 @@ CONFIGS = {
 }
 
 
+# Weight layout per architecture, chosen once at load by prepare_moe: (gate/up panel, down panel) widths, 0 for the
+# slab layout (README.md). A config runs on a panel layout when its BN divides the panel width.
+LAYOUTS = {"sm_90": (0, 0), "sm_120": (0, 0)}
+
+
 # sm_90 variants under test, as overrides of an entry's per-kernel dicts (not used by config_for). `lean` carries
 # the slab pointers across the K loop, drops column masks when BN divides N and loads a block's pair ids together
 # with its expert; `decode` (top level) gives each (token, expert) pair its own block of rows and replaces the
@@ -41,6 +46,13 @@ VARIANTS = {
     "lean_gu64_dn128w8": dict(gate_up=dict(BN=64, lean=True), down=dict(num_warps=8, lean=True)),
     "lean_gu64_deep": dict(gate_up=dict(BN=64, num_stages=6, waves=2, lean=True), down=dict(num_stages=3, lean=True)),
     "lean_gu64_decode": dict(decode=True, gate_up=dict(BN=64, lean=True), down=dict(lean=True)),
+    # panel layouts (`panels`: the layout the bench prepares for the variant): each program's K range of one
+    # panel is one contiguous stream (BN x 128 bytes a slab)
+    "panel": dict(panels=(64, 128), gate_up=dict(BN=64, lean=True), down=dict(lean=True)),
+    "panel_gu32": dict(panels=(32, 128), gate_up=dict(lean=True), down=dict(lean=True)),
+    "panel_dn64": dict(panels=(64, 64), gate_up=dict(BN=64, lean=True), down=dict(BN=64, lean=True)),
+    "panel_w8": dict(panels=(64, 128), gate_up=dict(BN=64, num_warps=8, lean=True), down=dict(num_warps=8, lean=True)),
+    "panel_decode": dict(panels=(64, 128), decode=True, gate_up=dict(BN=64, lean=True), down=dict(lean=True)),
 }
 
 
@@ -48,6 +60,11 @@ def with_variant(cfg, name):
     """Entry `cfg` with the overrides of VARIANTS[name]: per-kernel dicts merged, other keys set."""
     over = VARIANTS[name]
     return {**cfg, **over, **{kernel: {**cfg[kernel], **over.get(kernel, {})} for kernel in ("gate_up", "down")}}
+
+
+def layout_for(device):
+    """(gate/up panel, down panel) of the weight layout for `device`'s architecture (sm_90's elsewhere)."""
+    return LAYOUTS.get(arch_of(device), LAYOUTS["sm_90"])
 
 
 def arch_of(device):

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels.moe_configs import config_for
+from triton_kernels.moe_configs import config_for, layout_for
 
 GROUP, PACK = 32, 8
 SLAB = 256  # K values per repacked slab: 32 words x 8 nibbles per column, 8 quantisation groups
@@ -35,8 +35,11 @@ _GROUP, _SLAB, _SLAB_WORDS = tl.constexpr(GROUP), tl.constexpr(SLAB), tl.constex
 class TritonExperts:
     """Routed experts repacked for the Triton kernels.
 
-    gate_up: [E, KD/8, 2I] int32, gate_up_scale: [E, KD/32, 2I]; down: [E, KI/8, D] int32, down_scale:
-    [E, KI/32, D], where KD and KI are D and I rounded up to 256 (padding nibbles hold q = 0, padding scales 0).
+    Slab layout (panel 0): gate_up [E, KD/8, 2I] int32, gate_up_scale [E, KD/32, 2I]; down [E, KI/8, D] int32,
+    down_scale [E, KI/32, D], where KD and KI are D and I rounded up to 256 (padding nibbles hold q = 0,
+    padding scales 0). Panel layout (panel P > 0): columns cut into panels of P, each panel's K rows
+    contiguous: gate_up [E, 2 IP/P, KD/8, P] (gate panels, then up panels; IP = I rounded up to P), scales
+    [E, 2 IP/P, KD/32, P]; down [E, DP/P, KI/8, P], scales [E, DP/P, KI/32, P] (DP = D rounded up to P).
     """
 
     gate_up: torch.Tensor
@@ -45,6 +48,8 @@ class TritonExperts:
     down_scale: torch.Tensor
     hidden: int
     intermediate: int
+    panel_gate_up: int = 0
+    panel_down: int = 0
     backend: str = "triton"
 
     @property
@@ -105,18 +110,30 @@ def _slab_dot(acc, a_ptrs, row_mask, k, K, w_ptrs, stride_wk, w_mask, s_ptrs, s_
 
 
 @triton.jit
-def _slab_ptrs(w_base, s_base, a_rows, kw, kg, n, slab, N):
-    """Pointers of slab `slab`: words [16, BN] (first half), activations [BM, 32] (first group) from row
-    pointers a_rows [BM, 1], scales [BN] (first group), and k [32] (the first group's columns); N = row stride."""
-    w_ptrs = w_base + (kw + slab * _SLAB_WORDS)[:, None].to(tl.int64) * N + n[None, :]  # [16, BN]
-    k = kg + slab * _SLAB  # [32]
-    return w_ptrs, a_rows + k[None, :], s_base + (slab * 8) * N + n, k
+def _tile_cols(pid_n, stride_p, BN: tl.constexpr, PANEL: tl.constexpr):
+    """Offsets [BN] of N tile pid_n's columns within a row of words or scales: the columns themselves in the
+    slab layout (PANEL 0), else panel (column // PANEL) times the panel stride plus column % PANEL."""
+    cols = pid_n * BN + tl.arange(0, BN)  # [BN]
+    if PANEL:
+        c0 = pid_n * BN  # PANEL % BN == 0: the tile lies in one panel
+        cols = (c0 // PANEL).to(tl.int64) * stride_p + (c0 % PANEL) + tl.arange(0, BN)
+    return cols
 
 
 @triton.jit
-def _next_slab(w_ptrs, a_ptrs, s_ptrs, k, N):
+def _slab_ptrs(w_base, s_base, a_rows, kw, kg, w_cols, s_cols, slab, w_row, s_row):
+    """Pointers of slab `slab`: words [16, BN] (first half), activations [BM, 32] (first group) from row
+    pointers a_rows [BM, 1], scales [BN] (first group), and k [32] (the first group's columns); w_row and s_row
+    are the row strides of words and scales (N in the slab layout, the panel width in the panel layout)."""
+    w_ptrs = w_base + (kw + slab * _SLAB_WORDS)[:, None].to(tl.int64) * w_row + w_cols[None, :]  # [16, BN]
+    k = kg + slab * _SLAB  # [32]
+    return w_ptrs, a_rows + k[None, :], s_base + (slab * 8) * s_row + s_cols, k
+
+
+@triton.jit
+def _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row):
     """The `_slab_ptrs` of the next slab, by increments (loop-carried pointers, no per-slab 64-bit products)."""
-    return w_ptrs + _SLAB_WORDS * N, a_ptrs + _SLAB, s_ptrs + 8 * N, k + _SLAB
+    return w_ptrs + _SLAB_WORDS * w_row, a_ptrs + _SLAB, s_ptrs + 8 * s_row, k + _SLAB
 
 
 @triton.jit(do_not_specialize=["n_zero", "P", "CAPACITY", "NB_MAX"])
@@ -163,12 +180,15 @@ def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr
 @triton.jit(do_not_specialize=["n_slabs_per_split", "split_k", "stride_part"])
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_ptr, block_expert_ptr,
                     D, I, n_slabs, n_slabs_per_split, split_k, stride_we, stride_se, stride_part,
+                    w_row, s_row, stride_wp, stride_sp, up_w, up_s,
                     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, LEAN: tl.constexpr,
-                    EVEN_N: tl.constexpr, DECODE: tl.constexpr,
+                    EVEN_N: tl.constexpr, DECODE: tl.constexpr, PANEL: tl.constexpr,
                     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr):
     """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate.
 
     With SPLIT, pid 2 of split_k sums a range of slabs into part; the last split to arrive finishes the tile.
+    Layout (TritonExperts): w_row / s_row are the row strides of words / scales, stride_wp / stride_sp their
+    panel strides (PANEL > 0), up_w / up_s the offsets of the up columns from the gate columns.
     """
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
@@ -190,18 +210,22 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     kg = tl.arange(0, _GROUP)
     w_base = w_ptr + e.to(tl.int64) * stride_we
     s_base = s_ptr + e.to(tl.int64) * stride_se
+    w_cols = _tile_cols(pid_n, stride_wp, BN, PANEL)  # [BN]
+    s_cols = _tile_cols(pid_n, stride_sp, BN, PANEL)
     two_i = 2 * I
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     first = pid_k * n_slabs_per_split
-    w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token[:, None] * D, kw, kg, n, first, two_i)
+    w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token[:, None] * D, kw, kg, w_cols, s_cols,
+                                           first, w_row, s_row)
     for slab in range(first, tl.minimum(first + n_slabs_per_split, n_slabs)):
         if not LEAN:  # recomputed from the slab index (the measured default); LEAN carries them below
-            w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token[:, None] * D, kw, kg, n, slab, two_i)
-        acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, w_ptrs, two_i, n_mask[None, :], s_ptrs, n_mask, two_i, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
-        acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, w_ptrs + I, two_i, n_mask[None, :], s_ptrs + I, n_mask, two_i, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
+            w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token[:, None] * D, kw, kg, w_cols,
+                                                   s_cols, slab, w_row, s_row)
+        acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, w_ptrs, w_row, n_mask[None, :], s_ptrs, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
+        acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, w_ptrs + up_w, w_row, n_mask[None, :], s_ptrs + up_s, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
         if LEAN:
-            w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, two_i)
+            w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
     out = rows[:, None].to(tl.int64) * I + n[None, :]  # [BM, BN]
     if SPLIT:
         part = part_ptr + pid_k.to(tl.int64) * stride_part + rows[:, None].to(tl.int64) * two_i + n[None, :]
@@ -225,10 +249,12 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
 
 @triton.jit(do_not_specialize=["n_slabs_per_split"])
 def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
-                 D, I, n_slabs, n_slabs_per_split, stride_we, stride_se,
+                 D, I, n_slabs, n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp,
                  TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LEAN: tl.constexpr, EVEN_N: tl.constexpr,
-                 DECODE: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr):
-    """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tile pid 1, K split pid 2."""
+                 DECODE: tl.constexpr, PANEL: tl.constexpr,
+                 MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr):
+    """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tile pid 1, K split pid 2
+    (layout arguments as in `_gate_up_kernel`)."""
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
     e = tl.load(block_expert_ptr + pid_b)
@@ -249,16 +275,18 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
     kg = tl.arange(0, _GROUP)
     w_base = w_ptr + e.to(tl.int64) * stride_we
     s_base = s_ptr + e.to(tl.int64) * stride_se
+    w_cols = _tile_cols(pid_n, stride_wp, BN, PANEL)  # [BN]
+    s_cols = _tile_cols(pid_n, stride_sp, BN, PANEL)
     h_rows = h_ptr + rows[:, None].to(tl.int64) * I
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     first = pid_k * n_slabs_per_split
-    w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, n, first, D)
+    w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, first, w_row, s_row)
     for slab in range(first, tl.minimum(first + n_slabs_per_split, n_slabs)):
         if not LEAN:
-            w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, n, slab, D)
-        acc = _slab_dot(acc, a_ptrs, valid, k, I, w_ptrs, D, n_mask[None, :], s_ptrs, n_mask, D, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
+            w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, slab, w_row, s_row)
+        acc = _slab_dot(acc, a_ptrs, valid, k, I, w_ptrs, w_row, n_mask[None, :], s_ptrs, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
         if LEAN:
-            w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, D)
+            w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
     weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)  # [BM] fp32
     token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
     # relaxed: only atomicity is needed (the cast reads out in a later launch); the default acq_rel fences every
@@ -314,19 +342,51 @@ def unpack_int4(words, scales, K):
     return packed, scales.transpose(1, 2)[:, :, : K // GROUP].contiguous()
 
 
-def prepare_moe(gate_up_packed, gate_up_scale, down_packed, down_scale):
-    """Repack compressed-tensors experts (see ops.prepare_moe) into `TritonExperts`."""
+PAD_WORD = -0x77777778  # 0x88888888: eight nibbles u = 8 (q = 0), the padding of panel columns
+
+
+def to_panels(t, panel, parts):
+    """Slab layout [E, R, N] -> panel layout [E, parts * NP / panel, R, panel]: N is cut into `parts` equal
+    column ranges (gate and up: 2), each padded to NP, a multiple of `panel` (words with PAD_WORD, scales 0)."""
+    E, R, N = t.shape
+    n = N // parts
+    n_pad = triton.cdiv(n, panel) * panel
+    fill = PAD_WORD if t.dtype == torch.int32 else 0
+    t = torch.nn.functional.pad(t.view(E, R, parts, n), (0, n_pad - n), value=fill)  # [E, R, parts, NP]
+    return t.view(E, R, parts * n_pad // panel, panel).permute(0, 2, 1, 3).contiguous()
+
+
+def from_panels(t, N, parts):
+    """Exact inverse of `to_panels`: [E, panels, R, panel] -> [E, R, N]."""
+    E, n_panels, R, panel = t.shape
+    n_pad = n_panels * panel // parts
+    return t.permute(0, 2, 1, 3).reshape(E, R, parts, n_pad)[..., : N // parts].reshape(E, R, N).contiguous()
+
+
+def prepare_moe(gate_up_packed, gate_up_scale, down_packed, down_scale, panels=None):
+    """Repack compressed-tensors experts (see ops.prepare_moe) into `TritonExperts`; panels = (gate/up panel,
+    down panel) widths, 0 for the slab layout (default: moe_configs.layout_for the device)."""
     D, I = down_packed.shape[1], gate_up_packed.shape[1] // 2
+    p_gu, p_dn = panels if panels is not None else layout_for(gate_up_packed.device)
     gate_up, gate_up_s = repack_int4(gate_up_packed, gate_up_scale)
     down, down_s = repack_int4(down_packed, down_scale)
-    return TritonExperts(gate_up, gate_up_s, down, down_s, hidden=D, intermediate=I)
+    if p_gu:
+        gate_up, gate_up_s = to_panels(gate_up, p_gu, 2), to_panels(gate_up_s, p_gu, 2)
+    if p_dn:
+        down, down_s = to_panels(down, p_dn, 1), to_panels(down_s, p_dn, 1)
+    return TritonExperts(gate_up, gate_up_s, down, down_s, hidden=D, intermediate=I, panel_gate_up=p_gu,
+                         panel_down=p_dn)
 
 
 def unprepare_moe(experts):
     """The compressed-tensors tensors `prepare_moe` was given: (gate_up_packed, gate_up_scale, down_packed, down_scale)."""
-    gate_up = unpack_int4(experts.gate_up, experts.gate_up_scale, experts.hidden)
-    down = unpack_int4(experts.down, experts.down_scale, experts.intermediate)
-    return (*gate_up, *down)
+    D, I = experts.hidden, experts.intermediate
+    gate_up, gate_up_s, down, down_s = experts.gate_up, experts.gate_up_scale, experts.down, experts.down_scale
+    if experts.panel_gate_up:
+        gate_up, gate_up_s = from_panels(gate_up, 2 * I, 2), from_panels(gate_up_s, 2 * I, 2)
+    if experts.panel_down:
+        down, down_s = from_panels(down, D, 1), from_panels(down_s, D, 1)
+    return (*unpack_int4(gate_up, gate_up_s, D), *unpack_int4(down, down_s, I))
 
 
 # ----------------------------------------------------------------------------------------------- launcher
@@ -352,6 +412,19 @@ def _lean(kernel_cfg, N):
     measured defaults leave it off)."""
     lean = kernel_cfg.get("lean", False)
     return dict(LEAN=lean, EVEN_N=lean and N % kernel_cfg["BN"] == 0)
+
+
+def _layout(words, scales, panel, BN, up=0):
+    """Layout arguments of a GEMM kernel: row strides w_row / s_row, panel strides stride_wp / stride_sp,
+    PANEL, and with `up` (the intermediate size, gate/up only) the offsets up_w / up_s of the up columns."""
+    if panel and panel % BN:
+        raise ValueError(f"moe (triton): BN {BN} must divide the layout's panel width {panel}")
+    if not panel:
+        args = dict(w_row=words.stride(1), s_row=scales.stride(1), stride_wp=0, stride_sp=0, PANEL=0)
+        return {**args, **(dict(up_w=up, up_s=up) if up else {})}
+    args = dict(w_row=panel, s_row=panel, stride_wp=words.stride(1), stride_sp=scales.stride(1), PANEL=panel)
+    first_up = triton.cdiv(up, panel)  # the first up panel: gate panels are padded to whole panels
+    return {**args, **(dict(up_w=first_up * words.stride(1), up_s=first_up * scales.stride(1)) if up else {})}
 
 
 def _route(topk_ids, scratch, E, BM, capacity, nb_max):
@@ -385,6 +458,9 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
     top_k, E, I = topk_ids.shape[1], experts.num_experts, experts.intermediate
     P = M * top_k
     cfg = config or config_for(x.device, M)
+    if tuple(cfg.get("panels", (experts.panel_gate_up, experts.panel_down))) != (experts.panel_gate_up, experts.panel_down):
+        raise ValueError(f"moe (triton): config for panels {cfg['panels']}, experts laid out with "
+                         f"{(experts.panel_gate_up, experts.panel_down)}")
     BM, decode = cfg["BM"], cfg.get("decode", False)
     nb_max = P if decode else triton.cdiv(P, BM) + min(E, P)
     capacity = nb_max * BM
@@ -393,13 +469,13 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
 
     gu_bn = cfg["gate_up"]["BN"]
     gu_tiles = triton.cdiv(I, gu_bn)
-    gu_slabs = experts.gate_up.shape[1] // SLAB_WORDS
+    gu_slabs = experts.gate_up.shape[-2] // SLAB_WORDS
     gu_split = _split(gu_slabs, est_blocks * gu_tiles, sms, cfg["gate_up"]["waves"])
     gu_per_split = triton.cdiv(gu_slabs, gu_split)
     gu_split = triton.cdiv(gu_slabs, gu_per_split)
     dn_bn = cfg["down"]["BN"]
     dn_tiles = triton.cdiv(D, dn_bn)
-    dn_slabs = experts.down.shape[1] // SLAB_WORDS
+    dn_slabs = experts.down.shape[-2] // SLAB_WORDS
     dn_split = _split(dn_slabs, est_blocks * dn_tiles, sms, cfg["down"]["waves"])
     dn_per_split = triton.cdiv(dn_slabs, dn_split)
     dn_split = triton.cdiv(dn_slabs, dn_per_split)
@@ -416,17 +492,19 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
     h = torch.empty((capacity, I), dtype=x.dtype, device=dev)
     part = torch.empty((gu_split if gu_split > 1 else 0, capacity, 2 * I), dtype=torch.float32, device=dev)
     magic = UNPACK[x.dtype]
+    gu_layout = _layout(experts.gate_up, experts.gate_up_scale, experts.panel_gate_up, gu_bn, up=I)
+    dn_layout = _layout(experts.down, experts.down_scale, experts.panel_down, dn_bn)
     g = cfg["gate_up"]
     _gate_up_kernel[(nb_max, gu_tiles, gu_split)](
         x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert,
         D, I, gu_slabs, gu_per_split, gu_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
-        part.stride(0) if gu_split > 1 else 0,
+        part.stride(0) if gu_split > 1 else 0, **gu_layout,
         TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_lean(g, I), DECODE=decode,
         num_warps=g["num_warps"], num_stages=g["num_stages"], **magic)
     d = cfg["down"]
     _down_kernel[(nb_max, dn_tiles, dn_split)](
         h, experts.down, experts.down_scale, out, topk_weights, sorted_pairs, block_expert,
-        D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0),
+        D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0), **dn_layout,
         TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_lean(d, D), DECODE=decode,
         num_warps=d["num_warps"], num_stages=d["num_stages"], **magic)
     return out.to(x.dtype)
@@ -438,14 +516,17 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
     magic = UNPACK[torch.bfloat16 if dtype == "bf16" else torch.float16]
     common = dict(sorted_ptr="*i32", block_expert_ptr="*i32", D="i32", I="i32", n_slabs="i32",
                   n_slabs_per_split="i32")
+    layout = dict(w_row="i32", s_row="i32", stride_wp="i32", stride_sp="i32")
     gate_up = dict(x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", h_ptr=f"*{dtype}", part_ptr="*fp32",
-                   counter_ptr="*i32", **common, split_k="i32", stride_we="i64", stride_se="i64", stride_part="i64")
+                   counter_ptr="*i32", **common, split_k="i32", stride_we="i64", stride_se="i64", stride_part="i64",
+                   **layout, up_w="i32", up_s="i32")
     down = dict(h_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", weights_ptr="*fp32", **common,
-                stride_we="i64", stride_se="i64")
+                stride_we="i64", stride_se="i64", **layout)
     g, d, decode = cfg["gate_up"], cfg["down"], cfg.get("decode", False)
+    p_gu, p_dn = cfg.get("panels", (0, 0))
     return [
         (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT=True, EVEN_K=True, **_lean(g, I),
-                                         DECODE=decode, **magic), arch, g["num_warps"], g["num_stages"])),
+                                         DECODE=decode, PANEL=p_gu, **magic), arch, g["num_warps"], g["num_stages"])),
         (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], EVEN_K=True, **_lean(d, D), DECODE=decode,
-                                   **magic), arch, d["num_warps"], d["num_stages"])),
+                                   PANEL=p_dn, **magic), arch, d["num_warps"], d["num_stages"])),
     ]
