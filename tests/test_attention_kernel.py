@@ -62,7 +62,8 @@ def bound(dtype):
     return 1e-4 if dtype == torch.float32 and not gpu() else 1e-2
 
 
-BIG = (64, 64, 4, 2, 512)  # larger tiles for the larger cases: fewer interpreted steps
+BIG = (64, 64, 4, 2, 512, False)  # larger tiles for the larger cases: fewer interpreted steps
+UNCHAINED = (64, 64, 8, 2, 512, True)  # QK^T once per program (the softmax behind a branch)
 CASES = [  # B, T, H, lens, tree kind, num_splits (None: the launcher's choice), config (None: the launcher's)
     (1, 1, 8, [37], "chain", None, None),
     (3, 2, 16, [5, 70, 133], "wide", 3, None),
@@ -73,8 +74,12 @@ CASES = [  # B, T, H, lens, tree kind, num_splits (None: the launcher's choice),
     (2, 16, 16, [90, 161], "chain", 1, BIG),
     (2, 33, 8, [33, 90], "causal", 1, BIG),
     (2, 33, 2, [40, 131], "causal", 3, None),
-    (2, 9, 8, [50, 120], "deep", 2, (32, 32, 4, 2, 256)),  # values split over two programs per query tile
-    (1, 20, 4, [77], "causal", 1, (64, 32, 4, 2, 256)),
+    (2, 9, 8, [50, 120], "deep", 2, (32, 32, 4, 2, 256, False)),  # values split over two programs per query tile
+    (1, 20, 4, [77], "causal", 1, (64, 32, 4, 2, 256, False)),
+    (2, 16, 8, [200, 17], "wide", 2, UNCHAINED),
+    (1, 5, 3, [70], "chain", None, UNCHAINED),
+    (2, 33, 2, [40, 131], "causal", 1, UNCHAINED),
+    (1, 7, 8, [90], "deep", 3, (32, 32, 4, 2, 256, True)),
 ]
 
 
@@ -86,8 +91,8 @@ def test_mla_attention_matches_reference(B, T, H, lens, kind, splits, config, dt
     from triton_kernels.mla_attention import mla_attention
 
     q, kv, cache_lens, mask = make_case(B, T, H, lens, kind, dtype, device(), seed=B * 1000 + T * 10 + H)
-    if gpu() and config is not None and config[-1] == 512:
-        config = None  # on the GPU the launcher's own configs; the value-split cases keep theirs
+    if gpu() and config is not None and config[4] == 512 and not config[5]:
+        config = None  # on the GPU the launcher's own configs; the value-split and unchained cases keep theirs
     out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=splits, config=config)
     ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
     assert out.shape == (B, T, H, 512) and out.dtype == dtype
@@ -149,11 +154,11 @@ sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "lens_ptr": "*i32", "mask_ptr": "*i3
        "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "T": "i32", "rows_kb": "i32", "sm_scale_log2": "fp32"}
 causal = sys.argv[1] == "causal"
 report = []
-for _, (block_m, block_n, warps, stages, block_dv), _ in CONFIGS[120]:
+for _, (block_m, block_n, warps, stages, block_dv, unchain), _ in CONFIGS[120]:
     res = compile_for(_mla_split_kernel, sig,
                       {"H": 8, "CAUSAL": causal, "DIRECT": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
                        "BLOCK_DV": block_dv, "BLOCK_DO": 512 - block_dv if block_dv < 512 else 16,
-                       "TAIL_STAGES": TAIL_STAGES[120] or stages},
+                       "TAIL_STAGES": TAIL_STAGES[120] or stages, "UNCHAIN": unchain},
                       arch=120, num_warps=warps, num_stages=stages, aligned=True)
     report.append([block_m, block_n, res.shared, res.registers, res.spill_bytes])
 print(json.dumps(report))

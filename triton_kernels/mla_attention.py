@@ -19,17 +19,18 @@ ENTRY = D_LAT + D_PE
 
 # Configs as data, per arch (compute capability major*10+minor). Entry: (max query rows R = T*H, config,
 # programs per SM); the first entry whose max rows >= R is used (None = any). config = (BLOCK_M, BLOCK_N,
-# warps, stages, BLOCK_DV); BLOCK_DV 256 splits the values over two programs per query tile (a tuning option).
+# warps, stages, BLOCK_DV, UNCHAIN); BLOCK_DV 256 splits the values over two programs per query tile, UNCHAIN
+# computes QK^T once per program instead of once per warpgroup (see _softmax_step); both are tuning options.
 # Programs per SM: [(max base, n)], base = B x query tiles x value halves; the split count aims at n programs
 # per SM, rounded up.
 CONFIGS = {
     90: [  # the fastest measured on the H200, cache cold, CUDA graph (bench/results/attention_h200.md)
-        (16, (16, 32, 4, 3, 512), [(None, 2)]),  # 93 KB of shared memory: two programs per SM
-        (None, (64, 64, 8, 2, 512), [(4, 1), (8, 2), (None, 4)]),  # 221 KB: one per SM, whole waves
+        (16, (16, 32, 4, 3, 512, False), [(None, 2)]),  # 93 KB of shared memory: two programs per SM
+        (None, (64, 64, 8, 2, 512, False), [(4, 1), (8, 2), (None, 4)]),  # 221 KB: one per SM, whole waves
     ],
     120: [  # compile-checked only (tests/test_attention_kernel.py): fit 101,376 bytes, no spills; untimed
-        (16, (16, 32, 4, 2, 512), [(None, 1)]),
-        (None, (32, 32, 8, 2, 512), [(None, 1)]),
+        (16, (16, 32, 4, 2, 512, False), [(None, 1)]),
+        (None, (32, 32, 8, 2, 512, False), [(None, 1)]),
     ],
 }
 # Pipeline stages of the masked tail loop (a few tiles): on sm_90 one, which frees the shared memory of a
@@ -42,7 +43,7 @@ MIN_TILES_PER_SPLIT = 4  # a split reads at least this many KV tiles
 
 @triton.jit
 def _scores(q_own, q_other, q_pe, kv_base, offs_n, n_ok, offs_own, offs_other, offs_pe, sm_scale_log2,
-            SPLIT_V: tl.constexpr):
+            SPLIT_V: tl.constexpr, UNCHAIN: tl.constexpr):
     """Scores of a query block against one KV tile (log2 domain), and the tile's value columns this program owns.
 
     The latent is loaded as the owned value columns plus (SPLIT_V) the other half, so the values need no slice.
@@ -50,21 +51,40 @@ def _scores(q_own, q_other, q_pe, kv_base, offs_n, n_ok, offs_own, offs_other, o
     row = offs_n.to(tl.int64)[:, None] * 576
     k_own = tl.load(kv_base + row + offs_own[None, :], mask=n_ok[:, None], other=0.0)  # [BN, DV]
     k_pe = tl.load(kv_base + row + 512 + offs_pe[None, :], mask=n_ok[:, None], other=0.0)  # [BN, 64]
-    s = tl.dot(q_own, tl.trans(k_own)) + tl.dot(q_pe, tl.trans(k_pe))  # [BM, BN] fp32
+    s_rest = tl.dot(q_pe, tl.trans(k_pe))  # [BM, BN] fp32
     if SPLIT_V:
         k_other = tl.load(kv_base + row + offs_other[None, :], mask=n_ok[:, None], other=0.0)  # [BN, DO]
-        s += tl.dot(q_other, tl.trans(k_other))
-    return s * sm_scale_log2, k_own
+        s_rest += tl.dot(q_other, tl.trans(k_other))
+    if UNCHAIN:  # scaled before the sum: `dot + x` would become the dot's accumulator, chaining the two dots
+        return tl.dot(q_own, tl.trans(k_own)) * sm_scale_log2 + s_rest * sm_scale_log2, k_own
+    return (tl.dot(q_own, tl.trans(k_own)) + s_rest) * sm_scale_log2, k_own
 
 
 @triton.jit
-def _softmax_step(s, v, m_i, l_i, acc):
-    """Online-softmax update of (max, sum, acc) with a tile of log2-domain scores s [BM, BN]."""
+def _probs(s, m_i, l_i, dtype: tl.constexpr):
+    """Online-softmax update of (max, sum) with log2-domain scores s [BM, BN]: (max, sum, p, acc rescale)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))  # [BM]; m_i starts finite, so no inf - inf
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])  # [BM, BN]
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # [BM, DV]
+    return m_new, l_i * alpha + tl.sum(p, 1), p.to(dtype), alpha
+
+
+@triton.jit
+def _softmax_step(s, v, m_i, l_i, acc, live, UNCHAIN: tl.constexpr):
+    """Online-softmax step with a tile of log2-domain scores s [BM, BN] and its values v [BN, DV].
+
+    UNCHAIN: the softmax runs under `if live` (always true at run time), a branch Triton's layout choice does
+    not look through, so QK^T is not a chained dot: its warps split S's columns (each warpgroup computes its
+    half once) instead of every warpgroup computing the whole S (see triton_kernels/README.md).
+    """
+    if UNCHAIN:
+        if live:
+            m_new, l_i, p, alpha = _probs(s, m_i, l_i, v.dtype)
+        else:
+            m_new, p, alpha = m_i, s.to(v.dtype), m_i
+    else:
+        m_new, l_i, p, alpha = _probs(s, m_i, l_i, v.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p, v)  # [BM, DV]
     return m_new, l_i, acc
 
 
@@ -74,7 +94,7 @@ def _mla_split_kernel(
     T, rows_kb, sm_scale_log2,
     H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DO: tl.constexpr,
-    TAIL_STAGES: tl.constexpr,
+    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr,
 ):
     SPLIT_V: tl.constexpr = BLOCK_DV < 512  # NV programs per query tile, each owning BLOCK_DV value columns
     NV: tl.constexpr = 512 // BLOCK_DV
@@ -119,13 +139,13 @@ def _mla_split_kernel(
     for i in range(n_full):
         offs_n = start + i * BLOCK_N + offs_tile  # [BN]
         s, v = _scores(q_own, q_other, q_pe, kv_base, offs_n, n_all, offs_own, offs_other, offs_pe, sm_scale_log2,
-                       SPLIT_V)
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
+                       SPLIT_V, UNCHAIN)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN)
     for j0 in tl.range(start + n_full * BLOCK_N, end, BLOCK_N, num_stages=TAIL_STAGES):  # the last few tiles
         offs_n = j0 + offs_tile  # [BN]
         n_ok = offs_n < end
         s, v = _scores(q_own, q_other, q_pe, kv_base, offs_n, n_ok, offs_own, offs_other, offs_pe, sm_scale_log2,
-                       SPLIT_V)
+                       SPLIT_V, UNCHAIN)
         node = offs_n - tree_start  # [BN] new-token index of each entry (< 0: prefix)
         in_tree = node >= 0
         if CAUSAL:
@@ -137,7 +157,7 @@ def _mla_split_kernel(
             seen = ((words >> (node_c % 32)[None, :]) & 1) != 0
         visible = n_ok[None, :] & (~in_tree[None, :] | seen)
         s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [BM, DV]
     if DIRECT:
@@ -205,7 +225,7 @@ def _entry(rows, arch):
 
 
 def pick_config(rows, arch=None):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, BLOCK_DV) for a query block of `rows` = T*H rows on `arch`."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, BLOCK_DV, UNCHAIN) for a query block of `rows` = T*H rows on `arch`."""
     return _entry(rows, arch)[0]
 
 
@@ -243,13 +263,13 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     """Triton twin of ops.mla_attention: q [B, T, H, 576], kv_cache [B, L_max, 576], cache_lens [B] int32,
     tree_mask [B, T, ceil(T/32)] int32 or None (causal), -> [B, T, H, 512] in q's dtype.
 
-    num_splits (splits per sequence) and config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV)) override the
-    defaults.
+    num_splits (splits per sequence) and config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)) override
+    the defaults.
     """
     _check(q, kv_cache, value_dim)
     B, T, H, _ = q.shape
     rows = T * H
-    block_m, block_n, warps, stages, block_dv = config or pick_config(rows)
+    block_m, block_n, warps, stages, block_dv, unchain = config or pick_config(rows)
     tail_stages = TAIL_STAGES[_arch()] or stages
     if block_dv not in (256, 512):
         raise ValueError(f"mla_attention (triton): BLOCK_DV must be 256 or 512, got {block_dv}")
@@ -270,7 +290,7 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         q, kv_cache, cache_lens, mask, out, o_part, lse_part,
         T, kv_cache.stride(0) // ENTRY, scale * 1.4426950408889634,
         H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv,
-        BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16, TAIL_STAGES=tail_stages,
+        BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16, TAIL_STAGES=tail_stages, UNCHAIN=unchain,
         num_warps=warps, num_stages=stages,
     )
     if not direct:
