@@ -78,16 +78,18 @@ def n_layers(D, I):
     return max(2, min(8, math.ceil(4 * l2 / (TOP_K * expert_bytes(D, I)))))
 
 
-def random_triton_layer(E, D, I, gen):
-    from triton_kernels.moe_w4a16 import SLAB, TritonExperts
+def random_triton_layer(E, D, I, gen, panels=(0, 0)):
+    """Random repacked experts in the slab layout, or the panel layout of widths `panels` (gate/up, down)."""
+    from triton_kernels.moe_w4a16 import SLAB, TritonExperts, to_panels
 
-    def words(k, n):
+    def words(k, n, panel, parts):
         kp = -(-k // SLAB) * SLAB
         w = torch.randint(-2**31, 2**31, (E, kp // 8, n), generator=gen, device=DEV, dtype=torch.int32)
         s = (torch.rand(E, kp // 32, n, generator=gen, device=DEV) * 0.01 + 0.001).to(torch.bfloat16)
-        return w, s
+        return (to_panels(w, panel, parts), to_panels(s, panel, parts)) if panel else (w, s)
 
-    return TritonExperts(*words(D, 2 * I), *words(I, D), hidden=D, intermediate=I)
+    return TritonExperts(*words(D, 2 * I, panels[0], 2), *words(I, D, panels[1], 1), hidden=D, intermediate=I,
+                         panel_gate_up=panels[0], panel_down=panels[1])
 
 
 def random_ct_layer(E, D, I, gen):
@@ -171,7 +173,8 @@ def _cubin_sass(kernel, signature, constexprs, num_warps, num_stages, arch=90):
         constexprs["n_slabs"] = 1
     full = {**signature, **{k: "constexpr" for k in constexprs}}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in full.items()
-             if ty.startswith("*") or name in ("D", "I", "stride_we", "stride_se")}
+             if ty.startswith("*") or name in ("D", "I", "stride_we", "stride_se", "w_row", "s_row", "stride_wp",
+                                              "stride_sp", "up_w", "up_s")}
     compiled = triton.compile(ASTSource(fn=kernel, signature=full, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
@@ -324,32 +327,43 @@ def run_shape(shape, bw, gen, deadline, sweep, out_rows, save):
     return rows
 
 
-def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8"):
-    """The measured default against moe_configs.VARIANTS at one shape, per M: each config checked against the
-    fp32 reference, timed cold under a CUDA graph; keeps the fastest correct one per M (`best`)."""
+def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None):
+    """The measured default against moe_configs.VARIANTS (or those in `names`) at one shape, per M: each config
+    checked against the fp32 reference on experts prepared in its layout, timed cold under a CUDA graph on
+    random layers in that layout; keeps the fastest correct one per M (`best`)."""
     from ops.moe import moe_torch
-    from triton_kernels.moe_configs import VARIANTS, config_for, with_variant
+    from triton_kernels.moe_configs import VARIANTS, config_for, layout_for, with_variant
     from triton_kernels.moe_w4a16 import moe, prepare_moe
 
     E, D, I = SHAPES[shape]["E"], SHAPES[shape]["D"], SHAPES[shape]["I"]
-    layers = [random_triton_layer(E, D, I, gen) for _ in range(n_layers(D, I))]
     ct_layer = random_ct_layer(E, D, I, gen)
-    checked = prepare_moe(ct_layer.gate_up_packed, ct_layer.gate_up_scale, ct_layer.down_packed, ct_layer.down_scale)
-    for M in MS[:-1]:  # 1..256: the range the issue's targets cover
+    by_layout = {}
+
+    def layout(panels):
+        """(rotating random layers, the checked checkpoint layer) in the layout of `panels`, built once."""
+        if panels not in by_layout:
+            by_layout[panels] = ([random_triton_layer(E, D, I, gen, panels) for _ in range(n_layers(D, I))],
+                                 prepare_moe(ct_layer.gate_up_packed, ct_layer.gate_up_scale, ct_layer.down_packed,
+                                             ct_layer.down_scale, panels=panels))
+        return by_layout[panels]
+
+    chosen = [n for n in VARIANTS if names is None or n in names]
+    for M in MS:
         calls = routings(M, E, CALLS, gen)
         touched = sum(ids.unique().numel() for _, ids, _ in calls) / len(calls)
         nbytes = touched * expert_bytes(D, I)
         ref = moe_torch(*calls[0], ct_layer)
         base = config_for(torch.device(DEV), M)
         row = dict(shape=shape, M=M, experts_touched=touched, bytes=nbytes, variants={})
-        for name, cfg in [("default", base)] + [(n, with_variant(base, n)) for n in VARIANTS]:
+        for name, cfg in [("default", base)] + [(n, with_variant(base, n)) for n in chosen]:
             if time.time() > deadline:
                 break
             if cfg.get("decode") and M > 16:  # one block per pair: every pair re-reads its expert
                 continue
             try:
+                layers, checked = layout(tuple(cfg.get("panels", layout_for(torch.device(DEV)))))
                 err = rel_err(moe(*calls[0], checked, config=cfg), ref)
-                ms = time_graph([lambda c=c, j=j, cfg=cfg: moe(*c, layers[j % len(layers)], config=cfg)
+                ms = time_graph([lambda c=c, j=j, cfg=cfg, layers=layers: moe(*c, layers[j % len(layers)], config=cfg)
                                  for j, c in enumerate(calls)])
                 row["variants"][name] = dict(us=ms * 1e3, frac=nbytes / ms / 1e6 / bw, rel_err=err, config=cfg)
             except Exception as exc:  # record, keep going
@@ -403,6 +417,7 @@ def main():
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--variants", action="store_true",
                         help="only time the default against moe_configs.VARIANTS at the TP8 shape (about --budget s)")
+    parser.add_argument("--names", help="with --variants: comma-separated VARIANTS to time (default: all)")
     parser.add_argument("--sass", action="store_true", help="CPU only: static SASS counts of the default and variants")
     args = parser.parse_args()
     if args.sass:
@@ -428,7 +443,8 @@ def main():
     print(f"HBM read {bw:.0f} GB/s", flush=True)
     gen = torch.Generator(DEV).manual_seed(0)
     if args.variants:
-        compare_variants(bw, gen, start + args.budget - 10, rows, save)
+        compare_variants(bw, gen, start + args.budget - 10, rows, save,
+                         names=args.names.split(",") if args.names else None)
         with open(os.path.join(args.out, "moe_variants.md"), "w") as f:
             f.write(variants_markdown(meta, rows))
         print(variants_markdown(meta, rows), flush=True)
