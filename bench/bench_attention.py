@@ -35,10 +35,12 @@ HEADS = (8, 64)
 ROTATE_BYTES = 256 << 20  # caches cycled per measurement, > L2
 PREFILL = ((4096, 8, 4096), (32768, 8, 2048))  # (L, H, T) causal prompt chunks, mask None
 TORCH_REF_MAX = 1 << 28  # time the torch reference only where H*T*L is at most this (its scores are fp32)
-CANDIDATES = {  # (BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV) tried by --tune, by query rows
-    16: [(16, 32, 4, 3, 512), (16, 32, 4, 4, 512), (16, 64, 4, 2, 512)],
-    None: [(64, 32, 8, 2, 512), (64, 64, 8, 2, 512), (64, 32, 4, 2, 256), (64, 32, 8, 2, 256), (128, 32, 8, 2, 256)],
+CANDIDATES = {  # (BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN) tried by --tune, by query rows
+    16: [(16, 32, 4, 3, 512, False), (16, 32, 4, 4, 512, False), (16, 64, 4, 2, 512, False)],
+    None: [(64, 64, 8, 2, 512, False), (64, 64, 8, 2, 512, True), (64, 32, 8, 3, 512, True),
+           (64, 32, 8, 2, 512, True)],
 }
+PER_SM = (0.5, 1, 2, 4)  # programs per SM (split counts) tried by --tune
 
 
 def ceilings():
@@ -113,7 +115,7 @@ def candidates(rows):
     return []
 
 
-def run_case(L, H, T, ceil, B=1, causal=False):
+def run_case(L, H, T, ceil, B=1, causal=False, time_torch=True):
     q, caches, lens, mask = make_inputs(L, H, T, B, causal=causal)
     rows = T * H
     out = mk.mla_attention(q, caches[0], lens, mask, SCALE)
@@ -128,30 +130,34 @@ def run_case(L, H, T, ceil, B=1, causal=False):
         "TFLOPs": flops / us / 1e6, "roofline_us": roof_us, "x_roofline": us / roof_us,
         "frac_read_bw": (cache_bytes + io_bytes) / us / 1e3 / ceil["read_GBps"],
     }
-    if H * T * L <= TORCH_REF_MAX:
+    if time_torch and H * T * L <= TORCH_REF_MAX:
         row["torch_us"] = 1e3 * triton.testing.do_bench(
             lambda: mla_attention_torch(q, caches[0], lens, mask, SCALE), warmup=5, rep=30, return_mode="median")
     return row
 
 
 def tune_case(row):
-    """Time every candidate config at 1, 2 and 4 programs per SM (split counts) for one measured case."""
+    """Time every candidate config at each PER_SM (programs per SM: split counts) for one measured case, and check
+    each candidate's output against the fp32 reference."""
     L, H, T, B, rows = row["L"], row["H"], row["T"], row["B"], row["T"] * row["H"]
     q, caches, lens, mask = make_inputs(L, H, T, B, causal=row["causal"])
+    ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE).double()
     results = []
     for cfg in candidates(rows):
         base = B * triton.cdiv(rows, cfg[0]) * (512 // cfg[4])
-        for per_sm in (1, 2, 4):
+        for per_sm in PER_SM:
             splits = mk.choose_splits(base, L, cfg[1], mk.num_sms(q.device), per_sm)
             if any(r["splits"] == splits and r["config"] == list(cfg) for r in results):
                 continue
             try:
+                out = mk.mla_attention(q, caches[0], lens, mask, SCALE, num_splits=splits, config=cfg)
+                err = ((out.double() - ref).norm() / ref.norm()).item()
                 us = graph_time_us(
                     lambda kv: mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg), caches)
             except Exception as exc:  # a config that does not fit this GPU's resources is recorded, not fatal
                 results.append({"config": list(cfg), "splits": splits, "error": str(exc)[:200]})
                 continue
-            results.append({"config": list(cfg), "splits": splits, "per_sm": per_sm, "us": us})
+            results.append({"config": list(cfg), "splits": splits, "per_sm": per_sm, "us": us, "rel_err": err})
     return results
 
 
@@ -171,7 +177,8 @@ def markdown(report):
     for r in report["cases"]:
         ok = [t for t in r.get("tuned", []) if "us" in t]
         best = min(ok, key=lambda t: t["us"]) if ok else None
-        best_s = f"{best['us']:.1f} ({best['config']}, {best['splits']})" if best else "-"
+        best_s = (f"{best['us']:.1f} ({best['config']}, {best['splits']}, err {best.get('rel_err', float('nan')):.1e})"
+                  if best else "-")
         best_x = f"{best['us'] / r['roofline_us']:.2f}" if best else "-"
         torch_s = f"{r['torch_us']:.0f}" if "torch_us" in r else "-"
         kind = " (prefill)" if r.get("causal") else ""
@@ -240,14 +247,15 @@ def _run_tiny(H, cfg, splits, causal):
     torch.cuda.synchronize()
 
 
-def precompile(heads, tree_sizes, tune, workers):
+def precompile(heads, tree_sizes, tune, workers, prefill=True):
+    """Compile the kernel variants a sweep runs (split and direct; prefill's causal ones unless prefill=False)."""
     jobs = set()
     for H in heads:
         for T in tree_sizes:
             cfgs = set(candidates(T * H)) if tune else set()
             for cfg in cfgs | {mk.pick_config(T * H)}:
-                jobs |= {(H, cfg, 1, False), (H, cfg, 2, False)}
-    for L, H, T in PREFILL:
+                jobs |= {(H, cfg, 2, False)} | ({(H, cfg, 1, False)} if prefill else set())
+    for L, H, T in PREFILL if prefill else ():
         for cfg in (set(candidates(T * H)) if tune else set()) | {mk.pick_config(T * H)}:
             jobs |= {(H, cfg, 1, True), (H, cfg, 2, True)}
     jobs |= {(8, mk.pick_config(8), 2**k + 1, False) for k in range(1, 9)}  # the merge's BLOCK_S variants
@@ -259,7 +267,7 @@ def precompile(heads, tree_sizes, tune, workers):
     return len(jobs)
 
 
-def sweep(contexts, heads, tree_sizes, tune, out):
+def sweep(contexts, heads, tree_sizes, tune, out, focus=False):
     report = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -267,8 +275,8 @@ def sweep(contexts, heads, tree_sizes, tune, out):
     }
     print("ceilings", report["ceilings"], flush=True)
     cases = [(L, H, T, False) for L in contexts for H in heads for T in tree_sizes]
-    for L, H, T, causal in cases + [(L, H, T, True) for L, H, T in PREFILL]:
-        row = run_case(L, H, T, report["ceilings"], causal=causal)
+    for L, H, T, causal in cases + ([] if focus else [(L, H, T, True) for L, H, T in PREFILL]):
+        row = run_case(L, H, T, report["ceilings"], causal=causal, time_torch=not focus)
         report["cases"].append(row)
         print(json.dumps(row), flush=True)
         (out / "attention.json").write_text(json.dumps(report, indent=1))
@@ -287,6 +295,8 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tune", action="store_true", help="also time candidate configs and split counts")
     parser.add_argument("--quick", action="store_true", help="32k and 128k only")
+    parser.add_argument("--focus", action="store_true",
+                        help="--tune --quick without prefill, the torch timing and the direct (one-split) variants")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling kernel variants up front")
     parser.add_argument("--with-tests", action="store_true", help="first run tests/test_attention_kernel.py here")
     parser.add_argument("--summarize", type=Path, help="no GPU: render a run's JSON for the committed configs")
@@ -301,12 +311,13 @@ def main(argv=None):
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "attention_tests.log").write_text(tests.stdout + tests.stderr)
         print(tests.stdout[-3000:], flush=True)
+    args.tune, args.quick = args.tune or args.focus, args.quick or args.focus
     contexts = CONTEXTS[2:] if args.quick else CONTEXTS
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    print("precompiled", precompile(HEADS, TREE_SIZES, args.tune, args.workers), "variants in",
-          f"{time.time() - start:.0f}s", flush=True)
-    report = sweep(contexts, HEADS, TREE_SIZES, args.tune, args.out)
+    print("precompiled", precompile(HEADS, TREE_SIZES, args.tune, args.workers, prefill=not args.focus),
+          "variants in", f"{time.time() - start:.0f}s", flush=True)
+    report = sweep(contexts, HEADS, TREE_SIZES, args.tune, args.out, focus=args.focus)
     (args.out / "attention.json").write_text(json.dumps(report, indent=1))
     (args.out / "attention.md").write_text(markdown(report))
     print(markdown(report))

@@ -86,7 +86,8 @@ CASES = [  # B, T, H, lens, tree kind, num_splits (None: the launcher's choice),
 @requires_triton
 @pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
 @pytest.mark.parametrize("B,T,H,lens,kind,splits,config", CASES,
-                         ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-{c[4]}-S{c[5]}" for c in CASES])
+                         ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-{c[4]}-S{c[5]}" + ("-unchained" if c[6] and c[6][5] else "")
+                              for c in CASES])
 def test_mla_attention_matches_reference(B, T, H, lens, kind, splits, config, dtype):
     from triton_kernels.mla_attention import mla_attention
 

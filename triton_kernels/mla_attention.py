@@ -9,6 +9,8 @@ rule. With one split the kernel writes the output; otherwise it writes per-split
 `_merge_kernel` combines them. See the attention section of triton_kernels/README.md for the derivations.
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -241,7 +243,7 @@ def num_sms(device):
 def choose_splits(base, max_len, block_n, sms, per_sm):
     """Splits per sequence: about per_sm programs per SM over `sms` SMs with `base` programs per split, each
     split reading at least MIN_TILES_PER_SPLIT tiles of the max_len-entry cache."""
-    want = triton.cdiv(per_sm * sms, base)
+    want = math.ceil(per_sm * sms / base)
     cap = max(1, triton.cdiv(max_len, block_n * MIN_TILES_PER_SPLIT))
     return max(1, min(want, cap))
 
