@@ -40,6 +40,10 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN) tried by 
     None: [(64, 64, 8, 2, 512, False), (64, 64, 8, 2, 512, True), (64, 32, 8, 3, 512, True),
            (64, 32, 8, 2, 512, True)],
 }
+FOCUS = {  # --focus: the measured defaults beside the unchained configs (a short run)
+    16: [(16, 32, 4, 3, 512, False)],
+    None: [(64, 64, 8, 2, 512, False), (64, 64, 8, 2, 512, True), (64, 32, 8, 3, 512, True)],
+}
 PER_SM = (0.5, 1, 2, 4)  # programs per SM (split counts) tried by --tune
 
 
@@ -108,8 +112,8 @@ def case_costs(L, H, T, B, ceil, causal=False):
     return cache_bytes, io_bytes, flops, roof_us
 
 
-def candidates(rows):
-    for max_rows, cfgs in CANDIDATES.items():
+def candidates(rows, table=CANDIDATES):
+    for max_rows, cfgs in table.items():
         if max_rows is None or rows <= max_rows:
             return cfgs
     return []
@@ -136,14 +140,14 @@ def run_case(L, H, T, ceil, B=1, causal=False, time_torch=True):
     return row
 
 
-def tune_case(row):
+def tune_case(row, table=CANDIDATES):
     """Time every candidate config at each PER_SM (programs per SM: split counts) for one measured case, and check
     each candidate's output against the fp32 reference."""
     L, H, T, B, rows = row["L"], row["H"], row["T"], row["B"], row["T"] * row["H"]
     q, caches, lens, mask = make_inputs(L, H, T, B, causal=row["causal"])
     ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE).double()
     results = []
-    for cfg in candidates(rows):
+    for cfg in candidates(rows, table):
         base = B * triton.cdiv(rows, cfg[0]) * (512 // cfg[4])
         for per_sm in PER_SM:
             splits = mk.choose_splits(base, L, cfg[1], mk.num_sms(q.device), per_sm)
@@ -247,12 +251,12 @@ def _run_tiny(H, cfg, splits, causal):
     torch.cuda.synchronize()
 
 
-def precompile(heads, tree_sizes, tune, workers, prefill=True):
+def precompile(heads, tree_sizes, tune, workers, prefill=True, table=CANDIDATES):
     """Compile the kernel variants a sweep runs (split and direct; prefill's causal ones unless prefill=False)."""
     jobs = set()
     for H in heads:
         for T in tree_sizes:
-            cfgs = set(candidates(T * H)) if tune else set()
+            cfgs = set(candidates(T * H, table)) if tune else set()
             for cfg in cfgs | {mk.pick_config(T * H)}:
                 jobs |= {(H, cfg, 2, False)} | ({(H, cfg, 1, False)} if prefill else set())
     for L, H, T in PREFILL if prefill else ():
@@ -282,7 +286,7 @@ def sweep(contexts, heads, tree_sizes, tune, out, focus=False):
         (out / "attention.json").write_text(json.dumps(report, indent=1))
         torch.cuda.empty_cache()
     for row in report["cases"] if tune else []:  # after all defaults: a faulting candidate cannot cost them
-        row["tuned"] = tune_case(row)
+        row["tuned"] = tune_case(row, FOCUS if focus else CANDIDATES)
         best = min((t for t in row["tuned"] if "us" in t), key=lambda t: t["us"], default=None)
         print("tuned", row["L"], row["H"], row["T"], row["us"], best, flush=True)
         (out / "attention.json").write_text(json.dumps(report, indent=1))
@@ -296,7 +300,7 @@ def main(argv=None):
     parser.add_argument("--tune", action="store_true", help="also time candidate configs and split counts")
     parser.add_argument("--quick", action="store_true", help="32k and 128k only")
     parser.add_argument("--focus", action="store_true",
-                        help="--tune --quick without prefill, the torch timing and the direct (one-split) variants")
+                        help="--tune --quick over FOCUS's configs, without prefill, torch timing and one-split variants")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling kernel variants up front")
     parser.add_argument("--with-tests", action="store_true", help="first run tests/test_attention_kernel.py here")
     parser.add_argument("--summarize", type=Path, help="no GPU: render a run's JSON for the committed configs")
@@ -315,7 +319,8 @@ def main(argv=None):
     contexts = CONTEXTS[2:] if args.quick else CONTEXTS
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    print("precompiled", precompile(HEADS, TREE_SIZES, args.tune, args.workers, prefill=not args.focus),
+    print("precompiled", precompile(HEADS, TREE_SIZES, args.tune, args.workers, prefill=not args.focus,
+                                    table=FOCUS if args.focus else CANDIDATES),
           "variants in", f"{time.time() - start:.0f}s", flush=True)
     report = sweep(contexts, HEADS, TREE_SIZES, args.tune, args.out, focus=args.focus)
     (args.out / "attention.json").write_text(json.dumps(report, indent=1))
