@@ -45,6 +45,7 @@ FOCUS = {  # --focus: the measured defaults beside the unchained configs (a shor
     None: [(64, 64, 8, 2, 512, False), (64, 64, 8, 2, 512, True), (64, 32, 8, 3, 512, True)],
 }
 PER_SM = (0.5, 1, 2, 4)  # programs per SM (split counts) tried by --tune
+HALF_PARTIALS_MAX_ROWS = 64  # --tune also times bf16 per-split outputs where T*H is at most this (merge-heavy cases)
 
 
 def ceilings():
@@ -140,28 +141,33 @@ def run_case(L, H, T, ceil, B=1, causal=False, time_torch=True):
     return row
 
 
-def tune_case(row, table=CANDIDATES):
-    """Time every candidate config at each PER_SM (programs per SM: split counts) for one measured case, and check
-    each candidate's output against the fp32 reference."""
+def tune_case(row, table=CANDIDATES, direct=True):
+    """Time every candidate config at each PER_SM (programs per SM: split counts; one split only if direct) for one
+    measured case, also with bf16 partials where T*H <= HALF_PARTIALS_MAX_ROWS, and check each against the fp32
+    reference."""
     L, H, T, B, rows = row["L"], row["H"], row["T"], row["B"], row["T"] * row["H"]
     q, caches, lens, mask = make_inputs(L, H, T, B, causal=row["causal"])
     ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE).double()
     results = []
+    runs = []  # (config, splits, per_sm, partials)
     for cfg in candidates(rows, table):
         base = B * triton.cdiv(rows, cfg[0]) * (512 // cfg[4])
         for per_sm in PER_SM:
             splits = mk.choose_splits(base, L, cfg[1], mk.num_sms(q.device), per_sm)
-            if any(r["splits"] == splits and r["config"] == list(cfg) for r in results):
-                continue
-            try:
-                out = mk.mla_attention(q, caches[0], lens, mask, SCALE, num_splits=splits, config=cfg)
-                err = ((out.double() - ref).norm() / ref.norm()).item()
-                us = graph_time_us(
-                    lambda kv: mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg), caches)
-            except Exception as exc:  # a config that does not fit this GPU's resources is recorded, not fatal
-                results.append({"config": list(cfg), "splits": splits, "error": str(exc)[:200]})
-                continue
-            results.append({"config": list(cfg), "splits": splits, "per_sm": per_sm, "us": us, "rel_err": err})
+            if (direct or splits > 1) and not any(r[:2] == (cfg, splits) for r in runs):
+                half = [q.dtype] if rows <= HALF_PARTIALS_MAX_ROWS and splits > 1 else []
+                runs += [(cfg, splits, per_sm, dt) for dt in [torch.float32] + half]
+    for cfg, splits, per_sm, dt in runs:
+        entry = {"config": list(cfg), "splits": splits, "per_sm": per_sm, "partials": str(dt).split(".")[-1]}
+        try:
+            out = mk.mla_attention(q, caches[0], lens, mask, SCALE, num_splits=splits, config=cfg, partials=dt)
+            entry["rel_err"] = ((out.double() - ref).norm() / ref.norm()).item()
+            entry["us"] = graph_time_us(
+                lambda kv: mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=dt),
+                caches)
+        except Exception as exc:  # a config that does not fit this GPU's resources is recorded, not fatal
+            entry["error"] = str(exc)[:200]
+        results.append(entry)
     return results
 
 
@@ -181,8 +187,8 @@ def markdown(report):
     for r in report["cases"]:
         ok = [t for t in r.get("tuned", []) if "us" in t]
         best = min(ok, key=lambda t: t["us"]) if ok else None
-        best_s = (f"{best['us']:.1f} ({best['config']}, {best['splits']}, err {best.get('rel_err', float('nan')):.1e})"
-                  if best else "-")
+        best_s = (f"{best['us']:.1f} ({best['config']}, {best['splits']}, {best.get('partials', 'float32')}, "
+                  f"err {best.get('rel_err', float('nan')):.1e})" if best else "-")
         best_x = f"{best['us'] / r['roofline_us']:.2f}" if best else "-"
         torch_s = f"{r['torch_us']:.0f}" if "torch_us" in r else "-"
         kind = " (prefill)" if r.get("causal") else ""
@@ -200,7 +206,8 @@ def committed_defaults(report, arch=90):
         cfg = mk.pick_config(rows, arch)
         base = r["B"] * triton.cdiv(rows, cfg[0]) * (512 // cfg[4])
         splits = mk.choose_splits(base, r["L"], cfg[1], sms, mk.programs_per_sm(rows, base, arch))
-        hits = [t["us"] for t in r.get("tuned", []) if "us" in t and t["config"] == list(cfg) and t["splits"] == splits]
+        hits = [t["us"] for t in r.get("tuned", []) if "us" in t and t["config"] == list(cfg) and t["splits"] == splits
+                and t.get("partials", "float32") == str(mk.PARTIALS[arch]).split(".")[-1]]
         yield r, cfg, splits, hits[0] if hits else None
 
 
@@ -234,20 +241,20 @@ def summary(report):
 
 def _warm(job):
     """Compile one kernel variant (run in a worker so compiles overlap; the main process hits Triton's disk cache)."""
-    H, cfg, splits, causal = job
+    H, cfg, splits, causal, half = job
     try:
-        _run_tiny(H, cfg, splits, causal)
+        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else None)
     except Exception as exc:  # recorded; the sweep reports the same failure where it matters
         return f"{job}: {exc}"[:300]
     return None
 
 
-def _run_tiny(H, cfg, splits, causal):
+def _run_tiny(H, cfg, splits, causal, partials=None):
     q = torch.randn(1, 1, H, 576, dtype=torch.bfloat16, device="cuda")
     kv = torch.randn(1, 256, 576, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((1,), 256, dtype=torch.int32, device="cuda")
     mask = None if causal else random_tree_mask(1, 1, 0)
-    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg)
+    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials)
     torch.cuda.synchronize()
 
 
@@ -258,11 +265,13 @@ def precompile(heads, tree_sizes, tune, workers, prefill=True, table=CANDIDATES)
         for T in tree_sizes:
             cfgs = set(candidates(T * H, table)) if tune else set()
             for cfg in cfgs | {mk.pick_config(T * H)}:
-                jobs |= {(H, cfg, 2, False)} | ({(H, cfg, 1, False)} if prefill else set())
+                jobs |= {(H, cfg, 2, False, False)} | ({(H, cfg, 1, False, False)} if prefill else set())
+                if tune and T * H <= HALF_PARTIALS_MAX_ROWS:
+                    jobs.add((H, cfg, 2, False, True))
     for L, H, T in PREFILL if prefill else ():
         for cfg in (set(candidates(T * H)) if tune else set()) | {mk.pick_config(T * H)}:
-            jobs |= {(H, cfg, 1, True), (H, cfg, 2, True)}
-    jobs |= {(8, mk.pick_config(8), 2**k + 1, False) for k in range(1, 9)}  # the merge's BLOCK_S variants
+            jobs |= {(H, cfg, 1, True, False), (H, cfg, 2, True, False)}
+    jobs |= {(8, mk.pick_config(8), 2**k + 1, False, False) for k in range(1, 9)}  # the merge's BLOCK_S variants
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
         failures = [f for f in pool.map(_warm, sorted(jobs)) if f]
@@ -286,7 +295,7 @@ def sweep(contexts, heads, tree_sizes, tune, out, focus=False):
         (out / "attention.json").write_text(json.dumps(report, indent=1))
         torch.cuda.empty_cache()
     for row in report["cases"] if tune else []:  # after all defaults: a faulting candidate cannot cost them
-        row["tuned"] = tune_case(row, FOCUS if focus else CANDIDATES)
+        row["tuned"] = tune_case(row, FOCUS if focus else CANDIDATES, direct=not focus)
         best = min((t for t in row["tuned"] if "us" in t), key=lambda t: t["us"], default=None)
         print("tuned", row["L"], row["H"], row["T"], row["us"], best, flush=True)
         (out / "attention.json").write_text(json.dumps(report, indent=1))

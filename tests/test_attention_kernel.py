@@ -102,6 +102,21 @@ def test_mla_attention_matches_reference(B, T, H, lens, kind, splits, config, dt
 
 
 @requires_triton
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
+def test_partials_in_the_inputs_dtype(dtype):
+    """Per-split outputs stored in q's dtype (half the merge traffic) stay within the bound."""
+    from triton_kernels.mla_attention import mla_attention
+
+    q, kv, cache_lens, mask = make_case(2, 7, 8, [90, 161], "wide", dtype, device(), seed=11)
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=4, partials=dtype)
+    ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < bound(dtype)
+    with pytest.raises(ValueError, match="partials"):
+        mla_attention(q, kv, cache_lens, mask, SCALE, partials=torch.int32)
+
+
+@requires_triton
 def test_more_splits_than_tiles_leaves_empty_splits_harmless():
     from triton_kernels.mla_attention import mla_attention
 

@@ -38,6 +38,9 @@ CONFIGS = {
 # Pipeline stages of the masked tail loop (a few tiles): on sm_90 one, which frees the shared memory of a
 # second pipeline for larger tiles; on sm_120 (mma.sync) the pipelined tail uses less shared memory.
 TAIL_STAGES = {90: 1, 120: None}  # None: the config's stages
+# dtype of the per-split outputs o_s, per arch. Each o_s is a convex combination of cache values, so q's dtype
+# (that of the cache) holds it without overflow; fp32 keeps the measured accuracy, 16 bits halve the traffic.
+PARTIALS = {90: torch.float32, 120: torch.float32}
 MERGE_MAX_SPLITS_BLOCK = 256  # splits combined per step of the merge (one step up to this many)
 MERGE_ELEMENTS = 8192  # partial values per merge program and step: BLOCK_S x BLOCK_D
 MIN_TILES_PER_SPLIT = 4  # a split reads at least this many KV tiles
@@ -167,7 +170,8 @@ def _mla_split_kernel(
         tl.store(o_rows + offs_own[None, :], o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
     else:
         part_row = (b.to(tl.int64) * num_splits + pid_s) * rows + offs_m  # [BM]
-        tl.store(o_part_ptr + part_row[:, None] * 512 + offs_own[None, :], o, mask=m_ok[:, None])
+        tl.store(o_part_ptr + part_row[:, None] * 512 + offs_own[None, :], o.to(o_part_ptr.dtype.element_ty),
+                 mask=m_ok[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # [BM] log2-sum-exp of the split
         tl.store(lse_part_ptr + part_row, lse, mask=m_ok & (pid_v + 0 * offs_m == 0))
 
@@ -190,6 +194,7 @@ def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, rows, num_splits,
         part = part0 + (s0 + offs_s) * rows  # [BS]
         lse = tl.load(lse_part_ptr + part, mask=s_ok, other=float("-inf"))  # [BS]
         o = tl.load(o_part_ptr + part[:, None] * 512 + offs_d[None, :], mask=s_ok[:, None], other=0.0)  # [BS, BD]
+        o = o.to(tl.float32)
         m_new = tl.maximum(m, tl.max(lse, 0))
         keep = tl.exp2(m - m_new)
         w = tl.exp2(lse - m_new)  # [BS]
@@ -261,12 +266,13 @@ def _check(q, kv_cache, value_dim):
         raise ValueError("mla_attention (triton): q must be contiguous and kv_cache rows contiguous [.., L, 576]")
 
 
-def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, num_splits=None, config=None):
+def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, num_splits=None, config=None,
+                  partials=None):
     """Triton twin of ops.mla_attention: q [B, T, H, 576], kv_cache [B, L_max, 576], cache_lens [B] int32,
     tree_mask [B, T, ceil(T/32)] int32 or None (causal), -> [B, T, H, 512] in q's dtype.
 
-    num_splits (splits per sequence) and config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)) override
-    the defaults.
+    num_splits (splits per sequence), config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)) and
+    partials (dtype of the per-split outputs: torch.float32 or q.dtype) override the defaults.
     """
     _check(q, kv_cache, value_dim)
     B, T, H, _ = q.shape
@@ -275,6 +281,8 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     tail_stages = TAIL_STAGES[_arch()] or stages
     if block_dv not in (256, 512):
         raise ValueError(f"mla_attention (triton): BLOCK_DV must be 256 or 512, got {block_dv}")
+    if partials not in (None, torch.float32, q.dtype):
+        raise ValueError(f"mla_attention (triton): partials must be torch.float32 or q's {q.dtype}, got {partials}")
     grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
     if num_splits is None:
         per_sm = programs_per_sm(rows, B * grid_m)
@@ -284,7 +292,8 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     if direct:
         o_part = lse_part = out
     else:
-        o_part = torch.empty(B, num_splits, rows, D_LAT, dtype=torch.float32, device=q.device)
+        o_part = torch.empty(B, num_splits, rows, D_LAT, dtype=PARTIALS[_arch()] if partials is None else partials,
+                             device=q.device)
         lse_part = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q.device)
     causal = tree_mask is None
     mask = cache_lens if causal else tree_mask.contiguous()
