@@ -1,7 +1,7 @@
 """A few launches of the MoE and attention kernels at chosen shapes, for `ncu` to profile (no timing here).
 
 Usage (device): ncu --clock-control none --set full -k regex:'_gate_up|_down|_mla_split' \
-    python bench/profile_kernels.py [--moe-m 1 64] [--attn L,H,T ...]
+    python bench/profile_kernels.py [--moe-m 1 64] [--attn L,H,T ...] [--attn-config 64,64,8,2,512,1]
 """
 
 import argparse
@@ -22,10 +22,10 @@ def run_moe(M, gen):
     torch.cuda.synchronize()
 
 
-def run_attention(L, H, T):
+def run_attention(L, H, T, config=None):
     q, caches, lens, mask = ba.make_inputs(L, H, T)
     for kv in caches[:2]:
-        mla_attention(q, kv, lens, mask, 576 ** -0.5)
+        mla_attention(q, kv, lens, mask, 576 ** -0.5, config=config)
     torch.cuda.synchronize()
 
 
@@ -33,12 +33,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--moe-m", type=int, nargs="*", default=[1, 64])
     parser.add_argument("--attn", nargs="*", default=["32768,8,1", "32768,64,32"])
+    parser.add_argument("--attn-config", help="BM,BN,warps,stages,DV,unchain (0/1) instead of the default config")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for M in args.moe_m:
         run_moe(M, gen)
+    config = tuple(map(int, args.attn_config.split(","))) if args.attn_config else None
+    config = config[:5] + (bool(config[5]),) if config else None
     for case in args.attn:
-        run_attention(*map(int, case.split(",")))
+        run_attention(*map(int, case.split(",")), config=config)
 
 
 if __name__ == "__main__":
