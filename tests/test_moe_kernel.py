@@ -106,16 +106,19 @@ def test_moe_variant_configs(E, D, I, extra):
 
 @requires_triton
 @pytest.mark.parametrize("panels,bn,extra", [((64, 128), (64, 128), {"lean": True}), ((64, 64), (32, 64), {}),
-                                             ((64, 128), (64, 128), {"lean": True, "decode": True})],
-                         ids=["panel_lean", "panel_bn_lt_panel", "panel_decode"])
+                                             ((64, 128), (64, 128), {"lean": True, "decode": True}),
+                                             ((0, 0), (32, 128), {"prefetch": 3}), ((32, 128), (32, 128), {"prefetch": 2})],
+                         ids=["panel_lean", "panel_bn_lt_panel", "panel_decode", "slab_prefetch", "panel_prefetch"])
 def test_moe_panel_layout(panels, bn, extra):
     """The panel layout on ragged shapes (I and D not multiples of the panel: padded panels), a repeated expert,
-    split over K; tiles as wide as the panel or narrower."""
+    split over K; tiles as wide as the panel or narrower; L2 prefetch (GPU only)."""
+    if extra.get("prefetch") and not gpu():
+        pytest.skip("PTX prefetch needs a GPU")
     E, D, I = 5, 320, 96
-    lean, decode = extra.get("lean", False), extra.get("decode", False)
+    lean, decode, prefetch = extra.get("lean", False), extra.get("decode", False), extra.get("prefetch", 0)
     cfg = {"BM": 16, "panels": panels, "decode": decode,
-           "gate_up": dict(BN=bn[0], waves=8, num_warps=4, num_stages=2, lean=lean),
-           "down": dict(BN=bn[1], waves=8, num_warps=4, num_stages=2, lean=lean)}
+           "gate_up": dict(BN=bn[0], waves=8, num_warps=4, num_stages=2, lean=lean, prefetch=prefetch),
+           "down": dict(BN=bn[1], waves=8, num_warps=4, num_stages=2, lean=lean, prefetch=prefetch)}
     raw = make_experts(E, D, I, seed=5)
     ids, weights = make_routing(3, E, 2, seed=5)
     ids[2] = ids[0]
@@ -206,6 +209,26 @@ from triton_kernels.moe_w4a16 import compile_specs
 print(json.dumps([(kernel.__name__, max_m, vars(compile_for(kernel, *launch)))
                   for max_m, cfg in CONFIGS["sm_120"] for kernel, launch in compile_specs(cfg)]))
 """
+
+
+PREFETCH_COMPILE = """
+import json
+import torch
+from triton_kernels.aot import compile_for
+from triton_kernels.moe_configs import config_for, with_variant
+from triton_kernels.moe_w4a16 import compile_specs
+cfg = with_variant(config_for(torch.device("cpu"), 1), "panel_gu32_prefetch")
+print(json.dumps([vars(compile_for(kernel, *launch)) for arch in (90, 120)
+                  for kernel, launch in compile_specs(cfg, arch=arch)]))
+"""
+
+
+def test_prefetch_variant_compiles():
+    """The L2-prefetch variant (inline PTX, which the interpreter cannot run) assembles for sm_90 and sm_120."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", PREFETCH_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert all(res["spill_bytes"] == 0 for res in json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
 def test_sm120_configs_fit():

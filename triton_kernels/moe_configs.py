@@ -41,18 +41,23 @@ LAYOUTS = {"sm_90": (0, 0), "sm_120": (0, 0)}
 VARIANTS = {
     "lean": dict(gate_up=dict(lean=True), down=dict(lean=True)),
     "lean_gu64": dict(gate_up=dict(BN=64, lean=True), down=dict(lean=True)),
-    "lean_gu64_w8": dict(gate_up=dict(BN=64, num_warps=8, lean=True), down=dict(lean=True)),
-    "lean_gu64_dn256w8": dict(gate_up=dict(BN=64, lean=True), down=dict(BN=256, num_warps=8, lean=True)),
-    "lean_gu64_dn128w8": dict(gate_up=dict(BN=64, lean=True), down=dict(num_warps=8, lean=True)),
-    "lean_gu64_deep": dict(gate_up=dict(BN=64, num_stages=6, waves=2, lean=True), down=dict(num_stages=3, lean=True)),
-    "lean_gu64_decode": dict(decode=True, gate_up=dict(BN=64, lean=True), down=dict(lean=True)),
-    # panel layouts (`panels`: the layout the bench prepares for the variant): each program's K range of one
-    # panel is one contiguous stream (BN x 128 bytes a slab)
-    "panel": dict(panels=(64, 128), gate_up=dict(BN=64, lean=True), down=dict(lean=True)),
-    "panel_gu32": dict(panels=(32, 128), gate_up=dict(lean=True), down=dict(lean=True)),
-    "panel_dn64": dict(panels=(64, 64), gate_up=dict(BN=64, lean=True), down=dict(BN=64, lean=True)),
-    "panel_w8": dict(panels=(64, 128), gate_up=dict(BN=64, num_warps=8, lean=True), down=dict(num_warps=8, lean=True)),
-    "panel_decode": dict(panels=(64, 128), decode=True, gate_up=dict(BN=64, lean=True), down=dict(lean=True)),
+    # panel layouts (`panels`: the layout the bench prepares for the variant; README.md): a program's K range of
+    # one panel is one contiguous stream. `panel` changes the layout only (at M <= 16 a gate/up tile of BN 32 is
+    # half a 64-wide panel); `panel_gu32` keeps gate/up at BN 32 for every M (89 registers instead of 250 at BN
+    # 64: 5 CTAs an SM instead of 2, ncu 2026-11-30); `gu32` is that without the panels; `panel_s2` trades
+    # pipeline depth for occupancy (gate/up at M <= 16: 49 KB of shared memory, 4 CTAs an SM).
+    "panel": dict(panels=(64, 128)),
+    "panel_gu32": dict(panels=(32, 128), gate_up=dict(BN=32)),
+    "gu32": dict(gate_up=dict(BN=32)),
+    "panel_s2": dict(panels=(64, 128), gate_up=dict(num_stages=2)),
+    "panel_decode": dict(panels=(32, 128), decode=True, gate_up=dict(BN=32)),
+    # `prefetch` (distance in slabs): the weight words are loaded straight into registers (LDG; only the
+    # activations go through cp.async stages), so a CTA has one slab's words in flight and none while it
+    # dequantises; these ask L2 for slab + prefetch's words (one PTX prefetch per 128-byte line) first
+    "prefetch": dict(gate_up=dict(prefetch=2), down=dict(prefetch=2)),
+    "panel_prefetch": dict(panels=(64, 128), gate_up=dict(prefetch=2), down=dict(prefetch=2)),
+    "panel_gu32_prefetch": dict(panels=(32, 128), gate_up=dict(BN=32, prefetch=2), down=dict(prefetch=2)),
+    "panel_gu32_prefetch4": dict(panels=(32, 128), gate_up=dict(BN=32, prefetch=4), down=dict(prefetch=4)),
 }
 
 

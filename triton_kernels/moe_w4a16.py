@@ -82,17 +82,23 @@ def _unpack_group(words, m: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.c
 
 
 @triton.jit
-def _slab_dot(acc, a_ptrs, row_mask, k, K, w_ptrs, stride_wk, w_mask, s_ptrs, s_mask, stride_sg,
+def _load_slab(w_ptrs, w_row, w_mask):
+    """The two half-slabs of words [16, BN] int32 at w_ptrs [16, BN] and 16 rows (of stride w_row) further."""
+    return tl.load(w_ptrs, mask=w_mask, other=0), tl.load(w_ptrs + 16 * w_row, mask=w_mask, other=0)
+
+
+@triton.jit
+def _slab_dot(acc, a_ptrs, row_mask, k, K, w0, w1, s_ptrs, s_mask, stride_sg,
               MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, DTYPE: tl.constexpr,
               EVEN_K: tl.constexpr):
     """acc [BM, BN] += A [BM, 256] @ dequant(slab) [256, BN], scaling each group's partial product.
 
-    w_ptrs [16, BN] point at the slab's first 16 words (the second half follows at 16 * stride_wk); a_ptrs
-    [BM, 32] at the slab's first group (columns k [32]); A's columns at or past K read as 0 (no column mask
-    when EVEN_K: K is a multiple of 256). Group 2m + t is nibble pair m of half t.
+    w0, w1 [16, BN]: the slab's half-slabs of words (`_load_slab`); a_ptrs [BM, 32] point at the slab's first
+    group (columns k [32]); A's columns at or past K read as 0 (no column mask when EVEN_K: K is a multiple of
+    256). Group 2m + t is nibble pair m of half t.
     """
     for t in tl.static_range(2):
-        words = tl.load(w_ptrs + t * 16 * stride_wk, mask=w_mask, other=0)  # [16, BN] int32
+        words = w1 if t else w0  # [16, BN] int32
         for m in tl.static_range(4):
             g = 2 * m + t
             if EVEN_K:
@@ -110,14 +116,32 @@ def _slab_dot(acc, a_ptrs, row_mask, k, K, w_ptrs, stride_wk, w_mask, s_ptrs, s_
 
 
 @triton.jit
-def _tile_cols(pid_n, stride_p, BN: tl.constexpr, PANEL: tl.constexpr):
-    """Offsets [BN] of N tile pid_n's columns within a row of words or scales: the columns themselves in the
-    slab layout (PANEL 0), else panel (column // PANEL) times the panel stride plus column % PANEL."""
-    cols = pid_n * BN + tl.arange(0, BN)  # [BN]
+def _tile_cols(pid_n, stride_p, BN: tl.constexpr, PANEL: tl.constexpr, STEP: tl.constexpr = 1):
+    """Offsets [BN / STEP] of N tile pid_n's columns (every STEP-th) within a row of words or scales: the columns
+    themselves in the slab layout (PANEL 0), else panel (column // PANEL) times the panel stride plus
+    column % PANEL."""
+    cols = pid_n * BN + tl.arange(0, BN // STEP) * STEP  # [BN / STEP]
     if PANEL:
         c0 = pid_n * BN  # PANEL % BN == 0: the tile lies in one panel
-        cols = (c0 // PANEL).to(tl.int64) * stride_p + (c0 % PANEL) + tl.arange(0, BN)
+        cols = (c0 // PANEL).to(tl.int64) * stride_p + (c0 % PANEL) + tl.arange(0, BN // STEP) * STEP
     return cols
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the lines holding ptrs (a hint: no result to wait for; PTX prefetch, so not interpretable)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_slab(lines, slab, w_row, up_w, UP: tl.constexpr):
+    """Prefetch slab `slab`'s 32 rows of words (and the up columns', at up_w, when UP) from the 128-byte line
+    offsets `lines` [1, BN / 32] of its first row."""
+    rows = (slab * _SLAB_WORDS + tl.arange(0, _SLAB_WORDS))[:, None].to(tl.int64) * w_row  # [32, 1]
+    _prefetch_l2(lines + rows)  # [32, BN / 32]
+    if UP:
+        _prefetch_l2(lines + rows + up_w)
 
 
 @triton.jit
@@ -182,7 +206,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
                     D, I, n_slabs, n_slabs_per_split, split_k, stride_we, stride_se, stride_part,
                     w_row, s_row, stride_wp, stride_sp, up_w, up_s,
                     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, LEAN: tl.constexpr,
-                    EVEN_N: tl.constexpr, DECODE: tl.constexpr, PANEL: tl.constexpr,
+                    EVEN_N: tl.constexpr, DECODE: tl.constexpr, PANEL: tl.constexpr, PREFETCH: tl.constexpr,
                     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr):
     """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate.
 
@@ -216,14 +240,23 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     first = pid_k * n_slabs_per_split
+    end = tl.minimum(first + n_slabs_per_split, n_slabs)
     w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token[:, None] * D, kw, kg, w_cols, s_cols,
                                            first, w_row, s_row)
-    for slab in range(first, tl.minimum(first + n_slabs_per_split, n_slabs)):
+    if PREFETCH:  # slabs first + 1 .. first + PREFETCH - 1; the loop asks for slab + PREFETCH
+        lines = w_base + _tile_cols(pid_n, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]: 128-byte lines
+        for ahead in tl.static_range(1, PREFETCH):
+            _prefetch_slab(lines, tl.minimum(first + ahead, end - 1), w_row, up_w, True)
+    for slab in range(first, end):
         if not LEAN:  # recomputed from the slab index (the measured default); LEAN carries them below
             w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token[:, None] * D, kw, kg, w_cols,
                                                    s_cols, slab, w_row, s_row)
-        acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, w_ptrs, w_row, n_mask[None, :], s_ptrs, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
-        acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, w_ptrs + up_w, w_row, n_mask[None, :], s_ptrs + up_s, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
+        if PREFETCH:
+            _prefetch_slab(lines, tl.minimum(slab + PREFETCH, end - 1), w_row, up_w, True)
+        g0, g1 = _load_slab(w_ptrs, w_row, n_mask[None, :])  # [16, BN] each
+        u0, u1 = _load_slab(w_ptrs + up_w, w_row, n_mask[None, :])
+        acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, g0, g1, s_ptrs, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
+        acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, u0, u1, s_ptrs + up_s, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
         if LEAN:
             w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
     out = rows[:, None].to(tl.int64) * I + n[None, :]  # [BM, BN]
@@ -251,7 +284,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
 def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                  D, I, n_slabs, n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp,
                  TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LEAN: tl.constexpr, EVEN_N: tl.constexpr,
-                 DECODE: tl.constexpr, PANEL: tl.constexpr,
+                 DECODE: tl.constexpr, PANEL: tl.constexpr, PREFETCH: tl.constexpr,
                  MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr):
     """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tile pid 1, K split pid 2
     (layout arguments as in `_gate_up_kernel`)."""
@@ -280,11 +313,19 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
     h_rows = h_ptr + rows[:, None].to(tl.int64) * I
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     first = pid_k * n_slabs_per_split
+    end = tl.minimum(first + n_slabs_per_split, n_slabs)
     w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, first, w_row, s_row)
-    for slab in range(first, tl.minimum(first + n_slabs_per_split, n_slabs)):
+    if PREFETCH:  # as in _gate_up_kernel (one slab at K2.6's TP8 shape: nothing to prefetch)
+        lines = w_base + _tile_cols(pid_n, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]
+        for ahead in tl.static_range(1, PREFETCH):
+            _prefetch_slab(lines, tl.minimum(first + ahead, end - 1), w_row, 0, False)
+    for slab in range(first, end):
         if not LEAN:
             w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, slab, w_row, s_row)
-        acc = _slab_dot(acc, a_ptrs, valid, k, I, w_ptrs, w_row, n_mask[None, :], s_ptrs, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
+        if PREFETCH:
+            _prefetch_slab(lines, tl.minimum(slab + PREFETCH, end - 1), w_row, 0, False)
+        w0, w1 = _load_slab(w_ptrs, w_row, n_mask[None, :])  # [16, BN] each
+        acc = _slab_dot(acc, a_ptrs, valid, k, I, w0, w1, s_ptrs, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
         if LEAN:
             w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
     weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)  # [BM] fp32
@@ -407,11 +448,12 @@ def _expected_experts(E, pairs):
 
 
 def _lean(kernel_cfg, N):
-    """LEAN / EVEN_N constexprs of a kernel config: `lean` carries the slab pointers across the K loop, drops the
-    column masks when BN divides N and loads a block's pair ids with its expert (sm_90 variants under test; the
-    measured defaults leave it off)."""
+    """LEAN / EVEN_N / PREFETCH constexprs of a kernel config: `lean` carries the slab pointers across the K loop,
+    drops the column masks when BN divides N and loads a block's pair ids with its expert; `prefetch` (a distance
+    in slabs, 0 off) asks L2 for the words of slab + prefetch while slab is dequantised (sm_90 variants under
+    test; the measured defaults leave both off; PTX prefetch: not interpretable)."""
     lean = kernel_cfg.get("lean", False)
-    return dict(LEAN=lean, EVEN_N=lean and N % kernel_cfg["BN"] == 0)
+    return dict(LEAN=lean, EVEN_N=lean and N % kernel_cfg["BN"] == 0, PREFETCH=kernel_cfg.get("prefetch", 0))
 
 
 def _layout(words, scales, panel, BN, up=0):
