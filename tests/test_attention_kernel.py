@@ -162,32 +162,46 @@ def test_write_kv_exact(dtype):
     assert torch.equal(kv, expected)
 
 
-SM120_CHECK = """
+AOT_CHECK = """
 import json, sys
 from triton_kernels.aot import compile_for
 from triton_kernels.mla_attention import CONFIGS, TAIL_STAGES, _mla_split_kernel
 sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "lens_ptr": "*i32", "mask_ptr": "*i32", "out_ptr": "*bf16",
        "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "T": "i32", "rows_kb": "i32", "sm_scale_log2": "fp32"}
-causal = sys.argv[1] == "causal"
+causal, arch = sys.argv[1] == "causal", int(sys.argv[2])
+configs = [tuple(c) for c in json.loads(sys.argv[3])] if len(sys.argv) > 3 else [c for _, c, _ in CONFIGS[arch]]
 report = []
-for _, (block_m, block_n, warps, stages, block_dv, unchain), _ in CONFIGS[120]:
+for block_m, block_n, warps, stages, block_dv, unchain in configs:
     res = compile_for(_mla_split_kernel, sig,
                       {"H": 8, "CAUSAL": causal, "DIRECT": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
                        "BLOCK_DV": block_dv, "BLOCK_DO": 512 - block_dv if block_dv < 512 else 16,
-                       "TAIL_STAGES": TAIL_STAGES[120] or stages, "UNCHAIN": unchain},
-                      arch=120, num_warps=warps, num_stages=stages, aligned=True)
+                       "TAIL_STAGES": TAIL_STAGES[arch] or stages, "UNCHAIN": unchain},
+                      arch=arch, num_warps=warps, num_stages=stages, aligned=True)
     report.append([block_m, block_n, res.shared, res.registers, res.spill_bytes])
 print(json.dumps(report))
 """
+SM90_SHARED_LIMIT = 232_448  # bytes of shared memory per block on sm_90 (227 KB)
+
+
+def aot_report(mode, arch, configs=None):
+    """Compile configs of the split kernel for sm_<arch> in a child process (the interpreter cannot compile)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [mode, str(arch)] + ([json.dumps(configs)] if configs else [])
+    proc = subprocess.run([sys.executable, "-c", AOT_CHECK, *args], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("mode", ["tree", "causal"])
 def test_sm120_configs_fit_shared_memory(mode):
-    """Compile every sm_120 config ahead of time (in a child process: the interpreter cannot compile)."""
+    """Compile every sm_120 config ahead of time: within its shared memory, no spills."""
     from triton_kernels.aot import SM120_SHARED_LIMIT
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", SM120_CHECK, mode], env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for block_m, block_n, shared, registers, spills in json.loads(proc.stdout.strip().splitlines()[-1]):
+    for block_m, block_n, shared, registers, spills in aot_report(mode, 120):
         assert shared <= SM120_SHARED_LIMIT and spills == 0, (block_m, block_n, shared, registers, spills)
+
+
+def test_sm90_unchained_config_fits_shared_memory():
+    """The unchained 64x64 sm_90 candidate (P moved between warpgroups through shared memory) fits 227 KB."""
+    [(_, _, shared, _, _)] = aot_report("tree", 90, [UNCHAINED])
+    assert shared <= SM90_SHARED_LIMIT, shared
