@@ -280,7 +280,7 @@ def precompile(heads, tree_sizes, tune, workers, prefill=True, table=CANDIDATES)
     return len(jobs)
 
 
-def sweep(contexts, heads, tree_sizes, tune, out, focus=False):
+def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None):
     report = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -295,6 +295,9 @@ def sweep(contexts, heads, tree_sizes, tune, out, focus=False):
         (out / "attention.json").write_text(json.dumps(report, indent=1))
         torch.cuda.empty_cache()
     for row in report["cases"] if tune else []:  # after all defaults: a faulting candidate cannot cost them
+        if deadline is not None and time.time() > deadline:
+            print("budget spent: not tuned", row["L"], row["H"], row["T"], flush=True)
+            continue
         row["tuned"] = tune_case(row, FOCUS if focus else CANDIDATES, direct=not focus)
         best = min((t for t in row["tuned"] if "us" in t), key=lambda t: t["us"], default=None)
         print("tuned", row["L"], row["H"], row["T"], row["us"], best, flush=True)
@@ -310,6 +313,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="32k and 128k only")
     parser.add_argument("--focus", action="store_true",
                         help="--tune --quick over FOCUS's configs, without prefill, torch timing and one-split variants")
+    parser.add_argument("--budget", type=float, help="seconds from the start after which no further case is tuned")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling kernel variants up front")
     parser.add_argument("--with-tests", action="store_true", help="first run tests/test_attention_kernel.py here")
     parser.add_argument("--summarize", type=Path, help="no GPU: render a run's JSON for the committed configs")
@@ -331,7 +335,8 @@ def main(argv=None):
     print("precompiled", precompile(HEADS, TREE_SIZES, args.tune, args.workers, prefill=not args.focus,
                                     table=FOCUS if args.focus else CANDIDATES),
           "variants in", f"{time.time() - start:.0f}s", flush=True)
-    report = sweep(contexts, HEADS, TREE_SIZES, args.tune, args.out, focus=args.focus)
+    deadline = start + args.budget if args.budget else None
+    report = sweep(contexts, HEADS, TREE_SIZES, args.tune, args.out, focus=args.focus, deadline=deadline)
     (args.out / "attention.json").write_text(json.dumps(report, indent=1))
     (args.out / "attention.md").write_text(markdown(report))
     print(markdown(report))
