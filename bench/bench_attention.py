@@ -207,7 +207,7 @@ def committed_defaults(report, arch=90):
         base = r["B"] * triton.cdiv(rows, cfg[0]) * (512 // cfg[4])
         splits = mk.choose_splits(base, r["L"], cfg[1], sms, mk.programs_per_sm(rows, base, arch))
         hits = [t["us"] for t in r.get("tuned", []) if "us" in t and t["config"] == list(cfg) and t["splits"] == splits
-                and t.get("partials", "float32") == str(mk.PARTIALS[arch]).split(".")[-1]]
+                and t.get("partials", "float32") == str(mk.PARTIALS[arch] or torch.bfloat16).split(".")[-1]]
         yield r, cfg, splits, hits[0] if hits else None
 
 

@@ -40,6 +40,7 @@ CONFIGS = {
 TAIL_STAGES = {90: 1, 120: None}  # None: the config's stages
 # dtype of the per-split outputs o_s, per arch. Each o_s is a convex combination of cache values, so q's dtype
 # (that of the cache) holds it without overflow; fp32 keeps the measured accuracy, 16 bits halve the traffic.
+# None: q's dtype.
 PARTIALS = {90: torch.float32, 120: torch.float32}
 MERGE_MAX_SPLITS_BLOCK = 256  # splits combined per step of the merge (one step up to this many)
 MERGE_ELEMENTS = 8192  # partial values per merge program and step: BLOCK_S x BLOCK_D
@@ -292,7 +293,7 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     if direct:
         o_part = lse_part = out
     else:
-        o_part = torch.empty(B, num_splits, rows, D_LAT, dtype=PARTIALS[_arch()] if partials is None else partials,
+        o_part = torch.empty(B, num_splits, rows, D_LAT, dtype=partials or PARTIALS[_arch()] or q.dtype,
                              device=q.device)
         lse_part = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q.device)
     causal = tree_mask is None
