@@ -66,10 +66,9 @@ class Attention(nn.Module):
         cfg, N = self.cfg, x.shape[0]
         q_nope, q_pe = self.project_q(x)
         ckv = F.linear(x, self.kv_a_proj_with_mqa.weight)
-        latent = ops.rms_norm(ckv[:, : cfg.kv_lora_rank], self.kv_a_layernorm.weight, cfg.latent_norm_eps)
-        k_pe = ops.apply_rope(ckv[:, None, cfg.kv_lora_rank :], meta.positions, self.inv_freq, self.rope_factor)
+        ops.write_latent(kv, ckv, self.kv_a_layernorm.weight, cfg.latent_norm_eps, meta.positions, self.inv_freq,
+                         self.rope_factor, meta.starts)
         q_pe = ops.apply_rope(q_pe, meta.positions, self.inv_freq, self.rope_factor)
-        ops.write_kv(kv, torch.cat([latent, k_pe[:, 0]], -1).view(meta.B, meta.T, -1), meta.starts)
         w_kv = self.kv_b_proj.weight.view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w_kv[:, : cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim :]
         if self.naive:
@@ -167,11 +166,16 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, par, dtype, device, "intermediate_size")
 
-    def forward(self, h, meta, kv):
-        attn = self.self_attn(ops.rms_norm(h, self.input_layernorm.weight, self.eps), meta, kv)
-        h = h + self.par.all_reduce(attn)
-        mlp = self.mlp(ops.rms_norm(h, self.post_attention_layernorm.weight, self.eps))
-        return h + self.par.all_reduce(mlp)
+    def forward(self, h, delta, meta, kv):
+        """The residual stream arrives as h + delta (delta: the previous layer's MLP output, or None) so that
+        each residual add runs fused with the norm after it. Returns (h, delta) the same way."""
+        if delta is None:
+            x = ops.rms_norm(h, self.input_layernorm.weight, self.eps)
+        else:
+            h, x = ops.add_rms_norm(delta, h, self.input_layernorm.weight, self.eps)
+        attn = self.par.all_reduce(self.self_attn(x, meta, kv))
+        h, x = ops.add_rms_norm(attn, h, self.post_attention_layernorm.weight, self.eps)
+        return h, self.par.all_reduce(self.mlp(x))
 
 
 @dataclass
@@ -239,13 +243,13 @@ class KimiModel(nn.Module):
         cache.check_room(T, range(B))
         starts = cache.lens[:B]
         meta = StepMeta(B, T, positions.reshape(-1), starts, starts + T, tree_mask)
-        h = F.embedding(tokens.reshape(-1), self.embed_tokens.weight)
+        h, delta = F.embedding(tokens.reshape(-1), self.embed_tokens.weight), None
         kept = {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, meta, cache.kv[i])
+            h, delta = layer(h, delta, meta, cache.kv[i])
             if i in hidden_layers:
-                kept[i] = h
-        h = ops.rms_norm(h, self.norm.weight, self.cfg.rms_norm_eps).view(B, T, -1)
+                kept[i] = delta + h
+        h = ops.add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[1].view(B, T, -1)
         if logit_rows is not None:
             h = h.gather(1, logit_rows[..., None].expand(-1, -1, h.shape[-1]))
         logits = self.par.all_gather_last(F.linear(h, self.lm_head.weight))

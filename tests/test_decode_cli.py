@@ -94,7 +94,7 @@ def bad_input(capsys, argv, message):
     (["--prompt", "x", "--tree-budget", "513"], "--tree-budget must be in 1..512"),
     (["--prompt", "x", "--kernels", "warp=triton"], "unknown op 'warp'"),
     (["--prompt", "x", "--kernels", "moe=cuda"], "unknown backend 'cuda'"),
-    (["--prompt", "x", "--kernels", "rms_norm=triton"], "has no Triton kernel"),
+    (["--prompt", "x", "--kernels", "drafter_attention=triton"], "has no Triton kernel"),
     (["--prompt-ids", "1,x"], "--prompt-ids"),
     (["--max-new-tokens", "4"], "give a prompt"),
     (["--prompt", "x", "--temperature", "-1"], "temperature"),

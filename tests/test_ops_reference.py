@@ -136,7 +136,7 @@ def test_write_kv_places_entries_per_sequence():
     assert cache[0, 0].abs().sum() == 0 and cache[1, :3].abs().sum() == 0
 
 
-def test_backend_table_choices_and_errors():
+def test_backend_table_choices_and_errors(monkeypatch):
     assert set(ops.table().values()) <= {"torch", "triton"}
     with pytest.raises(ValueError, match="unknown op"):
         ops.use(nope="torch")
@@ -144,8 +144,9 @@ def test_backend_table_choices_and_errors():
         ops.use(moe="cuda")
     with pytest.raises(ValueError, match="op=backend"):
         ops.use_spec("moe")
+    monkeypatch.delitem(ops._backend._triton_impls, "mlp")
     with pytest.raises(ValueError, match="no Triton kernel"):
-        ops.use(rms_norm="triton")
+        ops.use(mlp="triton")
     with ops.using(moe="torch"):
         assert ops.current("moe") == "torch"
     ops.use_spec("all=torch")

@@ -5,9 +5,10 @@ The model calls only these functions; `ops.use(...)` / `--kernels` / SPEC_KERNEL
 
 from ops._backend import current, dispatch, has_triton, op_names, table, use, use_spec, using
 from ops.attention import causal_tree_mask, mla_attention, pack_tree_mask, tree_mask_dense, write_kv
+from ops.latent import write_latent
 from ops.mlp import mlp
 from ops.moe import PackedExperts, moe, pack_int4, prepare_moe, route, unpack_int4
-from ops.norm import rms_norm
+from ops.norm import add_rms_norm, rms_norm
 from ops.rope import apply_rope, yarn_inv_freq, yarn_mscale
 from ops.tree import Tree, accept, build_tree, compact, draft_topk
 from ops import _backend
@@ -15,8 +16,8 @@ from ops import _backend
 _backend.apply_env()
 
 __all__ = [
-    "apply_rope", "causal_tree_mask", "current", "dispatch", "has_triton", "mla_attention", "mlp", "moe",
+    "add_rms_norm", "apply_rope", "causal_tree_mask", "current", "dispatch", "has_triton", "mla_attention", "mlp", "moe",
     "op_names", "pack_int4", "pack_tree_mask", "PackedExperts", "prepare_moe", "rms_norm", "route", "table",
-    "tree_mask_dense", "unpack_int4", "use", "use_spec", "using", "write_kv", "yarn_inv_freq", "yarn_mscale",
+    "tree_mask_dense", "unpack_int4", "use", "use_spec", "using", "write_kv", "write_latent", "yarn_inv_freq", "yarn_mscale",
     "Tree", "accept", "build_tree", "compact", "draft_topk",
 ]

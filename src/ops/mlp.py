@@ -22,4 +22,4 @@ def mlp_torch(x, gate_up_weight, down_weight):
     return F.linear(F.silu(gate) * up, down_weight)
 
 
-register("mlp", mlp_torch)
+register("mlp", mlp_torch, "triton_kernels.glue:mlp")

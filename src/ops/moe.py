@@ -23,7 +23,7 @@ def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm
         raise ValueError(f"route: x {tuple(x.shape)}, gate {tuple(gate_weight.shape)}, bias {tuple(bias.shape)}")
     if E % n_group or not 0 < topk_group <= n_group or not 0 < top_k <= E:
         raise ValueError(f"route: bad grouping E={E}, n_group={n_group}, topk_group={topk_group}, top_k={top_k}")
-    return dispatch("router", x.device)(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob)
+    return dispatch("router", x.device, x.dtype)(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob)
 
 
 def route_torch(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob=True):
@@ -164,6 +164,6 @@ def moe_torch(x, topk_ids, topk_weights, experts):
     return out.to(x.dtype)
 
 
-register("router", route_torch)
+register("router", route_torch, "triton_kernels.router:route", triton_dtypes=(torch.float16, torch.bfloat16))
 register("moe", moe_torch, "triton_kernels.moe_w4a16:moe", triton_dtypes=(torch.float16, torch.bfloat16))
 register("prepare_moe", prepare_moe_torch, "triton_kernels.moe_w4a16:prepare_moe", follows="moe")

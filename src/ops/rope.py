@@ -69,4 +69,4 @@ def apply_rope_torch(x, positions, inv_freq, attention_factor=1.0):
     return out.to(x.dtype)
 
 
-register("rope", apply_rope_torch)
+register("rope", apply_rope_torch, "triton_kernels.glue:apply_rope")

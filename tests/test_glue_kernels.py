@@ -1,0 +1,185 @@
+"""Triton RMSNorm, RoPE and router against their torch references (interpreter on CPU, compiled on a GPU)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ops
+from ops.moe import route_torch
+from ops.norm import rms_norm_torch
+from ops.rope import apply_rope_torch
+from triton_kernels.aot import SM120_SHARED_LIMIT
+from tests.conftest import TRITON_DEVICE, kernel_dtypes, rel_err, requires_triton
+
+DEV = TRITON_DEVICE
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", kernel_dtypes())
+@pytest.mark.parametrize("shape", [(1, 7168), (3, 5, 1536), (7, 512), (2, 33)])
+def test_rms_norm_matches_reference(shape, dtype):
+    from triton_kernels.glue import rms_norm
+
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = (3 * torch.randn(shape, generator=gen)).to(dtype).to(DEV)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype).to(DEV)
+    out = rms_norm(x, w, 1e-6)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert rel_err(out, rms_norm_torch(x, w, 1e-6)) < 5e-3
+
+
+@requires_triton
+def test_rms_norm_of_a_column_slice():
+    """The model norms ckv[:, :512] of a [N, 576] projection: rows strided by 576."""
+    from triton_kernels.glue import rms_norm
+
+    ckv = torch.randn(6, 576, dtype=torch.float16).to(DEV)
+    w = torch.rand(512, dtype=torch.float16).to(DEV)
+    out = rms_norm(ckv[:, :512], w, 1e-6)
+    assert out.is_contiguous()
+    assert rel_err(out, rms_norm_torch(ckv[:, :512], w, 1e-6)) < 5e-3
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", kernel_dtypes())
+@pytest.mark.parametrize("N,H,R", [(1, 1, 64), (5, 8, 64), (3, 3, 16)])
+def test_rope_matches_reference(N, H, R, dtype):
+    from triton_kernels.glue import apply_rope
+
+    gen = torch.Generator().manual_seed(N * H + R)
+    x = torch.randn(N, H, R, generator=gen).to(dtype).to(DEV)
+    positions = torch.tensor([0, 1, 4097, 131071, 262143, 17, 3][:N]).to(DEV)
+    inv_freq, factor = ops.yarn_inv_freq(R, 50000.0, dict(type="yarn", factor=64.0, original_max_position_embeddings=4096,
+                                                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0))
+    inv_freq = inv_freq.to(DEV)
+    out = apply_rope(x, positions, inv_freq, 1.25)
+    assert out.shape == x.shape and out.is_contiguous()
+    assert rel_err(out, apply_rope_torch(x, positions, inv_freq, 1.25)) < 5e-3
+
+
+@requires_triton
+def test_rope_of_strided_views():
+    """q_pe is a split of [N, H, 192] rows and k_pe a [N, 1, 64] column slice of the kv projection."""
+    from triton_kernels.glue import apply_rope
+
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)
+    q = torch.randn(4, 8, 192, dtype=torch.float16).to(DEV)
+    ckv = torch.randn(4, 576, dtype=torch.float16).to(DEV)
+    positions = torch.tensor([3, 9, 1000, 5]).to(DEV)
+    for view in (q[..., 128:], ckv[:, None, 512:]):
+        out = apply_rope(view, positions, inv_freq.to(DEV))
+        assert rel_err(out, apply_rope_torch(view, positions, inv_freq.to(DEV))) < 5e-3
+
+
+@requires_triton
+def test_rope_rejects_a_rope_dim_that_is_not_twice_a_power_of_two():
+    from triton_kernels.glue import apply_rope
+
+    with pytest.raises(ValueError, match="power of two"):
+        apply_rope(torch.zeros(1, 1, 12).to(DEV), torch.zeros(1, dtype=torch.int64).to(DEV), torch.ones(6).to(DEV))
+
+
+@requires_triton
+@pytest.mark.parametrize("M,E,D,top_k,n_group,topk_group,norm", [
+    (1, 384, 7168, 8, 1, 1, True),  # K2.6, one token
+    (19, 64, 200, 4, 4, 2, True),  # grouped, D not a multiple of the tile
+    (5, 48, 64, 6, 1, 1, False),
+    (3, 8, 32, 8, 2, 2, True),  # top_k = E
+])
+def test_router_matches_reference(M, E, D, top_k, n_group, topk_group, norm):
+    from triton_kernels.router import route
+
+    dtype = kernel_dtypes()[0]
+    gen = torch.Generator().manual_seed(M * E + D)
+    x = torch.randn(M, D, generator=gen).to(dtype).to(DEV)
+    w = (torch.randn(E, D, generator=gen) / D ** 0.5).to(dtype).to(DEV)
+    bias = (0.1 * torch.randn(E, generator=gen)).to(DEV)
+    weights, ids = route(x, w, bias, top_k, n_group, topk_group, 2.5, norm)
+    ref_weights, ref_ids = route_torch(x, w, bias, top_k, n_group, topk_group, 2.5, norm)
+    assert ids.dtype == torch.int32 and torch.equal(ids.cpu(), ref_ids.cpu())
+    assert rel_err(weights, ref_weights) < 1e-4
+
+
+def sm120_resources():
+    """Resources of each glue kernel compiled for sm_120 (needs real @triton.jit objects: no interpreter)."""
+    from triton_kernels.aot import compile_for
+    from triton_kernels.glue import _rms_norm_kernel, _rope_kernel
+    from triton_kernels.router import BLOCK_D, BLOCK_E, BLOCK_M, _logits_kernel
+
+    return [
+        compile_for(_rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", stride_x="i32",
+                                           stride_out="i32", D="i32", eps="fp32"), dict(BLOCK_D=8192), num_warps=8),
+        compile_for(_rope_kernel, dict(x_ptr="*bf16", pos_ptr="*i64", freq_ptr="*fp32", out_ptr="*bf16",
+                                       stride_xn="i32", stride_xh="i32", H="i32", factor="fp32"),
+                    dict(HALF=32, BLOCK_H=64)),
+        compile_for(_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", M="i32", E="i32", D="i32",
+                                         d_per_split="i32"), dict(BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D),
+                    num_stages=3, aligned=True),
+    ]
+
+
+def test_glue_kernels_compile_for_sm120():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import json; from tests.test_glue_kernels import sm120_resources as r; print(json.dumps([vars(x) for x in r()]))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for res in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert res["shared"] <= SM120_SHARED_LIMIT and res["spill_bytes"] == 0, res
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", kernel_dtypes())
+@pytest.mark.parametrize("M,D", [(1, 7168), (5, 100)])
+def test_add_rms_norm_matches_reference(M, D, dtype):
+    from ops.norm import add_rms_norm_torch
+    from triton_kernels.glue import add_rms_norm
+
+    gen = torch.Generator().manual_seed(M + D)
+    x, r = (torch.randn(2, M, D, generator=gen) * 4).to(dtype).to(DEV)
+    w = torch.rand(D, generator=gen).to(dtype).to(DEV)
+    h, out = add_rms_norm(x, r, w, 1e-6)
+    ref_h, ref_out = add_rms_norm_torch(x, r, w, 1e-6)
+    assert torch.equal(h, ref_h)  # the add rounds exactly like torch's
+    assert rel_err(out, ref_out) < 5e-3
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", kernel_dtypes())
+def test_write_latent_matches_reference(dtype):
+    from ops.latent import write_latent_torch
+    from triton_kernels.glue import write_latent
+
+    B, T, L = 3, 5, 40
+    gen = torch.Generator().manual_seed(7)
+    ckv = torch.randn(B * T, 576, generator=gen).to(dtype).to(DEV)
+    w = torch.rand(512, generator=gen).to(dtype).to(DEV)
+    positions = torch.randint(0, 200000, (B * T,), generator=gen).to(DEV)
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)).to(DEV)
+    starts = torch.tensor([0, 17, 35], dtype=torch.int32).to(DEV)
+    cache = torch.randn(B, L, 576, generator=gen).to(dtype).to(DEV)
+    ref = cache.clone()
+    write_latent(cache, ckv, w, 1e-6, positions, inv_freq, 1.1, starts)
+    write_latent_torch(ref, ckv, w, 1e-6, positions, inv_freq, 1.1, starts)
+    written = torch.zeros(B, L, dtype=torch.bool)
+    for b, s in enumerate(starts.tolist()):
+        written[b, s:s + T] = True
+    assert torch.equal(cache[~written.to(DEV)], ref[~written.to(DEV)])  # nothing else touched
+    assert rel_err(cache[written.to(DEV)], ref[written.to(DEV)]) < 5e-3
+
+
+@requires_triton
+@pytest.mark.parametrize("M,I", [(1, 768), (3, 1500)])
+def test_mlp_matches_reference(M, I):
+    from ops.mlp import mlp_torch
+    from triton_kernels.glue import mlp
+
+    dtype = kernel_dtypes()[0]
+    gen = torch.Generator().manual_seed(I)
+    x = torch.randn(M, 96, generator=gen).to(dtype).to(DEV)
+    gate_up = (torch.randn(2 * I, 96, generator=gen) / 10).to(dtype).to(DEV)
+    down = (torch.randn(96, I, generator=gen) / 30).to(dtype).to(DEV)
+    assert rel_err(mlp(x, gate_up, down), mlp_torch(x, gate_up, down)) < 5e-3

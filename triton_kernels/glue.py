@@ -1,0 +1,157 @@
+"""Row-wise kernels of the layer glue, one launch each: RMSNorm (alone or fused with the residual add), interleaved
+RoPE, the latent cache write (norm + rope + store) and SwiGLU's silu(gate) * up.
+
+The torch references (`ops.norm.rms_norm_torch`, `ops.rope.apply_rope_torch`) launch 8-15 small kernels per
+call; a K2.6 layer ran four norms and two ropes, so under a CUDA graph those launches, not the bytes, set the
+time of everything but the GEMMs. Both kernels compute in fp32 like the references; tl.cos/tl.sin lower to
+libdevice's __nv_cosf/__nv_sinf (full range reduction), the functions torch's CUDA cos/sin call.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, D, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    ok = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_D]
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+    tl.store(out_ptr + row * stride_out + offs, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm over the last dim in fp32. x: [..., D] (last dim contiguous, rows may be strided, e.g. a column
+    slice); weight: [D]. Returns a contiguous [..., D] in x's dtype."""
+    D = x.shape[-1]
+    rows = x.reshape(-1, D)  # a view for slices like ckv[:, :512]
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(D)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), D, D, eps, BLOCK_D=block,
+                                           num_warps=8 if block >= 4096 else 4)
+    return out
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    ok = offs < D
+    ty = h_ptr.dtype.element_ty
+    h = (tl.load(x_ptr + row * D + offs, mask=ok, other=0.0).to(tl.float32)
+         + tl.load(r_ptr + row * D + offs, mask=ok, other=0.0).to(tl.float32)).to(ty)  # rounded as torch's add
+    tl.store(h_ptr + row * D + offs, h, mask=ok)
+    h = h.to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / D + eps)
+    tl.store(out_ptr + row * D + offs, (h * rstd * w).to(ty), mask=ok)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    """See `ops.norm.add_rms_norm`. x, residual: [M, D]; weight: [D]. Returns (x + residual, its norm)."""
+    x, residual = x.contiguous(), residual.contiguous()
+    h, out = torch.empty_like(x), torch.empty_like(x)
+    D = x.shape[-1]
+    if x.numel():
+        block = triton.next_power_of_2(D)
+        _add_rms_norm_kernel[(x.numel() // D,)](x, residual, weight, h, out, D, eps, BLOCK_D=block,
+                                                 num_warps=8 if block >= 4096 else 4)
+    return h, out
+
+
+@triton.jit
+def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, stride_xn, stride_xh, H, factor,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_i = tl.arange(0, HALF)
+    angle = tl.load(pos_ptr + n).to(tl.float32) * tl.load(freq_ptr + offs_i)  # [HALF]
+    cos = (tl.cos(angle) * factor)[None, :]
+    sin = (tl.sin(angle) * factor)[None, :]
+    ok = (offs_h < H)[:, None]
+    src = x_ptr + n * stride_xn + offs_h[:, None] * stride_xh + 2 * offs_i[None, :]  # [BLOCK_H, HALF]
+    even = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    odd = tl.load(src + 1, mask=ok, other=0.0).to(tl.float32)
+    dst = out_ptr + n * H * 2 * HALF + offs_h[:, None] * 2 * HALF + 2 * offs_i[None, :]
+    ty = out_ptr.dtype.element_ty
+    tl.store(dst, (even * cos - odd * sin).to(ty), mask=ok)
+    tl.store(dst + 1, (odd * cos + even * sin).to(ty), mask=ok)
+
+
+def apply_rope(x, positions, inv_freq, attention_factor=1.0):
+    """Interleaved RoPE. x: [N, H, R] (last dim contiguous; N and H may be strided); positions: [N] int;
+    inv_freq: [R/2] fp32 (a power of two). Returns a contiguous [N, H, R] in x's dtype."""
+    N, H, R = x.shape
+    if R // 2 & (R // 2 - 1):
+        raise ValueError(f"apply_rope (triton): rope dim {R} must be twice a power of two")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if N:
+        _rope_kernel[(N,)](x, positions, inv_freq.float().contiguous(), out, x.stride(0), x.stride(1), H,
+                           float(attention_factor), HALF=R // 2, BLOCK_H=triton.next_power_of_2(H))
+    return out
+
+
+@triton.jit
+def _write_latent_kernel(ckv_ptr, w_ptr, pos_ptr, freq_ptr, starts_ptr, kv_ptr, T, stride_kb, eps, factor,
+                         R: tl.constexpr, HALF: tl.constexpr):
+    n = tl.program_id(0)
+    b = n // T
+    src = ckv_ptr + n.to(tl.int64) * (R + 2 * HALF)
+    dst = kv_ptr + b.to(tl.int64) * stride_kb + (tl.load(starts_ptr + b).to(tl.int64) + n % T) * (R + 2 * HALF)
+    ty = kv_ptr.dtype.element_ty
+    offs = tl.arange(0, R)
+    c = tl.load(src + offs).to(tl.float32)  # [R]
+    w = tl.load(w_ptr + offs).to(tl.float32)
+    latent = c * (1.0 / tl.sqrt(tl.sum(c * c, 0) / R + eps)) * w
+    tl.store(dst + offs, latent.to(ckv_ptr.dtype.element_ty).to(ty))
+    offs_i = tl.arange(0, HALF)
+    angle = tl.load(pos_ptr + n).to(tl.float32) * tl.load(freq_ptr + offs_i)  # [HALF]
+    cos, sin = tl.cos(angle) * factor, tl.sin(angle) * factor
+    even = tl.load(src + R + 2 * offs_i).to(tl.float32)
+    odd = tl.load(src + R + 2 * offs_i + 1).to(tl.float32)
+    tl.store(dst + R + 2 * offs_i, (even * cos - odd * sin).to(ckv_ptr.dtype.element_ty).to(ty))
+    tl.store(dst + R + 2 * offs_i + 1, (odd * cos + even * sin).to(ckv_ptr.dtype.element_ty).to(ty))
+
+
+def write_latent(kv_cache, ckv, norm_weight, eps, positions, inv_freq, attention_factor, starts):
+    """See `ops.latent.write_latent`: norm + rope + cache write of [B*T, R + P] rows in one launch.
+    R and P/2 must be powers of two (512 and 32 for K2.6)."""
+    R, half = norm_weight.shape[0], inv_freq.shape[0]
+    if R & (R - 1) or half & (half - 1):
+        raise ValueError(f"write_latent (triton): latent {R} and rope pairs {half} must be powers of two")
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != kv_cache.shape[2]:
+        raise ValueError("write_latent (triton): each cache row must be contiguous [L_max, R + P]")
+    ckv = ckv.contiguous()
+    if ckv.shape[0]:
+        _write_latent_kernel[(ckv.shape[0],)](ckv, norm_weight, positions, inv_freq.float().contiguous(), starts,
+                                              kv_cache, ckv.shape[0] // starts.shape[0], kv_cache.stride(0), eps,
+                                              float(attention_factor), R=R, HALF=half)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < I
+    gate = tl.load(gu_ptr + row * 2 * I + offs, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * 2 * I + I + offs, mask=ok, other=0.0)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # rounded, as torch's F.silu output
+    tl.store(out_ptr + row * I + offs, silu * up, mask=ok)
+
+
+def mlp(x, gate_up_weight, down_weight):
+    """See `ops.mlp.mlp`: the two projections by cuBLAS, silu(gate) * up in one launch between them."""
+    gate_up = torch.nn.functional.linear(x, gate_up_weight)  # [M, 2I]
+    M, I = gate_up.shape[0], gate_up.shape[1] // 2
+    act = torch.empty(M, I, dtype=gate_up.dtype, device=x.device)
+    if M:
+        _silu_mul_kernel[(M, triton.cdiv(I, 1024))](gate_up, act, I, BLOCK=1024)
+    return torch.nn.functional.linear(act, down_weight)

@@ -1,0 +1,105 @@
+"""DeepSeek-V3 noaux_tc router in two launches: split-K router logits, then sigmoid + grouped top-k per token.
+
+The torch reference (`ops.moe.route_torch`) casts the gate weight to fp32 on every call and launches about a
+dozen small kernels; here the logits are a bf16 x bf16 -> fp32 tl.dot (products are exact in fp32, only the
+summation order differs), split along D so that even one token spreads the gate weight over enough programs,
+and the second kernel sums the splits and does the whole selection in registers.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M, BLOCK_E, BLOCK_D = 16, 32, 128
+
+
+@triton.jit
+def _logits_kernel(x_ptr, w_ptr, part_ptr, M, E, D, d_per_split,
+                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_e, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros((BLOCK_M, BLOCK_E), dtype=tl.float32)
+    d_start = split * d_per_split
+    for d in range(d_start, tl.minimum(d_start + d_per_split, D), BLOCK_D):
+        d_ok = d + offs_d < D
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * D + d + offs_d[None, :],
+                    mask=(offs_m < M)[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
+        w = tl.load(w_ptr + offs_e[None, :].to(tl.int64) * D + d + offs_d[:, None],
+                    mask=(offs_e < E)[None, :] & d_ok[:, None], other=0.0)  # [BD, BE]
+        acc = tl.dot(x, w, acc)
+    dst = part_ptr + (split * M + offs_m[:, None]).to(tl.int64) * E + offs_e[None, :]
+    tl.store(dst, acc, mask=(offs_m < M)[:, None] & (offs_e < E)[None, :])
+
+
+@triton.jit
+def _select_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, M, E, splits, group_size, n_group, topk_group,
+                   top_k, scaling, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    m = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < E
+    logits = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for s in range(splits):
+        logits += tl.load(part_ptr + (s * M + m).to(tl.int64) * E + offs, mask=ok, other=0.0)
+    scores = tl.sigmoid(logits)
+    choice = tl.where(ok, scores + tl.load(bias_ptr + offs, mask=ok, other=0.0), float("-inf"))
+    if n_group > 1:
+        group = offs // group_size
+        offs_g = tl.arange(0, BLOCK_G)
+        group_score = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+        for g in range(n_group):  # a group's score: the sum of its two best biased scores
+            member = tl.where(group == g, choice, float("-inf"))
+            best = tl.max(member, 0)
+            first = tl.min(tl.where(member == best, offs, BLOCK_E), 0)
+            second = tl.max(tl.where(offs == first, float("-inf"), member), 0)
+            group_score = tl.where(offs_g == g, best + second, group_score)
+        kept = tl.zeros((BLOCK_E,), dtype=tl.int1)
+        for _ in range(topk_group):
+            best = tl.max(group_score, 0)
+            g = tl.min(tl.where(group_score == best, offs_g, BLOCK_G), 0)
+            kept = kept | (group == g)
+            group_score = tl.where(offs_g == g, float("-inf"), group_score)
+        choice = tl.where(kept, choice, float("-inf"))
+    offs_k = tl.arange(0, BLOCK_K)
+    chosen = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for j in range(top_k):  # descending, as torch.topk returns them
+        best = tl.max(choice, 0)
+        e = tl.min(tl.where(choice == best, offs, BLOCK_E), 0)
+        tl.store(ids_ptr + m * top_k + j, e)
+        chosen = tl.where(offs_k == j, tl.sum(tl.where(offs == e, scores, 0.0), 0), chosen)
+        choice = tl.where(offs == e, float("-inf"), choice)
+    if NORM:
+        chosen = chosen / (tl.sum(chosen, 0) + 1e-20)
+    tl.store(weights_ptr + m * top_k + offs_k, chosen * scaling, mask=offs_k < top_k)
+
+
+def _splits(M, E, sms):
+    """K splits so that the logits grid is about one program per SM even for a single token."""
+    tiles = triton.cdiv(E, BLOCK_E) * triton.cdiv(M, BLOCK_M)
+    return max(1, min(8, sms // tiles))
+
+
+def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob=True):
+    """See `ops.moe.route`. x: [M, D] fp16/bf16/fp32; gate_weight: [E, D] of x's dtype; bias: [E] fp32.
+    Returns (weights [M, top_k] fp32, ids [M, top_k] int32)."""
+    M, D = x.shape
+    E = gate_weight.shape[0]
+    x, gate_weight = x.contiguous(), gate_weight.contiguous().to(x.dtype)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    splits = _splits(M, E, sms)
+    d_per_split = triton.cdiv(triton.cdiv(D, splits), BLOCK_D) * BLOCK_D
+    splits = triton.cdiv(D, d_per_split)
+    part = torch.empty(splits, M, E, dtype=torch.float32, device=x.device)
+    weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
+    if M == 0:
+        return weights, ids
+    _logits_kernel[(triton.cdiv(E, BLOCK_E), triton.cdiv(M, BLOCK_M), splits)](
+        x, gate_weight, part, M, E, D, d_per_split, BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D)
+    _select_kernel[(M,)](part, bias.float().contiguous(), weights, ids, M, E, splits, E // n_group, n_group,
+                         topk_group, top_k, float(scaling_factor), NORM=bool(norm_topk_prob),
+                         BLOCK_E=triton.next_power_of_2(E), BLOCK_G=triton.next_power_of_2(n_group),
+                         BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+    return weights, ids
