@@ -173,8 +173,9 @@ def wall_ms(fn, iters, warmup=2):
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
-def kernel_ms(fn):
-    """Sum of the GPU kernel times of one call (profiler), in ms; None if the profiler saw no kernel."""
+def kernel_ms(fn, top=25):
+    """Sum of the GPU kernel times of one call (profiler), in ms (None if the profiler saw no kernel), and the
+    `top` kernel names by total time as [name, calls, total us]."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -183,7 +184,13 @@ def kernel_ms(fn):
         fn()
         sync()
     cuda = torch.autograd.DeviceType.CUDA
-    return sum(evt.device_time_total for evt in prof.events() if evt.device_type == cuda) / 1e3 or None
+    by_name = {}
+    for evt in prof.events():
+        if evt.device_type == cuda:
+            calls, us = by_name.get(evt.name, (0, 0.0))
+            by_name[evt.name] = (calls + 1, us + evt.device_time_total)
+    ranked = sorted(([name[:90], calls, round(us, 1)] for name, (calls, us) in by_name.items()), key=lambda r: -r[2])
+    return sum(us for _, us in by_name.values()) / 1e3 or None, ranked[:top]
 
 
 def read_GBps(gib=4):
@@ -286,12 +293,12 @@ def measure(bench, budget, context, bw, iters):
     floor_ms = sum(floor.values()) / bw / 1e6
     eager = wall_ms(bench.verify_eager(budget), max(3, iters // 4))
     graph = wall_ms(bench.verify_graph(budget), iters)
-    kernels = kernel_ms(bench.verify_eager(budget))
+    kernels, top_kernels = kernel_ms(bench.verify_eager(budget))
     row = dict(context=context, budget=budget, nodes=nodes, distinct_experts=sum(experts) / len(experts),
                floor_MB=sum(floor.values()) / 1e6, floor_parts_MB={k: v / 1e6 for k, v in floor.items()},
                floor_ms=floor_ms, verify_eager_ms=eager, verify_graph_ms=graph, verify_kernels_ms=kernels,
                verify_graph_over_floor=graph / floor_ms, host_overhead_eager_ms=None, host_overhead_graph_ms=None,
-               graph_over_kernels=None, overhead_removed=None)
+               graph_over_kernels=None, overhead_removed=None, top_kernels=top_kernels)
     if kernels:
         row.update(host_overhead_eager_ms=eager - kernels, host_overhead_graph_ms=graph - kernels,
                    graph_over_kernels=graph / kernels)
@@ -335,13 +342,17 @@ def main():
     parser.add_argument("--quick", action="store_true", help="buckets 0 and 32 at 4k only, fewer iterations")
     parser.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)))
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    parser.add_argument("--long-buckets", default=None,
+                        help="buckets to time at contexts after the first (default: all of --buckets)")
     args = parser.parse_args()
     import triton
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     buckets = (0, 32) if args.quick else parse_buckets(args.buckets)
-    contexts = CONTEXTS[:1] if args.quick else CONTEXTS
+    contexts = CONTEXTS[:1] if args.quick else tuple(int(c) for c in args.contexts.split(","))
+    long_buckets = buckets if args.long_buckets is None else parse_buckets(args.long_buckets)
     iters = 5 if args.quick else args.iters
     meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -366,9 +377,11 @@ def main():
     rows = []
     for context in contexts:
         bench.set_context(context)
-        for budget in buckets:
+        for budget in buckets if context == contexts[0] else long_buckets:
             rows.append(measure(bench, budget, context, bw, iters))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "floor_parts_MB"}), flush=True)
+            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("floor_parts_MB", "top_kernels")}), flush=True)
+            for name, calls, us in rows[-1]["top_kernels"][:12]:
+                print(f"  {us:9.1f} us {calls:5d}x  {name}", flush=True)
             (out / "step.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     table = markdown(meta, rows)
     (out / "step.md").write_text(table)
