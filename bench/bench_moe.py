@@ -78,9 +78,13 @@ def n_layers(D, I):
     return max(2, min(8, math.ceil(4 * l2 / (TOP_K * expert_bytes(D, I)))))
 
 
-def random_triton_layer(E, D, I, gen, panels=(0, 0)):
-    """Random repacked experts in the slab layout, or the panel layout of widths `panels` (gate/up, down)."""
+def random_triton_layer(E, D, I, gen, panels=None):
+    """Random repacked experts in the layout of panel widths `panels` (gate/up, down; 0 for the slab layout),
+    by default moe_configs.layout_for the device."""
+    from triton_kernels.moe_configs import layout_for
     from triton_kernels.moe_w4a16 import SLAB, TritonExperts, to_panels
+
+    panels = tuple(panels) if panels is not None else layout_for(torch.device(DEV))
 
     def words(k, n, panel, parts):
         kp = -(-k // SLAB) * SLAB
@@ -347,6 +351,9 @@ def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None)
                                              ct_layer.down_scale, panels=panels))
         return by_layout[panels]
 
+    unknown = set(names or ()) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown variants {sorted(unknown)}; moe_configs.VARIANTS has {list(VARIANTS)}")
     chosen = [n for n in VARIANTS if names is None or n in names]
     for M in MS:
         calls = routings(M, E, CALLS, gen)

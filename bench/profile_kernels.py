@@ -1,7 +1,7 @@
 """A few launches of the MoE and attention kernels at chosen shapes, for `ncu` to profile (no timing here).
 
 Usage (device): ncu --clock-control none --set full -k regex:'_gate_up|_down|_mla_split' \
-    python bench/profile_kernels.py [--moe-m 1 64] [--attn L,H,T ...] [--attn-config 64,64,8,2,512,1]
+    python bench/profile_kernels.py [--moe-m 1 64] [--moe-variant NAME] [--attn L,H,T ...] [--attn-config 64,64,8,2,512,1]
 """
 
 import argparse
@@ -14,11 +14,15 @@ from triton_kernels.mla_attention import mla_attention
 from triton_kernels.moe_w4a16 import moe
 
 
-def run_moe(M, gen):
+def run_moe(M, gen, variant=None):
+    """Two TP8 calls at M tokens, under the default config or moe_configs.VARIANTS[variant] (in its layout)."""
+    from triton_kernels.moe_configs import config_for, with_variant
+
     shape = bm.SHAPES["tp8"]
-    layer = bm.random_triton_layer(shape["E"], shape["D"], shape["I"], gen)
+    cfg = with_variant(config_for(torch.device("cuda"), M), variant) if variant else None
+    layer = bm.random_triton_layer(shape["E"], shape["D"], shape["I"], gen, cfg and cfg.get("panels"))
     for x, ids, weights in bm.routings(M, shape["E"], 2, gen):
-        moe(x, ids, weights, layer)
+        moe(x, ids, weights, layer, config=cfg)
     torch.cuda.synchronize()
 
 
@@ -33,11 +37,12 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--moe-m", type=int, nargs="*", default=[1, 64])
     parser.add_argument("--attn", nargs="*", default=["32768,8,1", "32768,64,32"])
+    parser.add_argument("--moe-variant", help="a moe_configs.VARIANTS name instead of the default config")
     parser.add_argument("--attn-config", help="BM,BN,warps,stages,DV,unchain (0/1) instead of the default config")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for M in args.moe_m:
-        run_moe(M, gen)
+        run_moe(M, gen, args.moe_variant)
     config = tuple(map(int, args.attn_config.split(","))) if args.attn_config else None
     config = config[:5] + (bool(config[5]),) if config else None
     for case in args.attn:
