@@ -107,18 +107,21 @@ def test_moe_variant_configs(E, D, I, extra):
 @requires_triton
 @pytest.mark.parametrize("panels,bn,extra", [((64, 128), (64, 128), {"lean": True}), ((64, 64), (32, 64), {}),
                                              ((64, 128), (64, 128), {"lean": True, "decode": True}),
+                                             ((64, 64), (32, 32), {"lean": True, "tiles": 2}),
                                              ((0, 0), (32, 128), {"prefetch": 3}), ((32, 128), (32, 128), {"prefetch": 2})],
-                         ids=["panel_lean", "panel_bn_lt_panel", "panel_decode", "slab_prefetch", "panel_prefetch"])
+                         ids=["panel_lean", "panel_bn_lt_panel", "panel_decode", "panel_down_tiles2", "slab_prefetch",
+                              "panel_prefetch"])
 def test_moe_panel_layout(panels, bn, extra):
     """The panel layout on ragged shapes (I and D not multiples of the panel: padded panels), a repeated expert,
-    split over K; tiles as wide as the panel or narrower; L2 prefetch (GPU only)."""
+    split over K; tiles as wide as the panel or narrower; two down tiles a program; L2 prefetch (GPU only)."""
     if extra.get("prefetch") and not gpu():
         pytest.skip("PTX prefetch needs a GPU")
     E, D, I = 5, 320, 96
     lean, decode, prefetch = extra.get("lean", False), extra.get("decode", False), extra.get("prefetch", 0)
     cfg = {"BM": 16, "panels": panels, "decode": decode,
            "gate_up": dict(BN=bn[0], waves=8, num_warps=4, num_stages=2, lean=lean, prefetch=prefetch),
-           "down": dict(BN=bn[1], waves=8, num_warps=4, num_stages=2, lean=lean, prefetch=prefetch)}
+           "down": dict(BN=bn[1], waves=8, num_warps=4, num_stages=2, lean=lean, prefetch=prefetch,
+                        tiles=extra.get("tiles", 1))}
     raw = make_experts(E, D, I, seed=5)
     ids, weights = make_routing(3, E, 2, seed=5)
     ids[2] = ids[0]
@@ -136,6 +139,9 @@ def test_moe_rejects_config_for_another_layout():
            "down": dict(BN=128, waves=1, num_warps=4, num_stages=2)}
     with pytest.raises(ValueError, match="must divide the layout's panel"):
         moe_w4a16.moe(x, ids, weights, moe_w4a16.prepare_moe(*raw, panels=(32, 128)), config=cfg)
+    with pytest.raises(ValueError, match="must divide the hidden size"):
+        moe_w4a16.moe(x, ids, weights, moe_w4a16.prepare_moe(*raw, panels=(0, 0)),
+                      config={**cfg, "down": dict(cfg["down"], tiles=3)})
     with pytest.raises(ValueError, match="config for panels"):
         moe_w4a16.moe(x, ids, weights, moe_w4a16.prepare_moe(*raw, panels=(0, 0)), config={**cfg, "panels": (64, 128)})
 

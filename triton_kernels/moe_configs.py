@@ -58,6 +58,11 @@ VARIANTS = {
     "panel_prefetch": dict(panels=(64, 128), gate_up=dict(prefetch=2), down=dict(prefetch=2)),
     "panel_gu32_prefetch": dict(panels=(32, 128), gate_up=dict(BN=32, prefetch=2), down=dict(prefetch=2)),
     "panel_gu32_prefetch4": dict(panels=(32, 128), gate_up=dict(BN=32, prefetch=4), down=dict(prefetch=4)),
+    # `tiles` (down): N tiles a program computes one after the other (unrolled), so the index loads, pointers and
+    # activations of a block are set up once per `tiles` tiles (at I = 256 a down program has one slab: the code
+    # outside the K loop is a third of its instructions, ncu 2026-11-30)
+    "dn_tiles2": dict(down=dict(tiles=2)),
+    "panel_gu32_prefetch_dn2": dict(panels=(32, 128), gate_up=dict(BN=32, prefetch=2), down=dict(tiles=2)),
 }
 
 

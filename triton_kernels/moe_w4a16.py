@@ -284,10 +284,10 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
 def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                  D, I, n_slabs, n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp,
                  TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LEAN: tl.constexpr, EVEN_N: tl.constexpr,
-                 DECODE: tl.constexpr, PANEL: tl.constexpr, PREFETCH: tl.constexpr,
+                 DECODE: tl.constexpr, PANEL: tl.constexpr, PREFETCH: tl.constexpr, TILES: tl.constexpr,
                  MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr):
-    """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tile pid 1, K split pid 2
-    (layout arguments as in `_gate_up_kernel`)."""
+    """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tiles TILES * pid 1 ..
+    TILES * pid 1 + TILES - 1 (one after the other), K split pid 2 (layout arguments as in `_gate_up_kernel`)."""
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
     e = tl.load(block_expert_ptr + pid_b)
@@ -302,38 +302,42 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
             pair = tl.load(sorted_ptr + rows)
     DTYPE = h_ptr.dtype.element_ty
     valid = pair >= 0
-    n = pid_n * BN + tl.arange(0, BN)  # [BN] hidden columns
-    n_mask = (n < D) | EVEN_N
+    weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)  # [BM] fp32
+    token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
     kw = tl.arange(0, _SLAB_WORDS // 2)
     kg = tl.arange(0, _GROUP)
     w_base = w_ptr + e.to(tl.int64) * stride_we
     s_base = s_ptr + e.to(tl.int64) * stride_se
-    w_cols = _tile_cols(pid_n, stride_wp, BN, PANEL)  # [BN]
-    s_cols = _tile_cols(pid_n, stride_sp, BN, PANEL)
     h_rows = h_ptr + rows[:, None].to(tl.int64) * I
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
     first = pid_k * n_slabs_per_split
     end = tl.minimum(first + n_slabs_per_split, n_slabs)
-    w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, first, w_row, s_row)
-    if PREFETCH:  # as in _gate_up_kernel (one slab at K2.6's TP8 shape: nothing to prefetch)
-        lines = w_base + _tile_cols(pid_n, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]
-        for ahead in tl.static_range(1, PREFETCH):
-            _prefetch_slab(lines, tl.minimum(first + ahead, end - 1), w_row, 0, False)
-    for slab in range(first, end):
-        if not LEAN:
-            w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, slab, w_row, s_row)
-        if PREFETCH:
-            _prefetch_slab(lines, tl.minimum(slab + PREFETCH, end - 1), w_row, 0, False)
-        w0, w1 = _load_slab(w_ptrs, w_row, n_mask[None, :])  # [16, BN] each
-        acc = _slab_dot(acc, a_ptrs, valid, k, I, w0, w1, s_ptrs, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
-        if LEAN:
-            w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
-    weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)  # [BM] fp32
-    token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
-    # relaxed: only atomicity is needed (the cast reads out in a later launch); the default acq_rel fences every
-    # atomic (MEMBAR.ALL.GPU + L1 invalidation on sm_90)
-    tl.atomic_add(out_ptr + token[:, None] * D + n[None, :], acc * weight[:, None], mask=valid[:, None] & n_mask[None, :],
-                  sem="relaxed")
+    for t in range(TILES):  # one after the other: index loads and activations set up once
+        tile = pid_n * TILES + t
+        n = tile * BN + tl.arange(0, BN)  # [BN] hidden columns
+        n_mask = (n < D) | EVEN_N
+        w_cols = _tile_cols(tile, stride_wp, BN, PANEL)  # [BN]
+        s_cols = _tile_cols(tile, stride_sp, BN, PANEL)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, first, w_row, s_row)
+        if PREFETCH:  # as in _gate_up_kernel (one slab at K2.6's TP8 shape: nothing to prefetch)
+            lines = w_base + _tile_cols(tile, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]
+            for ahead in tl.static_range(1, PREFETCH):
+                _prefetch_slab(lines, tl.minimum(first + ahead, end - 1), w_row, 0, False)
+        for slab in range(first, end):
+            if not LEAN:
+                w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, slab, w_row,
+                                                       s_row)
+            if PREFETCH:
+                _prefetch_slab(lines, tl.minimum(slab + PREFETCH, end - 1), w_row, 0, False)
+            w0, w1 = _load_slab(w_ptrs, w_row, n_mask[None, :])  # [16, BN] each
+            acc = _slab_dot(acc, a_ptrs, valid, k, I, w0, w1, s_ptrs, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE,
+                            EVEN_K)
+            if LEAN:
+                w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
+        # relaxed: only atomicity is needed (the cast reads out in a later launch); the default acq_rel fences every
+        # atomic (MEMBAR.ALL.GPU + L1 invalidation on sm_90)
+        tl.atomic_add(out_ptr + token[:, None] * D + n[None, :], acc * weight[:, None],
+                      mask=valid[:, None] & n_mask[None, :], sem="relaxed")
 
 
 # ----------------------------------------------------------------------------------------------- repack
@@ -515,8 +519,10 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
     gu_split = _split(gu_slabs, est_blocks * gu_tiles, sms, cfg["gate_up"]["waves"])
     gu_per_split = triton.cdiv(gu_slabs, gu_split)
     gu_split = triton.cdiv(gu_slabs, gu_per_split)
-    dn_bn = cfg["down"]["BN"]
-    dn_tiles = triton.cdiv(D, dn_bn)
+    dn_bn, dn_per_cta = cfg["down"]["BN"], cfg["down"].get("tiles", 1)
+    if dn_per_cta > 1 and D % (dn_bn * dn_per_cta):
+        raise ValueError(f"moe (triton): down tiles {dn_per_cta} x BN {dn_bn} must divide the hidden size {D}")
+    dn_tiles = triton.cdiv(D, dn_bn) // dn_per_cta  # programs along N
     dn_slabs = experts.down.shape[-2] // SLAB_WORDS
     dn_split = _split(dn_slabs, est_blocks * dn_tiles, sms, cfg["down"]["waves"])
     dn_per_split = triton.cdiv(dn_slabs, dn_split)
@@ -547,7 +553,7 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
     _down_kernel[(nb_max, dn_tiles, dn_split)](
         h, experts.down, experts.down_scale, out, topk_weights, sorted_pairs, block_expert,
         D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0), **dn_layout,
-        TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_lean(d, D), DECODE=decode,
+        TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_lean(d, D), DECODE=decode, TILES=dn_per_cta,
         num_warps=d["num_warps"], num_stages=d["num_stages"], **magic)
     return out.to(x.dtype)
 
@@ -570,5 +576,5 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
         (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT=True, EVEN_K=True, **_lean(g, I),
                                          DECODE=decode, PANEL=p_gu, **magic), arch, g["num_warps"], g["num_stages"])),
         (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], EVEN_K=True, **_lean(d, D), DECODE=decode,
-                                   PANEL=p_dn, **magic), arch, d["num_warps"], d["num_stages"])),
+                                   PANEL=p_dn, TILES=d.get("tiles", 1), **magic), arch, d["num_warps"], d["num_stages"])),
     ]
