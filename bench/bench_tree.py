@@ -1,10 +1,11 @@
 """DDTree step on the GPU (draft top-K + tree build + accept + compaction) against the host path.
 
 Standalone: `python bench/bench_tree.py --out DIR [--quick]` measures the HBM read ceiling (a sum over 4 GiB),
-checks the Triton ops against the torch references at K2.6 shapes (bf16 logits, V = 163840), times each op and
-the whole step (eager and as one CUDA graph replay) for budgets 8..512 at block 8 and 16, times the host path
-(GPU top-k, copy, heapq, Python walk, per-layer index_select compaction over 61 layers), and writes
-tree.json + tree.md. As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU only; host timer around
+checks the Triton ops against the torch references at K2.6 shapes (bf16 logits, V = 163840) and both Triton
+tree builds against the torch build on tie-heavy random trees, times each op alone and the whole step (eager and
+as one CUDA graph replay) for budgets 8..512 at block 8 (8, 64, 512 at block 16; --quick: those at both), times
+the host path (GPU top-k, copy, heapq, Python walk, per-layer index_select compaction over 61 layers), and
+writes tree.json + tree.md (about 2 minutes on an H200). As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU only; host timer around
 a synchronised graph replay).
 """
 
@@ -113,6 +114,31 @@ def check(case):
     return out
 
 
+def tie_checks():
+    """Both Triton builds against the torch build on random tie-heavy drafts (log-probs on a 0.25 grid, zeros
+    included), 32 trees per case: budget, L, K."""
+    cfg = dd.CONFIGS[90]
+    saved = dict(cfg)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    fields = ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "num_nodes")
+    out = []
+    for budget, L, K in [(1, 7, 1), (8, 7, 8), (33, 3, 33), (64, 15, 8), (127, 7, 127), (256, 7, 64), (512, 15, 512),
+                         (512, 7, 5)]:
+        lp = (-torch.randint(0, 5, (32, L, K), generator=gen, device=DEVICE).float() * 0.25).sort(-1, True).values
+        tok = torch.randint(0, V, (32, L, K), generator=gen, device=DEVICE)
+        root = torch.randint(0, V, (32,), generator=gen, device=DEVICE)
+        ref = build_tree_torch(lp, tok, root, budget)
+        row = {"budget": budget, "L": L, "K": K}
+        for method, start in (("heap", dd.MAX_BUDGET + 1), ("levels", 1)):
+            cfg["levels_from"] = start
+            with ops.using(tree_build="triton"):
+                tree = ops.build_tree(lp, tok, root, budget)
+            row[f"{method}_equal"] = all(torch.equal(getattr(tree, f), x) for f, x in zip(fields, ref))
+        out.append(row)
+    cfg.update(saved)
+    return out
+
+
 def bench_ms(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
@@ -131,20 +157,34 @@ def graph_of(fn):
     return graph
 
 
-def variants(case, lp, tok, tree):
-    """Config candidates timed beside the chosen ones: build warps, vocabulary-pass program counts."""
+def graph_us(fn):
+    """GPU time of fn captured alone in a CUDA graph (no launch overhead)."""
+    graph = graph_of(fn)
+    return 1e3 * bench_ms(graph.replay)
+
+
+def launches(fn):
+    """Kernels one eager call of fn launches (memsets and copies included)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def build_methods(case, lp, tok):
+    """Both Triton builds at this budget, each in its own CUDA graph, and whether each equals the torch tree."""
     cfg = dd.CONFIGS[90]
     saved = dict(cfg)
+    ref = build_tree_torch(lp, tok, case.root, case.budget)
+    fields = ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "num_nodes")
     r = {}
-    for warps in (1, 2, 4):
-        cfg["build_warps"] = warps
-        r[f"build_w{warps}_us"] = 1e3 * bench_ms(lambda: ops.build_tree(lp, tok, case.root, case.budget))
-    cfg.update(saved)
-    for programs in (528, 2112):
-        cfg["programs"] = programs
-        r[f"accept_greedy_p{programs}_us"] = 1e3 * bench_ms(
-            lambda: ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds))
-        r[f"topk_p{programs}_us"] = 1e3 * bench_ms(lambda: ops.draft_topk(case.draft_logits, case.K))
+    for method, start in (("heap", dd.MAX_BUDGET + 1), ("levels", 1)):
+        cfg["levels_from"] = start
+        tree = ops.build_tree(lp, tok, case.root, case.budget)
+        r[f"build_{method}_equal"] = all(torch.equal(getattr(tree, f), x) for f, x in zip(fields, ref))
+        r[f"build_{method}_graph_us"] = graph_us(lambda: ops.build_tree(lp, tok, case.root, case.budget))
     cfg.update(saved)
     return r
 
@@ -155,19 +195,19 @@ def measure(case, read_GBps):
         lp, tok = ops.draft_topk(case.draft_logits, case.K)
         tree = ops.build_tree(lp, tok, case.root, case.budget)
         path, path_len, _ = ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds, step=0)
-        r["topk_us"] = 1e3 * bench_ms(lambda: ops.draft_topk(case.draft_logits, case.K))
+        r["topk_graph_us"] = graph_us(lambda: ops.draft_topk(case.draft_logits, case.K))
         r["torch_topk_us"] = 1e3 * bench_ms(lambda: torch.log_softmax(case.draft_logits.float(), -1).topk(case.K))
-        r["build_us"] = 1e3 * bench_ms(lambda: ops.build_tree(lp, tok, case.root, case.budget))
-        r["accept_greedy_us"] = 1e3 * bench_ms(lambda: ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds))
-        r["accept_T1_us"] = 1e3 * bench_ms(lambda: ops.accept(tree, case.target_logits, 1.0, seeds=case.seeds))
-        r["compact_us"] = 1e3 * bench_ms(lambda: ops.compact(case.kv, case.starts, path, path_len, case.hidden))
+        r["build_graph_us"] = graph_us(lambda: ops.build_tree(lp, tok, case.root, case.budget))
+        r["accept_greedy_graph_us"] = graph_us(lambda: ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds))
+        r["accept_T1_graph_us"] = graph_us(lambda: ops.accept(tree, case.target_logits, 1.0, seeds=case.seeds))
+        r["compact_graph_us"] = graph_us(lambda: ops.compact(case.kv, case.starts, path, path_len, case.hidden))
         r["step_eager_us"] = 1e3 * bench_ms(case.step)
-        r.update(variants(case, lp, tok, tree))
+        r["step_launches"] = launches(case.step)
+        r.update(build_methods(case, lp, tok))
         for name, temp in (("greedy", 0.0), ("T1", 1.0)):
-            graph = graph_of(lambda: case.step(temp))
-            r[f"step_graph_{name}_us"] = 1e3 * bench_ms(graph.replay)
+            r[f"step_graph_{name}_us"] = graph_us(lambda: case.step(temp))
     logit_bytes = case.target_logits.numel() * 2
-    r["accept_greedy_GBps"] = logit_bytes / r["accept_greedy_us"] / 1e3
+    r["accept_greedy_GBps"] = logit_bytes / r["accept_greedy_graph_us"] / 1e3
     r["accept_greedy_frac_hbm"] = r["accept_greedy_GBps"] / read_GBps
     case.host_step()
     times = []
@@ -181,9 +221,9 @@ def measure(case, read_GBps):
 
 
 def table(rows):
-    cols = ["budget", "block", "topk_us", "torch_topk_us", "build_us", "accept_greedy_us", "accept_T1_us",
-            "compact_us", "step_eager_us", "step_graph_greedy_us", "step_graph_T1_us", "host_us", "speedup_vs_host",
-            "accept_greedy_frac_hbm"]
+    cols = ["budget", "block", "topk_graph_us", "build_graph_us", "build_heap_graph_us", "build_levels_graph_us",
+            "accept_greedy_graph_us", "accept_T1_graph_us", "compact_graph_us", "step_launches", "step_eager_us",
+            "step_graph_greedy_us", "step_graph_T1_us", "host_us", "speedup_vs_host"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
@@ -201,9 +241,10 @@ def main():
            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     env["hbm_read_GBps"] = hbm_read_GBps()
     print(env, flush=True)
-    rows, checks = [], []
+    rows, checks = [], tie_checks()
+    print(checks, flush=True)
     for block in BLOCKS:
-        for budget in BUDGETS if not args.quick else (8, 64, 512):
+        for budget in BUDGETS if block == 8 and not args.quick else (8, 64, 512):
             case = Case(budget, block)
             checks.append({"budget": budget, "block": block, **check(case)})
             print(checks[-1], flush=True)
@@ -214,8 +255,12 @@ def main():
             torch.cuda.empty_cache()
     md = [f"# DDTree step, batch 1, V = {V}, {LAYERS} layers", "",
           ", ".join(f"{k}: {v:.0f}" if isinstance(v, float) else f"{k}: {v}" for k, v in env.items()), "",
-          "Times in microseconds (median, CUDA events); step = draft top-K + build + accept + compact; "
-          "host = GPU top-k, copy, heapq, Python walk, 61 index_select moves.", "", table(rows), ""]
+          "Times in microseconds (median, CUDA events); `*_graph_us` = that op alone captured in a CUDA graph; "
+          "step = draft top-K + build + accept + compact; build_heap/levels = the two Triton builds at this budget "
+          "(`build_graph_us` is the configured one); host = GPU top-k, copy, heapq, Python walk, 61 index_select "
+          "moves.", "", table(rows), ""]
+    md += ["Checks (Triton == torch reference, same run): all equal: "
+           f"{all(v for c in checks for k, v in c.items() if k.endswith('_equal'))}", ""]
     (out / "tree.md").write_text("\n".join(md))
     print("\n".join(md))
 

@@ -96,17 +96,41 @@ def test_chain_and_padding():
     assert torch.equal(dense[6:], torch.eye(10, dtype=torch.bool)[6:])
 
 
+def force_build(monkeypatch, method):
+    """Make the Triton tree build use the heap loop or the depth-synchronous build at every budget."""
+    from triton_kernels import ddtree as dd
+
+    for cfg in dd.CONFIGS.values():
+        monkeypatch.setitem(cfg, "levels_from", 1 if method == "levels" else dd.MAX_BUDGET + 1)
+
+
 @requires_triton
+@pytest.mark.parametrize("method", ["heap", "levels"])
 @pytest.mark.parametrize("budget,batch,L,K", [(1, 8, 3, 4), (5, 16, 4, 3), (17, 12, 15, 17), (63, 4, 7, 63),
-                                              (512, 2, 15, 512)], ids=lambda v: str(v))
-def test_build_triton_matches_torch(budget, batch, L, K):
+                                              (512, 1, 15, 512)], ids=lambda v: str(v))
+def test_build_triton_matches_torch(budget, batch, L, K, method, monkeypatch):
     gen = torch.Generator().manual_seed(budget)
     lp, tokens, roots = random_draft(batch, L, K, gen, ties=budget != 63)
     ref = ops.build_tree(lp, tokens, roots, budget)
+    force_build(monkeypatch, method)
     with ops.using(tree_build="triton"):
         out = ops.build_tree(lp, tokens, roots, budget)
     for f in TREE_FIELDS:
         assert torch.equal(getattr(out, f), getattr(ref, f)), f
+
+
+@requires_triton
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "distinct"])
+def test_levels_build_matches_heapq(ties, monkeypatch):
+    """The depth-synchronous build against heapq on many small trees: equal scores across depths and parents,
+    zero log-probs (a child tying its parent), several candidate batches per round, K and L running out."""
+    gen = torch.Generator().manual_seed(11 + ties)
+    force_build(monkeypatch, "levels")
+    for budget, L, K in [(2, 3, 2), (9, 2, 9), (13, 5, 4), (24, 3, 24), (40, 2, 3)]:
+        lp, tokens, roots = random_draft(16, L, K, gen, ties)
+        with ops.using(tree_build="triton"):
+            tree = ops.build_tree(lp, tokens, roots, budget)
+        check_against_heapq(tree, lp, tokens, roots, budget)
 
 
 @requires_triton
@@ -262,6 +286,9 @@ cases = [
      BLOCK=cfg["block_v"]), cfg["warps_v"]),
     (dd._tree_build_kernel, dict(lp_ptr=P, tok_ptr=L, root_ptr=L, o_tok=L, o_par=I, o_dep=I, o_fc=I, o_ns=I, o_mask=I,
      o_num=I, N="i32", K="i32", KS="i32", L="i32", W="i32"), dict(NP=512, NP1=1024, WP=32, ROWS=32), cfg["build_warps"]),
+    (dd._tree_levels_kernel, dict(lp_ptr=P, tok_ptr=L, root_ptr=L, o_tok=L, o_par=I, o_dep=I, o_fc=I, o_ns=I,
+     o_mask=I, o_num=I, s_int=I, s_flt=P, N="i32", K="i32", KS="i32", L="i32", W="i32"),
+     dict(NP=512, NP1=1024, WP=32, ROWS=32, LOG=9), cfg["levels_warps"]),
     (dd._sample_kernel, dict(x_ptr="*bf16", num_ptr=I, seed_ptr=L, step_ptr=L, floor_ptr=P, pval_ptr=P, pidx_ptr=I,
      V="i32", N1="i32", CHUNK="i32", SPLIT="i32", inv_t="fp32"), dict(GREEDY=False, HAS_FLOOR=True,
      BLOCK=cfg["block_v"]), cfg["warps_v"]),

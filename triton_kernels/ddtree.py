@@ -14,10 +14,11 @@ TIE_CAP = 512  # top-k: keys equal to the K-th kept from the split pass; more ti
 
 # Configs as data per arch (compute capability major*10+minor): BLOCK over the vocabulary, warps of the
 # vocabulary kernels, target program count of the split vocabulary passes, warps of the one-program-per-tree
-# build (its heap lives in registers: one warp keeps every reduction inside shuffles).
+# heap build (its heap lives in registers: one warp keeps every reduction inside shuffles), the budget from
+# which the depth-synchronous build replaces the heap loop, and that build's warps.
 CONFIGS = {
-    90: dict(block_v=2048, warps_v=8, programs=1056, build_warps=1),
-    120: dict(block_v=1024, warps_v=4, programs=752, build_warps=1),
+    90: dict(block_v=2048, warps_v=8, programs=1056, build_warps=1, levels_from=32, levels_warps=4),
+    120: dict(block_v=1024, warps_v=4, programs=752, build_warps=1, levels_from=32, levels_warps=4),
 }
 
 
@@ -43,6 +44,24 @@ def _mix32(x):
     x = x ^ (x >> 15)
     x = x * 0x5BD1E995
     return x ^ (x >> 16)
+
+
+@triton.jit
+def _sort_desc(x, LOGN: tl.constexpr):
+    """Bitonic sort of a [2^LOGN] vector, largest first. Each compare-exchange views x as [outer, 2, inner] and
+    picks the pair's halves with masked sums (exact: one term is non-zero), so it stays vectorised everywhere."""
+    n: tl.constexpr = 1 << LOGN
+    half = tl.arange(0, 2)[None, :, None]  # [1, 2, 1]
+    for s in tl.static_range(1, LOGN + 1):
+        for u in tl.static_range(0, s):  # partner distance 2^(s-1-u) inside blocks of 2^s
+            y = tl.reshape(x, [n >> (s - u), 2, 1 << (s - 1 - u)])
+            a = tl.sum(tl.where(half == 0, y, 0), 1)  # [outer, inner]
+            b = tl.sum(tl.where(half == 1, y, 0), 1)
+            up = ((tl.arange(0, n >> (s - u)) >> u) & 1)[:, None] == 1  # [outer, 1] blocks sorted ascending
+            first = tl.where(up, tl.minimum(a, b), tl.maximum(a, b))
+            second = tl.where(up, tl.maximum(a, b), tl.minimum(a, b))
+            x = tl.reshape(tl.where(half == 0, first[:, None, :], second[:, None, :]), [n])
+    return x
 
 
 # ---- draft top-k: radix select of the K-th largest key (8 bits a pass), collect, sort, decode ----
@@ -172,7 +191,39 @@ def _topk_final_kernel(x_ptr, hist_ptr, cnt_ptr, gt_ptr, eq_ptr, pmax_ptr, psum_
             taken += tl.sum(eq.to(tl.int32), 0)
 
 
-# ---- tree build: one program per tree, the heap as a register frontier indexed by parent node ----
+# ---- tree build: one program per tree; a heap loop (small budgets) or depth-synchronous rounds (large) ----
+
+@triton.jit
+def _init_tree(root_ptr, o_tok, o_par, o_dep, o_fc, o_ns, b, base, N1, NP1: tl.constexpr):
+    """Every node as padding (token 0, parent -1, depth 0, no links), the root's token at node 0."""
+    nodes = tl.arange(0, NP1)  # [NP1]
+    in_tree = nodes < N1
+    root = tl.load(root_ptr + b)
+    tl.store(o_tok + base + nodes, tl.where(nodes == 0, root, 0), mask=in_tree)
+    tl.store(o_par + base + nodes, tl.full([NP1], -1, tl.int32), mask=in_tree)
+    tl.store(o_dep + base + nodes, tl.zeros([NP1], tl.int32), mask=in_tree)
+    tl.store(o_fc + base + nodes, tl.full([NP1], -1, tl.int32), mask=in_tree)
+    tl.store(o_ns + base + nodes, tl.full([NP1], -1, tl.int32), mask=in_tree)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _ancestor_mask(o_par, o_mask, base, N1, L, W, WP: tl.constexpr, ROWS: tl.constexpr):
+    """Rows-parallel ancestor-or-self bits from the parents already written (bit j % 32 of word j // 32)."""
+    words = tl.arange(0, WP)  # [WP]
+    for r0 in range(0, N1, ROWS):
+        rows = r0 + tl.arange(0, ROWS)  # [ROWS]
+        cur = rows
+        acc = tl.zeros([ROWS, WP], tl.int32)
+        for _ in range(L + 1):
+            live = (cur >= 0) & (rows < N1)
+            bit = tl.full([ROWS], 1, tl.int32) << (cur & 31)
+            hit = (words[None, :] == (cur >> 5)[:, None]) & live[:, None]  # [ROWS, WP]
+            acc = acc | tl.where(hit, bit[:, None], 0)
+            cur = tl.load(o_par + base + cur, mask=live, other=-1)
+        out = o_mask + (base + rows)[:, None] * W + words[None, :]
+        tl.store(out, acc, mask=(rows < N1)[:, None] & (words < W)[None, :])
+
 
 @triton.jit
 def _pack(score, slot, rank, depth, prev):
@@ -191,19 +242,10 @@ def _tree_build_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_n
                        N, K, KS, L, W, NP: tl.constexpr, NP1: tl.constexpr, WP: tl.constexpr,
                        ROWS: tl.constexpr):
     b = tl.program_id(0)
-    N1 = N + 1
     lp_b = lp_ptr + b.to(tl.int64) * L * KS
     tok_b = tok_ptr + b.to(tl.int64) * L * KS
-    base = b.to(tl.int64) * N1
-    nodes = tl.arange(0, NP1)  # [NP1]
-    in_tree = nodes < N1
-    root = tl.load(root_ptr + b)
-    tl.store(o_tok + base + nodes, tl.where(nodes == 0, root, 0), mask=in_tree)
-    tl.store(o_par + base + nodes, tl.full([NP1], -1, tl.int32), mask=in_tree)
-    tl.store(o_dep + base + nodes, tl.zeros([NP1], tl.int32), mask=in_tree)
-    tl.store(o_fc + base + nodes, tl.full([NP1], -1, tl.int32), mask=in_tree)
-    tl.store(o_ns + base + nodes, tl.full([NP1], -1, tl.int32), mask=in_tree)
-    tl.debug_barrier()
+    base = b.to(tl.int64) * (N + 1)
+    _init_tree(root_ptr, o_tok, o_par, o_dep, o_fc, o_ns, b, base, N + 1, NP1)
 
     slots = tl.arange(0, NP)  # [NP] slot p: the next candidate child of node p
     dead = tl.full([NP], -2147483648, tl.int64) << 32
@@ -240,20 +282,111 @@ def _tree_build_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_n
         count += ok.to(tl.int32)
     tl.store(o_num + b, count)
     tl.debug_barrier()
+    _ancestor_mask(o_par, o_mask, base, N + 1, L, W, WP, ROWS)
 
-    words = tl.arange(0, WP)  # [WP]
-    for r0 in range(0, N1, ROWS):
-        rows = r0 + tl.arange(0, ROWS)  # [ROWS]
-        cur = rows
-        acc = tl.zeros([ROWS, WP], tl.int32)
-        for _ in range(L + 1):
-            live = (cur >= 0) & (rows < N1)
-            bit = tl.full([ROWS], 1, tl.int32) << (cur & 31)
-            hit = (words[None, :] == (cur >> 5)[:, None]) & live[:, None]  # [ROWS, WP]
-            acc = acc | tl.where(hit, bit[:, None], 0)
-            cur = tl.load(o_par + base + cur, mask=live, other=-1)
-        out = o_mask + (base + rows)[:, None] * W + words[None, :]
-        tl.store(out, acc, mask=(rows < N1)[:, None] & (words < W)[None, :])
+
+@triton.jit
+def _lkey(score, ppos, rank, depth, old):
+    """Level-build key: [ordered score : 32 | 1023 - parent position : 10 | 511 - rank : 9 | depth : 4 |
+    old index : 9]; descending = pop order."""
+    low = (((1023 - ppos).to(tl.int64) << 22) | ((511 - rank).to(tl.int64) << 13) | (depth.to(tl.int64) << 9)
+           | old.to(tl.int64))
+    return (_ordered(score).to(tl.int64) << 32) | low
+
+
+@triton.jit
+def _lfields(key):
+    """(score, parent position, rank, depth, old index) of level-build keys."""
+    hi = key >> 32
+    low = key - (hi << 32)
+    return (_unordered(hi.to(tl.int32)), (1023 - ((low >> 22) & 1023)).to(tl.int32),
+            (511 - ((low >> 13) & 511)).to(tl.int32), ((low >> 9) & 15).to(tl.int32), (low & 511).to(tl.int32))
+
+
+@triton.jit(do_not_specialize=["N", "K", "KS", "L", "W"])
+def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_ns, o_mask, o_num, s_int, s_flt,
+                        N, K, KS, L, W, NP: tl.constexpr, NP1: tl.constexpr, WP: tl.constexpr,
+                        ROWS: tl.constexpr, LOG: tl.constexpr):
+    """U = the best N nodes of depth <= d, sorted (lanes < NP; position = lane + 1; the root is position 0).
+    Round d adds the depth-d children of U's depth-(d-1) nodes in batches of NP: sort U + batch, keep N.
+    Keys order by (score, parent position in the round's U, rank): the heap's order, ties included."""
+    b = tl.program_id(0)
+    lp_b = lp_ptr + b.to(tl.int64) * L * KS
+    tok_b = tok_ptr + b.to(tl.int64) * L * KS
+    base = b.to(tl.int64) * (N + 1)
+    s_pref = s_int + b.to(tl.int64) * (4 * NP)  # [NP] per parent j: first flat candidate index
+    s_ppos = s_pref + NP  # [NP] per parent j: its position
+    s_new = s_ppos + NP  # [2 * NP] old position -> new position; then the sibling sort
+    s_psc = s_flt + b.to(tl.int64) * NP  # [NP] per parent j: its score
+    _init_tree(root_ptr, o_tok, o_par, o_dep, o_fc, o_ns, b, base, N + 1, NP1)
+
+    lane = tl.arange(0, 2 * NP)  # [2NP] lanes < NP: U; lanes >= NP: a batch of candidates
+    in_u = lane < NP
+    dead = tl.full([2 * NP], -2147483648, tl.int64) << 32
+    zero = tl.zeros([2 * NP], tl.int32)
+    first = lane < K  # depth 1: the root's children by rank, already in pop order
+    keys = tl.where(first, _lkey(tl.load(lp_b + lane, mask=first, other=0.0), zero, lane, zero + 1, lane), dead)
+    d = tl.full([], 2, tl.int32)
+    while d <= L:
+        score, ppos, rank, depth, old = _lfields(keys)
+        is_p = in_u & (keys != dead) & (depth == d - 1)
+        j = tl.cumsum(is_p.to(tl.int32), 0) - 1  # [2NP] parent index j among U's depth-(d-1) nodes
+        # child r of parent j has >= (pos_j - 1) + (j + 1)(r + 1) nodes before it: r < (N - pos_j) // (j + 1)
+        c = tl.where(is_p, tl.minimum(K, (N - lane - 1) // (tl.maximum(j, 0) + 1)), 0)
+        incl = tl.cumsum(c, 0)
+        n_p = tl.sum(is_p.to(tl.int32), 0)
+        M = tl.sum(c, 0)
+        tl.store(s_pref + j, incl - c, mask=is_p)
+        tl.store(s_ppos + j, lane + 1, mask=is_p)
+        tl.store(s_psc + j, score, mask=is_p)
+        tl.debug_barrier()
+        for f0 in range(0, M, NP):
+            f = f0 + lane - NP
+            fresh = (~in_u) & (f < M)
+            lo = zero
+            hi = zero + n_p
+            for _ in tl.static_range(LOG):  # parent of f: the last j with pref[j] <= f
+                mid = (lo + hi) >> 1
+                go = fresh & (hi - lo > 1)
+                below = tl.load(s_pref + mid, mask=go, other=0) <= f
+                lo = tl.where(go & below, mid, lo)
+                hi = tl.where(go & ~below, mid, hi)
+            r = f - tl.load(s_pref + lo, mask=fresh, other=0)
+            ps = tl.load(s_psc + lo, mask=fresh, other=0.0)
+            pp = tl.load(s_ppos + lo, mask=fresh, other=0)
+            lp = tl.load(lp_b + (d - 1) * KS + r, mask=fresh, other=0.0)
+            cand = tl.where(fresh, _lkey(ps + lp, pp, r, zero + d, zero), dead)
+            keys = _sort_desc(tl.where(in_u, keys, cand), LOG + 1)
+            keys = tl.where(lane < N, keys, dead)
+        tl.debug_barrier()
+        score, ppos, rank, depth, old = _lfields(keys)
+        tl.store(s_new + tl.where(in_u & (keys != dead) & (depth < d), old + 1, 0), lane + 1,
+                 mask=in_u & (keys != dead) & (depth < d))
+        tl.store(s_new, 0)
+        tl.debug_barrier()
+        ppos = tl.load(s_new + ppos, mask=keys != dead, other=0)
+        keys = tl.where(keys != dead, _lkey(score, ppos, rank, depth, lane), dead)
+        tl.debug_barrier()
+        d = tl.where(n_p > 0, d + 1, L + 1)
+
+    score, ppos, rank, depth, old = _lfields(keys)
+    live = keys != dead
+    n = lane + 1
+    tok = tl.load(tok_b + (depth - 1) * KS + rank, mask=live, other=0)
+    tl.store(o_tok + base + n, tok, mask=live)
+    tl.store(o_par + base + n, ppos, mask=live)
+    tl.store(o_dep + base + n, depth, mask=live)
+    tl.store(o_fc + base + ppos, n, mask=live & (rank == 0))
+    tl.store(o_num + b, 1 + tl.sum(live.to(tl.int32), 0))
+    # next sibling: nodes sorted by (parent, rank) sit next to their siblings in rank order
+    sib = -_sort_desc(-tl.where(live, (ppos << 20) | (rank << 10) | n, 2147483647), LOG + 1)  # [2NP] ascending
+    tl.store(s_new + lane, sib)
+    tl.debug_barrier()
+    after = tl.load(s_new + lane + 1, mask=lane + 1 < 2 * NP, other=2147483647)
+    same = (sib != 2147483647) & ((after >> 20) == (sib >> 20))
+    tl.store(o_ns + base + (sib & 1023), after & 1023, mask=same)
+    tl.debug_barrier()
+    _ancestor_mask(o_par, o_mask, base, N + 1, L, W, WP, ROWS)
 
 
 # ---- accept: per-node sampling over vocabulary splits, then one program per tree reduces and walks ----
@@ -415,16 +548,22 @@ def build_tree(logprobs, tokens, root_tokens, budget):
     N1 = N + 1
     W = triton.cdiv(N1, 32)
     dev = logprobs.device
+    cfg = CONFIGS[_arch(dev)]
     lp, tok = logprobs.contiguous(), tokens.contiguous()
     tokens_out = torch.empty(B, N1, dtype=torch.int64, device=dev)
     parents, depths, first_child, next_sibling = (torch.empty(B, N1, dtype=torch.int32, device=dev) for _ in range(4))
     mask = torch.empty(B, N1, W, dtype=torch.int32, device=dev)
     num_nodes = torch.empty(B, dtype=torch.int32, device=dev)
-    _tree_build_kernel[(B,)](
-        lp, tok, root_tokens.contiguous(), tokens_out, parents, depths, first_child, next_sibling, mask, num_nodes,
-        N, min(KS, N), KS, L, W,
-        NP=triton.next_power_of_2(N), NP1=triton.next_power_of_2(N1), WP=triton.next_power_of_2(W), ROWS=32,
-        num_warps=CONFIGS[_arch(dev)]["build_warps"])
+    NP = triton.next_power_of_2(N)
+    args = (lp, tok, root_tokens.contiguous(), tokens_out, parents, depths, first_child, next_sibling, mask, num_nodes)
+    sizes = dict(NP=NP, NP1=triton.next_power_of_2(N1), WP=triton.next_power_of_2(W), ROWS=32)
+    if N >= cfg["levels_from"]:
+        s_int = torch.empty(B, 4 * NP, dtype=torch.int32, device=dev)
+        s_flt = torch.empty(B, NP, dtype=torch.float32, device=dev)
+        _tree_levels_kernel[(B,)](*args, s_int, s_flt, N, min(KS, N), KS, L, W, **sizes, LOG=NP.bit_length() - 1,
+                                  num_warps=cfg["levels_warps"])
+    else:
+        _tree_build_kernel[(B,)](*args, N, min(KS, N), KS, L, W, **sizes, num_warps=cfg["build_warps"])
     return tokens_out, parents, depths, mask, first_child, next_sibling, num_nodes
 
 

@@ -58,7 +58,8 @@ def draft_topk(logits, k):
 def build_tree(logprobs, tokens, root_tokens, budget):
     """Best-first DDTree of `budget` nodes under the root (REFERENCE.md section 3 step 2).
 
-    logprobs: [B, L, K] fp32 per-depth top-K log-probs, descending; tokens: [B, L, K] int64 their token ids;
+    logprobs: [B, L, K] fp32 per-depth top-K log-probs (<= 0, as log_softmax gives), descending per depth;
+    tokens: [B, L, K] int64 their token ids;
     root_tokens: [B] int64 the bonus tokens. A max-heap on cumulative log-prob (fp32 sums parent + logprob);
     a pop adds a node and pushes its next sibling (rank + 1 < K) and its first child (depth < L). Ties: lower
     parent node index first. Returns a `Tree` with N = budget (fewer valid nodes only if K and L run out).
