@@ -127,7 +127,7 @@ def test_levels_build_matches_heapq(ties, monkeypatch):
     gen = torch.Generator().manual_seed(11 + ties)
     force_build(monkeypatch, "levels")
     for budget, L, K in [(2, 3, 2), (9, 2, 9), (13, 5, 4), (24, 3, 24), (40, 2, 3)]:
-        lp, tokens, roots = random_draft(16, L, K, gen, ties)
+        lp, tokens, roots = random_draft(12, L, K, gen, ties)
         with ops.using(tree_build="triton"):
             tree = ops.build_tree(lp, tokens, roots, budget)
         check_against_heapq(tree, lp, tokens, roots, budget)

@@ -10,15 +10,15 @@ import triton.language as tl
 
 MAX_BUDGET = 512  # the build packs slot and rank into 9 bits each
 MAX_DEPTH = 15  # and the depth into 4 bits
-TIE_CAP = 512  # top-k: keys equal to the K-th kept from the split pass; more ties rescan the row in order
+TIE_CAP = 512  # top-k: at most this many keys equal to the K-th are kept by the split pass; more rescan the row
 
 # Configs as data per arch (compute capability major*10+minor): BLOCK over the vocabulary, warps of the
 # vocabulary kernels, target program count of the split vocabulary passes, warps of the one-program-per-tree
 # heap build (its heap lives in registers: one warp keeps every reduction inside shuffles), the budget from
 # which the depth-synchronous build replaces the heap loop, and that build's warps.
 CONFIGS = {
-    90: dict(block_v=2048, warps_v=8, programs=1056, build_warps=1, levels_from=32, levels_warps=4),
-    120: dict(block_v=1024, warps_v=4, programs=752, build_warps=1, levels_from=32, levels_warps=4),
+    90: dict(block_v=2048, warps_v=8, programs=1056, build_warps=1, levels_from=64, levels_warps=4),
+    120: dict(block_v=1024, warps_v=4, programs=752, build_warps=1, levels_from=64, levels_warps=4),
 }
 
 
@@ -529,12 +529,13 @@ def draft_topk(logits, k):
         _topk_hist_kernel[(rows, split)](x, hist, pmax, psum, V, k, chunk, split, PASS=p, NPASS=npass, BLOCK=block,
                                          num_warps=cfg["warps_v"])
     gt = torch.empty(rows, k, dtype=torch.int64, device=dev)
-    eq = torch.empty(rows, TIE_CAP, dtype=torch.int64, device=dev)
-    _topk_collect_kernel[(rows, split)](x, hist, cnt, gt, eq, V, k, chunk, NPASS=npass, CAP=TIE_CAP, BLOCK=block,
+    cap = min(TIE_CAP, max(64, triton.next_power_of_2(k)))  # ties kept for the final sort (k of them at most used)
+    eq = torch.empty(rows, cap, dtype=torch.int64, device=dev)
+    _topk_collect_kernel[(rows, split)](x, hist, cnt, gt, eq, V, k, chunk, NPASS=npass, CAP=cap, BLOCK=block,
                                         num_warps=cfg["warps_v"])
     lp = torch.empty(B, L, k, dtype=torch.float32, device=dev)
     tokens = torch.empty(B, L, k, dtype=torch.int64, device=dev)
-    _topk_final_kernel[(rows,)](x, hist, cnt, gt, eq, pmax, psum, lp, tokens, V, k, split, NPASS=npass, CAP=TIE_CAP,
+    _topk_final_kernel[(rows,)](x, hist, cnt, gt, eq, pmax, psum, lp, tokens, V, k, split, NPASS=npass, CAP=cap,
                                 KP=triton.next_power_of_2(k), SP=triton.next_power_of_2(split), BLOCK=block,
                                 num_warps=cfg["warps_v"])
     return lp, tokens
