@@ -46,7 +46,7 @@ def fill_random_(module, seed=0, std=0.02):
     """Seeded random weights written in place on the module's device (no host or fp32 temporaries): int32
     words uniform (random nibbles), scales in [0.001, 0.005), norms 1, correction biases N(0, 0.1), the rest
     N(0, std)."""
-    for i, (name, buf) in enumerate(module.named_buffers()):
+    for i, (name, buf) in enumerate(module.state_dict(keep_vars=True).items()):  # persistent: no joint views
         if buf is None or name.endswith("inv_freq"):
             continue
         gen = torch.Generator(device=buf.device).manual_seed(seed * 100003 + i)
@@ -110,9 +110,9 @@ def floor_bytes(model, batch, nodes, context, distinct, logits_rows=None):
     per_layer = list(distinct) if hasattr(distinct, "__iter__") else [distinct] * len(moe_layers)
     if len(per_layer) != len(moe_layers):
         raise ValueError(f"floor_bytes: {len(per_layer)} expert counts for {len(moe_layers)} MoE layers")
-    attention = _bytes(b for layer in model.layers for n, b in layer.self_attn.named_buffers()
-                       if not n.endswith("inv_freq"))
-    dense = _bytes([model.norm.weight] + [b for layer in model.layers for n, b in layer.named_buffers()
+    attention = _bytes(b for layer in model.layers for b in layer.self_attn.state_dict(keep_vars=True).values())
+    dense = _bytes([model.norm.weight] + [b for layer in model.layers
+                                          for n, b in layer.state_dict(keep_vars=True).items()
                                           if not n.startswith(("self_attn.", "mlp.experts."))])
     entry = cfg.cache_entry_dim * model.dtype.itemsize
     rows = batch * nodes if logits_rows is None else logits_rows
@@ -379,7 +379,8 @@ def main():
         bench.set_context(context)
         for budget in buckets if context == contexts[0] else long_buckets:
             rows.append(measure(bench, budget, context, bw, iters))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("floor_parts_MB", "top_kernels")}), flush=True)
+            brief = {k: v for k, v in rows[-1].items() if k not in ("floor_parts_MB", "top_kernels")}
+            print(json.dumps(brief), flush=True)
             for name, calls, us in rows[-1]["top_kernels"][:12]:
                 print(f"  {us:9.1f} us {calls:5d}x  {name}", flush=True)
             (out / "step.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

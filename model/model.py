@@ -38,13 +38,19 @@ class Attention(nn.Module):
         self.cfg = cfg
         _, self.heads = par.shard(cfg.num_attention_heads, "attention heads")
         D, H, R = cfg.hidden_size, self.heads, cfg.kv_lora_rank
+        # The down-projections that read x ([q_a ;] kv_a) are views of one buffer, so one GEMM reads both.
+        # The down-projections that read x ([q_a ;] kv_a) are views of one buffer, so one GEMM reads both;
+        # state_dict and the loader see the two views (the joint buffer is not persistent).
+        self.register_buffer("down_proj_weight", _empty(((cfg.q_lora_rank or 0) + cfg.cache_entry_dim, D), dtype,
+                                                        device), persistent=False)
         if cfg.q_lora_rank:
-            self.q_a_proj = Tensors(weight=_empty((cfg.q_lora_rank, D), dtype, device))
+            self.q_a_proj = Tensors(weight=None)
             self.q_a_layernorm = Tensors(weight=_empty((cfg.q_lora_rank,), dtype, device))
             self.q_b_proj = Tensors(weight=_empty((H * cfg.qk_head_dim, cfg.q_lora_rank), dtype, device))
         else:
             self.q_proj = Tensors(weight=_empty((H * cfg.qk_head_dim, D), dtype, device))
-        self.kv_a_proj_with_mqa = Tensors(weight=_empty((cfg.cache_entry_dim, D), dtype, device))
+        self.kv_a_proj_with_mqa = Tensors(weight=None)
+        self._bind_down_views()
         self.kv_a_layernorm = Tensors(weight=_empty((R,), dtype, device))
         self.kv_b_proj = Tensors(weight=_empty((H * (cfg.qk_nope_head_dim + cfg.v_head_dim), R), dtype, device))
         self.o_proj = Tensors(weight=_empty((D, H * cfg.v_head_dim), dtype, device))
@@ -52,20 +58,32 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.naive = False  # tests flip this to compare with the expanded (non-absorbed) form
 
-    def project_q(self, x):
+    def _bind_down_views(self):
+        q_lora = self.cfg.q_lora_rank or 0
+        if q_lora:
+            self.q_a_proj.weight = self.down_proj_weight[:q_lora]
+        self.kv_a_proj_with_mqa.weight = self.down_proj_weight[q_lora:]
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)  # moves/casts the views and the joint buffer apart: re-join them
+        self._bind_down_views()
+        return self
+
+    def project(self, x):
+        """x: [N, D] -> q_nope [N, H, 128], q_pe [N, H, 64] and the latent projection ckv [N, 576]."""
         cfg = self.cfg
+        qa, ckv = F.linear(x, self.down_proj_weight).split([cfg.q_lora_rank or 0, cfg.cache_entry_dim], -1)
         if cfg.q_lora_rank:
-            qa = ops.rms_norm(F.linear(x, self.q_a_proj.weight), self.q_a_layernorm.weight, cfg.latent_norm_eps)
-            q = F.linear(qa, self.q_b_proj.weight)
+            q = F.linear(ops.rms_norm(qa, self.q_a_layernorm.weight, cfg.latent_norm_eps), self.q_b_proj.weight)
         else:
             q = F.linear(x, self.q_proj.weight)
-        return q.view(x.shape[0], self.heads, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
+        q = q.view(x.shape[0], self.heads, cfg.qk_head_dim)
+        return (*q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1), ckv)
 
     def forward(self, x, meta, kv):
         """x: [N = B*T, D] normed hidden; kv: this layer's cache [B, L_max, 576]. Returns [N, D] (partial)."""
         cfg, N = self.cfg, x.shape[0]
-        q_nope, q_pe = self.project_q(x)
-        ckv = F.linear(x, self.kv_a_proj_with_mqa.weight)
+        q_nope, q_pe, ckv = self.project(x)
         ops.write_latent(kv, ckv, self.kv_a_layernorm.weight, cfg.latent_norm_eps, meta.positions, self.inv_freq,
                          self.rope_factor, meta.starts)
         q_pe = ops.apply_rope(q_pe, meta.positions, self.inv_freq, self.rope_factor)
@@ -260,8 +278,8 @@ class KimiModel(nn.Module):
     def init_random_(self, seed=0, std=0.02):
         """Fill every weight with seeded random values (benchmarks and tests without a checkpoint)."""
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        for name, buf in self.named_buffers():
-            if buf is None or name.endswith("inv_freq"):
+        for name, buf in self.state_dict(keep_vars=True).items():  # persistent buffers (not joint views)
+            if buf is None:
                 continue
             like = dict(generator=gen, device=self.device)
             if name.endswith("_packed"):

@@ -100,11 +100,11 @@ def apply_rope(x, positions, inv_freq, attention_factor=1.0):
 
 
 @triton.jit
-def _write_latent_kernel(ckv_ptr, w_ptr, pos_ptr, freq_ptr, starts_ptr, kv_ptr, T, stride_kb, eps, factor,
-                         R: tl.constexpr, HALF: tl.constexpr):
+def _write_latent_kernel(ckv_ptr, w_ptr, pos_ptr, freq_ptr, starts_ptr, kv_ptr, T, stride_ckv, stride_kb, eps,
+                         factor, R: tl.constexpr, HALF: tl.constexpr):
     n = tl.program_id(0)
     b = n // T
-    src = ckv_ptr + n.to(tl.int64) * (R + 2 * HALF)
+    src = ckv_ptr + n.to(tl.int64) * stride_ckv
     dst = kv_ptr + b.to(tl.int64) * stride_kb + (tl.load(starts_ptr + b).to(tl.int64) + n % T) * (R + 2 * HALF)
     ty = kv_ptr.dtype.element_ty
     offs = tl.arange(0, R)
@@ -129,10 +129,12 @@ def write_latent(kv_cache, ckv, norm_weight, eps, positions, inv_freq, attention
         raise ValueError(f"write_latent (triton): latent {R} and rope pairs {half} must be powers of two")
     if kv_cache.stride(2) != 1 or kv_cache.stride(1) != kv_cache.shape[2]:
         raise ValueError("write_latent (triton): each cache row must be contiguous [L_max, R + P]")
-    ckv = ckv.contiguous()
+    if ckv.stride(1) != 1:
+        ckv = ckv.contiguous()
     if ckv.shape[0]:
         _write_latent_kernel[(ckv.shape[0],)](ckv, norm_weight, positions, inv_freq.float().contiguous(), starts,
-                                              kv_cache, ckv.shape[0] // starts.shape[0], kv_cache.stride(0), eps,
+                                              kv_cache, ckv.shape[0] // starts.shape[0], ckv.stride(0),
+                                              kv_cache.stride(0), eps,
                                               float(attention_factor), R=R, HALF=half)
 
 

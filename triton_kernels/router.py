@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_E, BLOCK_D = 16, 32, 128
+BLOCK_M, BLOCK_E, BLOCK_D = 16, 32, 256
 
 
 @triton.jit
@@ -97,9 +97,9 @@ def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm
     if M == 0:
         return weights, ids
     _logits_kernel[(triton.cdiv(E, BLOCK_E), triton.cdiv(M, BLOCK_M), splits)](
-        x, gate_weight, part, M, E, D, d_per_split, BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D)
+        x, gate_weight, part, M, E, D, d_per_split, BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, num_stages=3)
     _select_kernel[(M,)](part, bias.float().contiguous(), weights, ids, M, E, splits, E // n_group, n_group,
                          topk_group, top_k, float(scaling_factor), NORM=bool(norm_topk_prob),
                          BLOCK_E=triton.next_power_of_2(E), BLOCK_G=triton.next_power_of_2(n_group),
-                         BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+                         BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)  # reductions stay in one warp
     return weights, ids

@@ -16,8 +16,8 @@ from ops import _backend
 _backend.apply_env()
 
 __all__ = [
-    "add_rms_norm", "apply_rope", "causal_tree_mask", "current", "dispatch", "has_triton", "mla_attention", "mlp", "moe",
-    "op_names", "pack_int4", "pack_tree_mask", "PackedExperts", "prepare_moe", "rms_norm", "route", "table",
-    "tree_mask_dense", "unpack_int4", "use", "use_spec", "using", "write_kv", "write_latent", "yarn_inv_freq", "yarn_mscale",
-    "Tree", "accept", "build_tree", "compact", "draft_topk",
+    "add_rms_norm", "apply_rope", "causal_tree_mask", "current", "dispatch", "has_triton", "mla_attention", "mlp",
+    "moe", "op_names", "pack_int4", "pack_tree_mask", "PackedExperts", "prepare_moe", "rms_norm", "route", "table",
+    "tree_mask_dense", "unpack_int4", "use", "use_spec", "using", "write_kv", "write_latent", "yarn_inv_freq",
+    "yarn_mscale", "Tree", "accept", "build_tree", "compact", "draft_topk",
 ]

@@ -23,7 +23,8 @@ def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm
         raise ValueError(f"route: x {tuple(x.shape)}, gate {tuple(gate_weight.shape)}, bias {tuple(bias.shape)}")
     if E % n_group or not 0 < topk_group <= n_group or not 0 < top_k <= E:
         raise ValueError(f"route: bad grouping E={E}, n_group={n_group}, topk_group={topk_group}, top_k={top_k}")
-    return dispatch("router", x.device, x.dtype)(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob)
+    impl = dispatch("router", x.device, x.dtype)
+    return impl(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob)
 
 
 def route_torch(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob=True):
