@@ -163,13 +163,16 @@ def graph_us(fn):
 
 
 def launches(fn):
-    """Kernels one eager call of fn launches (memsets and copies included)."""
+    """GPU activities (kernels, memsets, copies) one eager call of fn launches: [name, ...] in order."""
+    from torch.profiler import ProfilerActivity, profile
+
     fn()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    cuda = torch.autograd.DeviceType.CUDA
+    return [e.name[:60] for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.device_type == cuda]
 
 
 def build_methods(case, lp, tok):
@@ -201,7 +204,8 @@ def measure(case, read_GBps):
         r["accept_T1_graph_us"] = graph_us(lambda: ops.accept(tree, case.target_logits, 1.0, seeds=case.seeds))
         r["compact_graph_us"] = graph_us(lambda: ops.compact(case.kv, case.starts, path, path_len, case.hidden))
         r["step_eager_us"] = 1e3 * bench_ms(case.step)
-        r["step_launches"] = launches(case.step)
+        r["step_kernels"] = launches(case.step)
+        r["step_launches"] = len(r["step_kernels"])
         r.update(build_methods(case, lp, tok))
         for name, temp in (("greedy", 0.0), ("T1", 1.0)):
             r[f"step_graph_{name}_us"] = graph_us(lambda: case.step(temp))

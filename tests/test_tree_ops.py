@@ -221,6 +221,22 @@ def test_accept_triton_matches_torch(temperature, top_p, top_k):
         assert torch.equal(x, y), name
 
 
+@requires_triton
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_accept_triton_vocabulary_splits(temperature):
+    """A vocabulary of several splits per node; at T = 0 equal maxima in different splits go to the lower id."""
+    tree, gen = small_tree(B=2, L=4, budget=12, vocab=7, seed=8)
+    logits = (torch.randn(2, 13, 5000, generator=gen) * 3).to(device())
+    logits[:, :, 4900] = logits[:, :, 7] = 40.0  # split 0 and the last split tie
+    logits[1, 3, 4900] = 41.0
+    seeds = torch.tensor([5, 6], device=device())
+    ref = ops.accept(tree, logits, temperature, seeds=seeds, step=1)
+    with ops.using(accept="triton"):
+        out = ops.accept(tree, logits, temperature, seeds=seeds, step=1)
+    for name, x, y in zip(("path", "path_len", "next_token"), out, ref):
+        assert torch.equal(x, y), name
+
+
 def sequential_compact(kv, starts, path, path_len, hidden):
     """The host loop: one entry at a time, forward (path[i] >= i makes that safe)."""
     kv = kv.clone()
@@ -293,7 +309,7 @@ cases = [
      V="i32", N1="i32", CHUNK="i32", SPLIT="i32", inv_t="fp32"), dict(GREEDY=False, HAS_FLOOR=True,
      BLOCK=cfg["block_v"]), cfg["warps_v"]),
     (dd._walk_kernel, dict(pval_ptr=P, pidx_ptr=I, tok_ptr=L, par_ptr=I, path_ptr=I, len_ptr=I, next_ptr=L, N1="i32",
-     L="i32", SPLIT="i32"), dict(NP1=1024), 4),
+     L="i32", SPLIT="i32"), dict(NP1=1024, SP=4), 4),
     (dd._compact_kernel, dict(kv_ptr="*bf16", starts_ptr=I, path_ptr=I, len_ptr=I, hid_ptr="*bf16", out_ptr="*bf16",
      layers="i32", L1="i32", D="i32", F="i32", s_layer="i64", s_b="i64", s_pos="i64", h_b="i64", h_n="i64"),
      dict(LP=16, BD=128, BF=256), 4),

@@ -435,17 +435,16 @@ def _sample_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx
 
 @triton.jit(do_not_specialize=["N1", "L", "SPLIT"])
 def _walk_kernel(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, N1, L, SPLIT,
-                 NP1: tl.constexpr):
+                 NP1: tl.constexpr, SP: tl.constexpr):
     b = tl.program_id(0)
     nodes = tl.arange(0, NP1)  # [NP1]
+    cs = tl.arange(0, SP)  # [SP]
     part = (b * N1 + nodes) * SPLIT
-    best = tl.full([NP1], float("-inf"), tl.float32)
-    sampled = tl.load(pidx_ptr + part, mask=nodes < N1, other=0)  # [NP1] split 0, kept unless beaten
-    for c in range(SPLIT):
-        v = tl.load(pval_ptr + part + c, mask=nodes < N1, other=float("-inf"))
-        take = v > best  # strictly: the earlier split (lower token ids) wins ties
-        sampled = tl.where(take, tl.load(pidx_ptr + part + c, mask=nodes < N1, other=0), sampled)
-        best = tl.where(take, v, best)
+    ok = (nodes < N1)[:, None] & (cs < SPLIT)[None, :]
+    v = tl.load(pval_ptr + part[:, None] + cs[None, :], mask=ok, other=float("-inf"))  # [NP1, SP] in one load
+    m = tl.max(v, 1)
+    first = tl.min(tl.where(v == m[:, None], cs[None, :], SP), 1)  # the earlier split (lower token ids) wins ties
+    sampled = tl.load(pidx_ptr + part + first, mask=nodes < N1, other=0)  # [NP1]
     toks = tl.load(tok_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
     pars = tl.load(par_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
     path_b = path_ptr + b * (L + 1)
@@ -588,7 +587,7 @@ def accept(tree, target_logits, temperature, floor, seeds, step):
     next_token = torch.empty(B, dtype=torch.int64, device=x.device)
     NP1 = triton.next_power_of_2(max(N1, L + 1))
     _walk_kernel[(B,)](pval, pidx, tree.tokens, tree.parents, path, path_len, next_token, N1, L, split,
-                       NP1=NP1, num_warps=4)
+                       NP1=NP1, SP=triton.next_power_of_2(split), num_warps=4)
     return path, path_len, next_token
 
 
