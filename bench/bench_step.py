@@ -3,8 +3,8 @@ whole DDTree step and the autoregressive step, each against its memory floor.
 
 Standalone: `python bench/bench_step.py --out DIR [--quick]`. Builds KimiModel(kimi-k2.6, Parallel(8, 0))
 in bf16 with random weights made on the GPU (INT4 experts included, no checkpoint), and a drafter of the
-Kimi-K2.5-DFlash shape. The drafter has no tensor parallelism: it runs unsharded (its full 6 layers on this
-rank), scoring with the target's lm_head shard. Per context {4k, 32k} and bucket it times (host clock around
+Kimi-K2.5-DFlash shape sharded the same way (rank 0 of 8: 8 query heads, 1 key/value head, 1/8 of the MLP),
+scoring with the target's lm_head shard. Per context {4k, 32k} and bucket it times (host clock around
 synchronised back-to-back calls, so host overhead shows): the verify eagerly and as a graph replay, the sum of
 its kernels (profiler, eager run), the whole step (draft, top-k, tree build, verify, accept, compact, drafter
 context append) eagerly and graphed (draft + top-k + build one replay, the verify another) and the
@@ -77,7 +77,7 @@ def drafter_config(target_cfg, shape=DFLASH_K25):
 
 
 def build_drafter(target, shape=DFLASH_K25, seed=1):
-    drafter = DFlashDrafter(drafter_config(target.cfg, shape), target.dtype, target.device)
+    drafter = DFlashDrafter(drafter_config(target.cfg, shape), target.dtype, target.device, target.par)
     return fill_random_(drafter, seed).bind(target)
 
 
@@ -129,7 +129,8 @@ def floor_bytes(model, batch, nodes, context, distinct, logits_rows=None):
 def drafter_floor_bytes(drafter, batch, context):
     """Bytes of one draft: the drafter's weights, its context K/V, the lm_head shard, the block's logits."""
     cfg, target = drafter.cfg, drafter.target
-    kv = 2 * cfg.num_hidden_layers * batch * (context + cfg.block_size) * cfg.num_key_value_heads * cfg.head_dim
+    kv_heads = drafter.layers[0].self_attn.kv_heads
+    kv = 2 * cfg.num_hidden_layers * batch * (context + cfg.block_size) * kv_heads * cfg.head_dim
     return dict(weights=_bytes(b for n, b in drafter.named_buffers() if n != "inv_freq"),
                 kv=kv * drafter.dtype.itemsize, lm_head=_bytes([target.lm_head.weight]),
                 logits=batch * cfg.draft_len * target.lm_head.weight.shape[0] * target.dtype.itemsize)
@@ -356,8 +357,8 @@ def main():
     iters = 5 if args.quick else args.iters
     meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                drafter_note="Kimi-K2.5-DFlash shape, unsharded (the drafter has no tensor parallelism), "
-                             "scoring with the target's lm_head shard")
+                drafter_note="Kimi-K2.5-DFlash shape, TP8 rank 0 like the target (8 of 64 query heads, 1 of 8 "
+                             "key/value heads, 1/8 of the MLP), scoring with the target's lm_head shard")
     meta["read_GBps"] = bw = read_GBps()
     t0 = time.perf_counter()
     target = build_target()

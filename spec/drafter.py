@@ -24,6 +24,7 @@ import ops
 from ops._backend import dispatch, register
 from model.config import read_config_json
 from model.model import Tensors
+from model.parallel import Parallel
 
 
 def default_target_layer_ids(num_target_layers, num_draft_layers):
@@ -200,8 +201,9 @@ class DraftCache:
         self.k, self.v, self.lens, self.host_lens = k, v, lens, host_lens
 
     @classmethod
-    def empty(cls, cfg, batch, max_len, dtype, device):
-        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    def empty(cls, cfg, batch, max_len, dtype, device, kv_heads=None):
+        """kv_heads: this rank's key/value heads (all of them by default)."""
+        shape = (cfg.num_hidden_layers, batch, max_len, kv_heads or cfg.num_key_value_heads, cfg.head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                    torch.zeros(batch, dtype=torch.int32, device=device), [0] * batch)
 
@@ -237,10 +239,14 @@ def _empty(shape, dtype, device):
 
 
 class DrafterAttention(nn.Module):
-    def __init__(self, cfg, dtype, device):
+    """GQA attention; under tensor parallelism this rank holds heads / tp query and key/value heads."""
+
+    def __init__(self, cfg, par, dtype, device):
         super().__init__()
-        D, H, KVH, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.cfg = cfg
+        D, hd = cfg.hidden_size, cfg.head_dim
+        _, H = par.shard(cfg.num_attention_heads, "drafter attention heads")
+        _, KVH = par.shard(cfg.num_key_value_heads, "drafter key/value heads")
+        self.cfg, self.par, self.heads, self.kv_heads = cfg, par, H, KVH
         self.q_proj = Tensors(weight=_empty((H * hd, D), dtype, device))
         self.k_proj = Tensors(weight=_empty((KVH * hd, D), dtype, device))
         self.v_proj = Tensors(weight=_empty((KVH * hd, D), dtype, device))
@@ -251,9 +257,9 @@ class DrafterAttention(nn.Module):
     def keys_values(self, x, positions, rope):
         """x: [N, D] -> roped, k-normed keys [N, KVH, hd] and values [N, KVH, hd]."""
         cfg = self.cfg
-        k = F.linear(x, self.k_proj.weight).view(x.shape[0], cfg.num_key_value_heads, cfg.head_dim)
+        k = F.linear(x, self.k_proj.weight).view(x.shape[0], self.kv_heads, cfg.head_dim)
         k = rope_half(ops.rms_norm(k, self.k_norm.weight, cfg.rms_norm_eps), positions, *rope)
-        v = F.linear(x, self.v_proj.weight).view(x.shape[0], cfg.num_key_value_heads, cfg.head_dim)
+        v = F.linear(x, self.v_proj.weight).view(x.shape[0], self.kv_heads, cfg.head_dim)
         return k, v
 
     def forward(self, x, positions, rope, k_cache, v_cache, starts, lens_after, max_len):
@@ -261,47 +267,50 @@ class DrafterAttention(nn.Module):
         cfg = self.cfg
         B, S, _ = x.shape
         flat = x.reshape(B * S, -1)
-        q = F.linear(flat, self.q_proj.weight).view(B * S, cfg.num_attention_heads, cfg.head_dim)
+        q = F.linear(flat, self.q_proj.weight).view(B * S, self.heads, cfg.head_dim)
         q = rope_half(ops.rms_norm(q, self.q_norm.weight, cfg.rms_norm_eps), positions, *rope)
         k, v = self.keys_values(flat, positions, rope)
         _scatter_rows(k_cache, k.view(B, S, *k.shape[1:]), starts)
         _scatter_rows(v_cache, v.view(B, S, *v.shape[1:]), starts)
         o = drafter_attention(q.view(B, S, *q.shape[1:]), k_cache, v_cache, lens_after, max_len,
                               cfg.head_dim ** -0.5)
-        return F.linear(o.reshape(B, S, -1), self.o_proj.weight)
+        return self.par.all_reduce(F.linear(o.reshape(B, S, -1), self.o_proj.weight))
 
 
 class DrafterLayer(nn.Module):
-    def __init__(self, cfg, dtype, device):
+    def __init__(self, cfg, par, dtype, device):
         super().__init__()
         D = cfg.hidden_size
-        self.cfg = cfg
+        _, inter = par.shard(cfg.intermediate_size, "drafter intermediate_size")
+        self.cfg, self.par = cfg, par
         self.input_layernorm = Tensors(weight=_empty((D,), dtype, device))
         self.post_attention_layernorm = Tensors(weight=_empty((D,), dtype, device))
-        self.self_attn = DrafterAttention(cfg, dtype, device)
+        self.self_attn = DrafterAttention(cfg, par, dtype, device)
         self.mlp = nn.Module()
-        self.mlp.gate_up = Tensors(weight=_empty((2 * cfg.intermediate_size, D), dtype, device))
-        self.mlp.down_proj = Tensors(weight=_empty((D, cfg.intermediate_size), dtype, device))
+        self.mlp.gate_up = Tensors(weight=_empty((2 * inter, D), dtype, device))
+        self.mlp.down_proj = Tensors(weight=_empty((D, inter), dtype, device))
 
     def forward(self, h, positions, rope, k_cache, v_cache, starts, lens_after, max_len):
         eps = self.cfg.rms_norm_eps
         h = h + self.self_attn(ops.rms_norm(h, self.input_layernorm.weight, eps), positions, rope, k_cache,
                                v_cache, starts, lens_after, max_len)
         x = ops.rms_norm(h, self.post_attention_layernorm.weight, eps)
-        return h + ops.mlp(x.reshape(-1, x.shape[-1]), self.mlp.gate_up.weight, self.mlp.down_proj.weight).view_as(h)
+        mlp = ops.mlp(x.reshape(-1, x.shape[-1]), self.mlp.gate_up.weight, self.mlp.down_proj.weight)
+        return h + self.par.all_reduce(mlp).view_as(h)
 
 
 class DFlashDrafter(nn.Module):
     """The drafter's own weights (names as in the z-lab checkpoint, gate/up stacked as `mlp.gate_up`); the
     embedding and lm_head come from the target through `bind`."""
 
-    def __init__(self, cfg, dtype=torch.bfloat16, device="cpu"):
+    def __init__(self, cfg, dtype=torch.bfloat16, device="cpu", parallel=None):
         super().__init__()
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.par = parallel or Parallel()
         D, n = cfg.hidden_size, len(cfg.target_layer_ids)
         self.fc = Tensors(weight=_empty((D, n * D), dtype, device))
         self.hidden_norm = Tensors(weight=_empty((D,), dtype, device))
-        self.layers = nn.ModuleList(DrafterLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DrafterLayer(cfg, self.par, dtype, device) for _ in range(cfg.num_hidden_layers))
         self.norm = Tensors(weight=_empty((D,), dtype, device))
         inv_freq, factor = ops.yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq.to(self.device), persistent=False)
@@ -319,11 +328,14 @@ class DFlashDrafter(nn.Module):
     def bind(self, target):
         """Use `target`'s embedding, lm_head and tensor-parallel group (checks that the drafter fits it)."""
         check_drafter_fits(self.cfg, target.cfg)
+        if (self.par.tp_size, self.par.rank) != (target.par.tp_size, target.par.rank):
+            raise ValueError(f"drafter is tensor-parallel rank {self.par.rank} of {self.par.tp_size}, the target rank "
+                             f"{target.par.rank} of {target.par.tp_size}: build it with the target's Parallel")
         object.__setattr__(self, "target", target)  # a reference, not a submodule: its weights are not ours
         return self
 
     def new_cache(self, batch, max_len):
-        return DraftCache.empty(self.cfg, batch, max_len, self.dtype, self.device)
+        return DraftCache.empty(self.cfg, batch, max_len, self.dtype, self.device, self.layers[0].self_attn.kv_heads)
 
     def hf_features(self, features):
         """The features z-lab trains on, HF's hidden_states[i + 1]: the output of decoder layer i, except for

@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from model.parallel import Parallel
 from spec.drafter import DFlashDrafter, DrafterConfig
 
 _IGNORED = ("rotary_emb.inv_freq",)
@@ -49,7 +50,23 @@ def _shard_files(path):
     return [single]
 
 
-def _read_file(file, expected):
+_ROW_SPLIT = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.gate_proj.weight",
+              "mlp.up_proj.weight")
+_COLUMN_SPLIT = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def _rank_index(name, shape, par):
+    """The slice of a full checkpoint tensor this tensor-parallel rank holds (heads and intermediate split)."""
+    if name.endswith(_ROW_SPLIT):
+        start, length = par.shard(shape[0], name)
+        return (slice(start, start + length),)
+    if name.endswith(_COLUMN_SPLIT):
+        start, length = par.shard(shape[1], name)
+        return (slice(None), slice(start, start + length))
+    return (slice(None),)
+
+
+def _read_file(file, expected, par):
     out = {}
     with safe_open(str(file), framework="pt") as f:
         for name in f.keys():
@@ -57,29 +74,31 @@ def _read_file(file, expected):
                 continue
             if name not in expected:
                 raise ValueError(f"drafter checkpoint: unexpected tensor {name!r} in {file.name}")
-            tensor = f.get_tensor(name)
-            if tensor.shape != expected[name]:
-                raise ValueError(f"drafter checkpoint: {name} has shape {tuple(tensor.shape)}, config wants "
+            full = f.get_slice(name)
+            if tuple(full.get_shape()) != tuple(expected[name]):
+                raise ValueError(f"drafter checkpoint: {name} has shape {tuple(full.get_shape())}, config wants "
                                  f"{tuple(expected[name])}")
-            out[name] = tensor
+            out[name] = full[_rank_index(name, expected[name], par)]
     return out
 
 
 def load_drafter(path, target=None, dtype=torch.bfloat16, device="cpu"):
     """Load a z-lab DFlash checkpoint directory; with `target`, check it fits and bind it.
 
-    Every expected tensor must be present with the expected shape; unknown tensors are an error.
+    Every expected tensor must be present with the expected shape; unknown tensors are an error. Under the
+    target's tensor parallelism only this rank's slices are read (heads and the MLP intermediate split).
     """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"drafter checkpoint: {path} is not a directory")
     cfg = DrafterConfig.from_file(path)
-    drafter = DFlashDrafter(cfg, dtype=dtype, device=device)
-    expected = {name: buf.shape for name, buf in checkpoint_tensors(drafter).items()}
+    par = target.par if target is not None else Parallel()
+    drafter = DFlashDrafter(cfg, dtype=dtype, device=device, parallel=par)
+    expected = {name: buf.shape for name, buf in checkpoint_tensors(DFlashDrafter(cfg, dtype, "meta")).items()}
     loaded = {}
     for file in _shard_files(path):
         try:
-            loaded.update(_read_file(file, expected))
+            loaded.update(_read_file(file, expected, par))
         except SafetensorError as err:
             raise ValueError(f"drafter checkpoint: cannot read {file}: {err}") from None
     missing = sorted(set(expected) - set(loaded))

@@ -1,9 +1,12 @@
 """The DFlash drafter against a from-scratch reference of z-lab's forward, its context cache, and its checkpoints."""
 
 import json
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from model.config import preset
@@ -149,3 +152,54 @@ def test_checkpoint_with_wrong_shape_is_refused(tmp_path, target):
     write_drafter_checkpoint(tmp_path, cfg, tensors)
     with pytest.raises(ValueError, match="fc.weight"):
         load_drafter(tmp_path, target)
+
+
+def _draft_of(target, drafter):
+    tokens = torch.arange(3, 12)[None]
+    out = target(tokens, torch.arange(9)[None], target.new_cache(1, 16), hidden_layers=drafter.target_layer_ids)
+    cache = drafter.new_cache(1, 32)
+    drafter.append_context(cache, out.hidden, torch.tensor([9], dtype=torch.int32), [9])
+    return drafter.draft(cache, torch.tensor([5]))
+
+
+def _tp_drafter_rank(rank, port, target_dir, results):
+    from model.checkpoint import load_model
+    from model.parallel import Parallel
+    from spec.default_model import DRAFTER_DIR
+    from spec.drafter_checkpoint import load_drafter
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        target = load_model(target_dir, Parallel.from_process_group(), dtype=torch.float32, progress=False)
+        drafter = load_drafter(DRAFTER_DIR, target, dtype=torch.float32)
+        results[rank] = (drafter.layers[0].self_attn.heads, _draft_of(target, drafter))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_draft_like_one(tmp_path):
+    """The drafter sharded like the target (heads, key/value heads, MLP over two gloo ranks, only each rank's
+    slices read) drafts the single-rank logits."""
+    from model.checkpoint import load_model
+    from spec.default_model import DRAFTER_DIR, write_default
+    from spec.drafter_checkpoint import load_drafter
+    from tests.test_model_vs_hf import _free_port
+
+    target_dir, _ = write_default(tmp_path)
+    target = load_model(target_dir, dtype=torch.float32, progress=False)
+    ref = _draft_of(target, load_drafter(DRAFTER_DIR, target, dtype=torch.float32))
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_tp_drafter_rank, args=(_free_port(), str(target_dir), results), nprocs=2, join=True)
+    for rank in range(2):
+        heads, logits = results[rank]
+        assert heads == 2 and rel_err(logits, ref) < 1e-5
+
+
+def test_drafter_on_another_tp_rank_is_refused(target):
+    from model.parallel import Parallel
+
+    drafter = DFlashDrafter(drafter_config(), dtype=torch.float32, parallel=Parallel(2, 1))
+    with pytest.raises(ValueError, match="tensor-parallel rank 1 of 2"):
+        drafter.bind(target)
