@@ -47,20 +47,28 @@ def _mix32(x):
 
 
 @triton.jit
-def _sort_desc(x, LOGN: tl.constexpr):
-    """Bitonic sort of a [2^LOGN] vector, largest first. Each compare-exchange views x as [outer, 2, inner] and
-    picks the pair's halves with masked sums (exact: one term is non-zero), so it stays vectorised everywhere."""
+def _bitonic_stage(x, s: tl.constexpr, LOGN: tl.constexpr, DESC: tl.constexpr):
+    """Stage s of a bitonic network on a [2^LOGN] vector: sorts blocks of 2^s that hold two opposite sorted
+    halves, block i descending when bit s of its start is DESC's opposite. Each compare-exchange views x as
+    [outer, 2, inner] and picks the pair's halves with masked sums (exact: one term is non-zero)."""
     n: tl.constexpr = 1 << LOGN
     half = tl.arange(0, 2)[None, :, None]  # [1, 2, 1]
+    for u in tl.static_range(0, s):  # partner distance 2^(s-1-u)
+        y = tl.reshape(x, [n >> (s - u), 2, 1 << (s - 1 - u)])
+        a = tl.sum(tl.where(half == 0, y, 0), 1)  # [outer, inner]
+        b = tl.sum(tl.where(half == 1, y, 0), 1)
+        up = ((tl.arange(0, n >> (s - u)) >> u) & 1)[:, None] == DESC  # [outer, 1] block sorted ascending
+        first = tl.where(up, tl.minimum(a, b), tl.maximum(a, b))
+        second = tl.where(up, tl.maximum(a, b), tl.minimum(a, b))
+        x = tl.reshape(tl.where(half == 0, first[:, None, :], second[:, None, :]), [n])
+    return x
+
+
+@triton.jit
+def _sort(x, LOGN: tl.constexpr, DESC: tl.constexpr):
+    """Bitonic sort of a [2^LOGN] vector: descending (DESC = 1) or ascending (0)."""
     for s in tl.static_range(1, LOGN + 1):
-        for u in tl.static_range(0, s):  # partner distance 2^(s-1-u) inside blocks of 2^s
-            y = tl.reshape(x, [n >> (s - u), 2, 1 << (s - 1 - u)])
-            a = tl.sum(tl.where(half == 0, y, 0), 1)  # [outer, inner]
-            b = tl.sum(tl.where(half == 1, y, 0), 1)
-            up = ((tl.arange(0, n >> (s - u)) >> u) & 1)[:, None] == 1  # [outer, 1] blocks sorted ascending
-            first = tl.where(up, tl.minimum(a, b), tl.maximum(a, b))
-            second = tl.where(up, tl.maximum(a, b), tl.minimum(a, b))
-            x = tl.reshape(tl.where(half == 0, first[:, None, :], second[:, None, :]), [n])
+        x = _bitonic_stage(x, s, LOGN, DESC)
     return x
 
 
@@ -308,7 +316,7 @@ def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_
                         N, K, KS, L, W, NP: tl.constexpr, NP1: tl.constexpr, WP: tl.constexpr,
                         ROWS: tl.constexpr, LOG: tl.constexpr):
     """U = the best N nodes of depth <= d, sorted (lanes < NP; position = lane + 1; the root is position 0).
-    Round d adds the depth-d children of U's depth-(d-1) nodes in batches of NP: sort U + batch, keep N.
+    Round d adds the depth-d children of U's depth-(d-1) nodes in batches of NP: sort the batch, merge, keep N.
     Keys order by (score, parent position in the round's U, rank): the heap's order, ties included."""
     b = tl.program_id(0)
     lp_b = lp_ptr + b.to(tl.int64) * L * KS
@@ -316,21 +324,21 @@ def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_
     base = b.to(tl.int64) * (N + 1)
     s_pref = s_int + b.to(tl.int64) * (4 * NP)  # [NP] per parent j: first flat candidate index
     s_ppos = s_pref + NP  # [NP] per parent j: its position
-    s_new = s_ppos + NP  # [2 * NP] old position -> new position; then the sibling sort
+    s_new = s_ppos + NP  # [NP + 1] old position -> new position; then the sibling sort
     s_psc = s_flt + b.to(tl.int64) * NP  # [NP] per parent j: its score
     _init_tree(root_ptr, o_tok, o_par, o_dep, o_fc, o_ns, b, base, N + 1, NP1)
 
-    lane = tl.arange(0, 2 * NP)  # [2NP] lanes < NP: U; lanes >= NP: a batch of candidates
-    in_u = lane < NP
-    dead = tl.full([2 * NP], -2147483648, tl.int64) << 32
-    zero = tl.zeros([2 * NP], tl.int32)
+    lane = tl.arange(0, NP)  # [NP] U, and a batch of candidates
+    two = tl.arange(0, 2)[:, None]  # [2, 1]
+    dead = tl.full([NP], -2147483648, tl.int64) << 32
+    zero = tl.zeros([NP], tl.int32)
     first = lane < K  # depth 1: the root's children by rank, already in pop order
     keys = tl.where(first, _lkey(tl.load(lp_b + lane, mask=first, other=0.0), zero, lane, zero + 1, lane), dead)
     d = tl.full([], 2, tl.int32)
     while d <= L:
         score, ppos, rank, depth, old = _lfields(keys)
-        is_p = in_u & (keys != dead) & (depth == d - 1)
-        j = tl.cumsum(is_p.to(tl.int32), 0) - 1  # [2NP] parent index j among U's depth-(d-1) nodes
+        is_p = (keys != dead) & (depth == d - 1)
+        j = tl.cumsum(is_p.to(tl.int32), 0) - 1  # [NP] parent index j among U's depth-(d-1) nodes
         # child r of parent j has >= (pos_j - 1) + (j + 1)(r + 1) nodes before it: r < (N - pos_j) // (j + 1)
         c = tl.where(is_p, tl.minimum(K, (N - lane - 1) // (tl.maximum(j, 0) + 1)), 0)
         incl = tl.cumsum(c, 0)
@@ -341,8 +349,8 @@ def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_
         tl.store(s_psc + j, score, mask=is_p)
         tl.debug_barrier()
         for f0 in range(0, M, NP):
-            f = f0 + lane - NP
-            fresh = (~in_u) & (f < M)
+            f = f0 + lane
+            fresh = f < M
             lo = zero
             hi = zero + n_p
             for _ in tl.static_range(LOG):  # parent of f: the last j with pref[j] <= f
@@ -355,13 +363,15 @@ def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_
             ps = tl.load(s_psc + lo, mask=fresh, other=0.0)
             pp = tl.load(s_ppos + lo, mask=fresh, other=0)
             lp = tl.load(lp_b + (d - 1) * KS + r, mask=fresh, other=0.0)
-            cand = tl.where(fresh, _lkey(ps + lp, pp, r, zero + d, zero), dead)
-            keys = _sort_desc(tl.where(in_u, keys, cand), LOG + 1)
+            cand = _sort(tl.where(fresh, _lkey(ps + lp, pp, r, zero + d, zero), dead), LOG, 0)  # ascending
+            both = tl.reshape(tl.where(two == 0, keys[None, :], cand[None, :]), [2 * NP])  # U then cand: bitonic
+            both = tl.reshape(_bitonic_stage(both, LOG + 1, LOG + 1, 1), [2, NP])  # merged, descending
+            keys = tl.sum(tl.where(two == 0, both, 0), 0)  # the first NP
             keys = tl.where(lane < N, keys, dead)
         tl.debug_barrier()
         score, ppos, rank, depth, old = _lfields(keys)
-        tl.store(s_new + tl.where(in_u & (keys != dead) & (depth < d), old + 1, 0), lane + 1,
-                 mask=in_u & (keys != dead) & (depth < d))
+        moved = (keys != dead) & (depth < d)
+        tl.store(s_new + tl.where(moved, old + 1, 0), lane + 1, mask=moved)
         tl.store(s_new, 0)
         tl.debug_barrier()
         ppos = tl.load(s_new + ppos, mask=keys != dead, other=0)
@@ -379,10 +389,10 @@ def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_
     tl.store(o_fc + base + ppos, n, mask=live & (rank == 0))
     tl.store(o_num + b, 1 + tl.sum(live.to(tl.int32), 0))
     # next sibling: nodes sorted by (parent, rank) sit next to their siblings in rank order
-    sib = -_sort_desc(-tl.where(live, (ppos << 20) | (rank << 10) | n, 2147483647), LOG + 1)  # [2NP] ascending
+    sib = _sort(tl.where(live, (ppos << 20) | (rank << 10) | n, 2147483647), LOG, 0)  # [NP] ascending
     tl.store(s_new + lane, sib)
     tl.debug_barrier()
-    after = tl.load(s_new + lane + 1, mask=lane + 1 < 2 * NP, other=2147483647)
+    after = tl.load(s_new + lane + 1, mask=lane + 1 < NP, other=2147483647)
     same = (sib != 2147483647) & ((after >> 20) == (sib >> 20))
     tl.store(o_ns + base + (sib & 1023), after & 1023, mask=same)
     tl.debug_barrier()
