@@ -339,8 +339,18 @@ def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_
         score, ppos, rank, depth, old = _lfields(keys)
         is_p = (keys != dead) & (depth == d - 1)
         j = tl.cumsum(is_p.to(tl.int32), 0) - 1  # [NP] parent index j among U's depth-(d-1) nodes
-        # child r of parent j has >= (pos_j - 1) + (j + 1)(r + 1) nodes before it: r < (N - pos_j) // (j + 1)
-        c = tl.where(is_p, tl.minimum(K, (N - lane - 1) // (tl.maximum(j, 0) + 1)), 0)
+        # child r of parent j has >= (pos_j - 1) + (j + 1)(r + 1) nodes before it: r < (N - pos_j) // (j + 1);
+        # and it must score at least as well as U's N-th node (all of U beats it otherwise): a binary search
+        thr = tl.max(tl.where(lane == N - 1, keys, dead), 0) >> 32  # ordered score (lowest if U is not full)
+        lo = zero
+        hi = zero + K
+        for _ in tl.static_range(LOG + 1):  # lo: the first rank whose child scores below thr
+            mid = (lo + hi) >> 1
+            go = is_p & (lo < hi)
+            keep = _ordered(score + tl.load(lp_b + (d - 1) * KS + mid, mask=go, other=0.0)).to(tl.int64) >= thr
+            lo = tl.where(go & keep, mid + 1, lo)
+            hi = tl.where(go & ~keep, mid, hi)
+        c = tl.where(is_p, tl.minimum(lo, (N - lane - 1) // (tl.maximum(j, 0) + 1)), 0)
         incl = tl.cumsum(c, 0)
         n_p = tl.sum(is_p.to(tl.int32), 0)
         M = tl.sum(c, 0)
