@@ -185,3 +185,19 @@ def test_mlp_matches_reference(M, I):
     gate_up = (torch.randn(2 * I, 96, generator=gen) / 10).to(dtype).to(DEV)
     down = (torch.randn(96, I, generator=gen) / 30).to(dtype).to(DEV)
     assert rel_err(mlp(x, gate_up, down), mlp_torch(x, gate_up, down)) < 5e-3
+
+
+@requires_triton
+def test_router_sums_many_k_splits(monkeypatch):
+    """On a GPU one token's logits are split along D over up to 16 programs; force that here."""
+    from triton_kernels import router
+
+    monkeypatch.setattr(router, "_splits", lambda M, E, sms: 7)
+    dtype = kernel_dtypes()[0]
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 1800, generator=gen).to(dtype).to(DEV)
+    w = (torch.randn(40, 1800, generator=gen) / 40).to(dtype).to(DEV)
+    bias = torch.zeros(40).to(DEV)
+    weights, ids = router.route(x, w, bias, 6, 1, 1, 1.0)
+    ref_weights, ref_ids = route_torch(x, w, bias, 6, 1, 1, 1.0)
+    assert torch.equal(ids.cpu(), ref_ids.cpu()) and rel_err(weights, ref_weights) < 1e-4

@@ -36,13 +36,14 @@ def _logits_kernel(x_ptr, w_ptr, part_ptr, M, E, D, d_per_split,
 @triton.jit
 def _select_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, M, E, splits, group_size, n_group, topk_group,
                    top_k, scaling, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
     m = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
-    logits = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    for s in range(splits):
-        logits += tl.load(part_ptr + (s * M + m).to(tl.int64) * E + offs, mask=ok, other=0.0)
+    offs_s = tl.arange(0, BLOCK_S)
+    parts = tl.load(part_ptr + ((offs_s[:, None] * M + m).to(tl.int64) * E + offs[None, :]),
+                    mask=(offs_s < splits)[:, None] & ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_E]: one round trip
+    logits = tl.sum(parts, 0)
     scores = tl.sigmoid(logits)
     choice = tl.where(ok, scores + tl.load(bias_ptr + offs, mask=ok, other=0.0), float("-inf"))
     if n_group > 1:
@@ -75,10 +76,13 @@ def _select_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, M, E, splits, group
     tl.store(weights_ptr + m * top_k + offs_k, chosen * scaling, mask=offs_k < top_k)
 
 
+MAX_SPLITS = 16
+
+
 def _splits(M, E, sms):
-    """K splits so that the logits grid is about one program per SM even for a single token."""
+    """K splits so that the logits grid is about two programs per SM even for a single token."""
     tiles = triton.cdiv(E, BLOCK_E) * triton.cdiv(M, BLOCK_M)
-    return max(1, min(8, sms // tiles))
+    return max(1, min(MAX_SPLITS, 2 * sms // tiles))
 
 
 def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob=True):
@@ -101,5 +105,5 @@ def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm
     _select_kernel[(M,)](part, bias.float().contiguous(), weights, ids, M, E, splits, E // n_group, n_group,
                          topk_group, top_k, float(scaling_factor), NORM=bool(norm_topk_prob),
                          BLOCK_E=triton.next_power_of_2(E), BLOCK_G=triton.next_power_of_2(n_group),
-                         BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)  # reductions stay in one warp
+                         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
     return weights, ids
