@@ -130,7 +130,8 @@ def run_case(L, H, T, ceil, B=1, causal=False, time_torch=True):
     us = graph_time_us(lambda kv: mk.mla_attention(q, kv, lens, mask, SCALE), caches)
     cache_bytes, io_bytes, flops, roof_us = case_costs(L, H, T, B, ceil, causal)
     row = {
-        "L": L, "H": H, "T": T, "B": B, "causal": causal, "rotate": len(caches), "config": list(mk.pick_config(rows)),
+        "L": L, "H": H, "T": T, "B": B, "causal": causal, "rotate": len(caches),
+        "config": list(mk.pick_config(rows)), "splits": default_choice(rows, B, L, mk.num_sms(q.device), mk._arch())[1],
         "rel_err": err, "us": us, "cache_bytes": cache_bytes, "GBps": (cache_bytes + io_bytes) / us / 1e3,
         "TFLOPs": flops / us / 1e6, "roofline_us": roof_us, "x_roofline": us / roof_us,
         "frac_read_bw": (cache_bytes + io_bytes) / us / 1e3 / ceil["read_GBps"],
@@ -157,6 +158,9 @@ def tune_case(row, table=CANDIDATES, direct=True):
             if (direct or splits > 1) and not any(r[:2] == (cfg, splits) for r in runs):
                 half = [q.dtype] if rows <= HALF_PARTIALS_MAX_ROWS and splits > 1 else []
                 runs += [(cfg, splits, per_sm, dt) for dt in [torch.float32] + half]
+    cfg, splits, partials = default_choice(rows, B, L, mk.num_sms(q.device), mk._arch())
+    if cfg in candidates(rows, table) and not any(r[:2] == (cfg, splits) for r in runs):  # the default, always timed
+        runs.append((cfg, splits, "default", getattr(torch, partials)))
     for cfg, splits, per_sm, dt in runs:
         entry = {"config": list(cfg), "splits": splits, "per_sm": per_sm, "partials": str(dt).split(".")[-1]}
         try:
@@ -198,16 +202,21 @@ def markdown(report):
     return "\n".join(lines) + "\n"
 
 
+def default_choice(rows, B, L, sms, arch=90):
+    """(config, splits, partials name) the committed CONFIGS and split rule pick for one case."""
+    entry = mk.entry_for(rows, arch)
+    partials = entry.partials or torch.bfloat16
+    splits = mk.default_splits(entry, rows, B, L, sms, arch, partials.itemsize)
+    return entry.config, splits, str(partials).split(".")[-1]
+
+
 def committed_defaults(report, arch=90):
     """Per case: the config and split count the committed CONFIGS choose, and its time measured in `report`."""
     sms = report.get("sms", 132)  # the H200's 132 SMs (also what the recorded split counts imply)
     for r in report["cases"]:
-        rows = r["T"] * r["H"]
-        cfg = mk.pick_config(rows, arch)
-        base = r["B"] * triton.cdiv(rows, cfg[0]) * (512 // cfg[4])
-        splits = mk.choose_splits(base, r["L"], cfg[1], sms, mk.programs_per_sm(rows, base, arch))
+        cfg, splits, partials = default_choice(r["T"] * r["H"], r["B"], r["L"], sms, arch)
         hits = [t["us"] for t in r.get("tuned", []) if "us" in t and t["config"] == list(cfg) and t["splits"] == splits
-                and t.get("partials", "float32") == str(mk.PARTIALS[arch] or torch.bfloat16).split(".")[-1]]
+                and t.get("partials", "float32") == partials]
         yield r, cfg, splits, hits[0] if hits else None
 
 
@@ -243,13 +252,13 @@ def _warm(job):
     """Compile one kernel variant (run in a worker so compiles overlap; the main process hits Triton's disk cache)."""
     H, cfg, splits, causal, half = job
     try:
-        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else None)
+        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32)
     except Exception as exc:  # recorded; the sweep reports the same failure where it matters
         return f"{job}: {exc}"[:300]
     return None
 
 
-def _run_tiny(H, cfg, splits, causal, partials=None):
+def _run_tiny(H, cfg, splits, causal, partials):
     q = torch.randn(1, 1, H, 576, dtype=torch.bfloat16, device="cuda")
     kv = torch.randn(1, 256, 576, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((1,), 256, dtype=torch.int32, device="cuda")
@@ -263,11 +272,13 @@ def precompile(heads, tree_sizes, tune, workers, prefill=True, table=CANDIDATES)
     jobs = set()
     for H in heads:
         for T in tree_sizes:
+            default = mk.pick_config(T * H)
             cfgs = set(candidates(T * H, table)) if tune else set()
-            for cfg in cfgs | {mk.pick_config(T * H)}:
+            for cfg in cfgs | {default}:
                 jobs |= {(H, cfg, 2, False, False)} | ({(H, cfg, 1, False, False)} if prefill else set())
                 if tune and T * H <= HALF_PARTIALS_MAX_ROWS:
                     jobs.add((H, cfg, 2, False, True))
+            jobs |= {(H, default, 1, False, False), (H, default, 2, False, True)}  # one split, 16-bit partials
     for L, H, T in PREFILL if prefill else ():
         for cfg in (set(candidates(T * H)) if tune else set()) | {mk.pick_config(T * H)}:
             jobs |= {(H, cfg, 1, True, False), (H, cfg, 2, True, False)}

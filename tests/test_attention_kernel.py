@@ -116,6 +116,20 @@ def test_partials_in_the_inputs_dtype(dtype):
         mla_attention(q, kv, cache_lens, mask, SCALE, partials=torch.int32)
 
 
+# (T*H, context, splits) measured fastest on the H200 (bench/results/attention_h200_run4.md), partials as committed
+H200_SPLITS = [(8, 32768, 256), (8, 131072, 264), (64, 32768, 128), (64, 131072, 132), (256, 32768, 33),
+               (512, 32768, 17), (512, 131072, 33), (1024, 32768, 17), (1024, 131072, 33), (2048, 131072, 17),
+               (4096, 32768, 2), (4096, 131072, 2)]
+
+
+@pytest.mark.parametrize("rows,L,splits", H200_SPLITS, ids=[f"R{r}-L{L}" for r, L, _ in H200_SPLITS])
+def test_split_rule_picks_the_h200_winners(rows, L, splits):
+    from triton_kernels.mla_attention import default_splits, entry_for
+
+    entry = entry_for(rows, 90)
+    assert default_splits(entry, rows, 1, L, 132, 90, (entry.partials or torch.bfloat16).itemsize) == splits
+
+
 @requires_triton
 def test_more_splits_than_tiles_leaves_empty_splits_harmless():
     from triton_kernels.mla_attention import mla_attention
@@ -169,7 +183,7 @@ from triton_kernels.mla_attention import CONFIGS, TAIL_STAGES, _mla_split_kernel
 sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "lens_ptr": "*i32", "mask_ptr": "*i32", "out_ptr": "*bf16",
        "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "T": "i32", "rows_kb": "i32", "sm_scale_log2": "fp32"}
 causal, arch = sys.argv[1] == "causal", int(sys.argv[2])
-configs = [tuple(c) for c in json.loads(sys.argv[3])] if len(sys.argv) > 3 else [c for _, c, _ in CONFIGS[arch]]
+configs = [tuple(c) for c in json.loads(sys.argv[3])] if len(sys.argv) > 3 else [e.config for e in CONFIGS[arch]]
 report = []
 for block_m, block_n, warps, stages, block_dv, unchain in configs:
     res = compile_for(_mla_split_kernel, sig,

@@ -9,7 +9,10 @@ rule. With one split the kernel writes the output; otherwise it writes per-split
 `_merge_kernel` combines them. See the attention section of triton_kernels/README.md for the derivations.
 """
 
+import functools
+import heapq
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -19,29 +22,37 @@ D_LAT = 512  # value dim: the latent c
 D_PE = 64  # rope part of an entry
 ENTRY = D_LAT + D_PE
 
-# Configs as data, per arch (compute capability major*10+minor). Entry: (max query rows R = T*H, config,
-# programs per SM); the first entry whose max rows >= R is used (None = any). config = (BLOCK_M, BLOCK_N,
-# warps, stages, BLOCK_DV, UNCHAIN); BLOCK_DV 256 splits the values over two programs per query tile, UNCHAIN
-# computes QK^T once per program instead of once per warpgroup (see _softmax_step); both are tuning options.
-# Programs per SM: [(max base, n)], base = B x query tiles x value halves; the split count aims at n programs
-# per SM, rounded up.
+class Entry(NamedTuple):
+    """One row of CONFIGS: a config for query blocks of up to max_rows rows, and its split-count cost model."""
+
+    max_rows: int | None  # R = T*H up to this (None: any); the first entry that fits is used
+    config: tuple  # (BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)
+    slots: int  # programs resident per SM (shared memory, registers)
+    tile_us: float  # a program's time per KV tile (fitted to H200 timings; on sm_120 a guess)
+    program_us: float  # a program's fixed time: prologue, partial store, masked tail
+    partials: torch.dtype | None  # dtype of the per-split outputs (None: q's)
+
+
+# Configs as data, per arch (compute capability major*10+minor). config = (BLOCK_M, BLOCK_N, warps, stages,
+# BLOCK_DV, UNCHAIN); BLOCK_DV 256 splits the values over two programs per query tile, UNCHAIN computes QK^T once
+# per program instead of once per warpgroup (see _softmax_step); both are tuning options. The split count is the
+# candidate (SPLIT_PER_SLOT programs per slot) with the least modelled time (split_cost).
 CONFIGS = {
-    90: [  # the fastest measured on the H200, cache cold, CUDA graph (bench/results/attention_h200.md)
-        (16, (16, 32, 4, 3, 512, False), [(None, 2)]),  # 93 KB of shared memory: two programs per SM
-        (None, (64, 64, 8, 2, 512, False), [(4, 1), (8, 2), (None, 4)]),  # 221 KB: one per SM, whole waves
+    90: [  # the fastest measured on the H200, cache cold, CUDA graph (bench/results/attention_h200_run4.md)
+        Entry(16, (16, 32, 4, 3, 512, False), 2, 1.28, 10.0, None),  # 93 KB of shared memory, mma.sync
+        Entry(64, (64, 64, 8, 2, 512, True), 1, 3.2, 10.0, None),  # 229 KB: one per SM, wgmma
+        Entry(None, (64, 64, 8, 2, 512, True), 1, 3.2, 10.0, torch.float32),
     ],
     120: [  # compile-checked only (tests/test_attention_kernel.py): fit 101,376 bytes, no spills; untimed
-        (16, (16, 32, 4, 2, 512, False), [(None, 1)]),
-        (None, (32, 32, 8, 2, 512, False), [(None, 1)]),
+        Entry(16, (16, 32, 4, 2, 512, False), 1, 1.28, 10.0, torch.float32),
+        Entry(None, (32, 32, 8, 2, 512, False), 1, 1.6, 10.0, torch.float32),
     ],
 }
+SPLIT_PER_SLOT = (0.5, 1, 2, 4)  # split-count candidates: this many programs per resident slot of the GPU
+MERGE_COST = {90: (4.0, 0.5), 120: (4.0, 0.5)}  # merge: us per launch, us per MB of partials (written + read)
 # Pipeline stages of the masked tail loop (a few tiles): on sm_90 one, which frees the shared memory of a
 # second pipeline for larger tiles; on sm_120 (mma.sync) the pipelined tail uses less shared memory.
 TAIL_STAGES = {90: 1, 120: None}  # None: the config's stages
-# dtype of the per-split outputs o_s, per arch. Each o_s is a convex combination of cache values, so q's dtype
-# (that of the cache) holds it without overflow; fp32 keeps the measured accuracy, 16 bits halve the traffic.
-# None: q's dtype.
-PARTIALS = {90: torch.float32, 120: torch.float32}
 MERGE_MAX_SPLITS_BLOCK = 256  # splits combined per step of the merge (one step up to this many)
 MERGE_ELEMENTS = 8192  # partial values per merge program and step: BLOCK_S x BLOCK_D
 MIN_TILES_PER_SPLIT = 4  # a split reads at least this many KV tiles
@@ -225,33 +236,57 @@ def _arch():
     return 120 if major >= 12 else 90
 
 
-def _entry(rows, arch):
-    for max_rows, cfg, per_sm in CONFIGS[arch if arch is not None else _arch()]:
-        if max_rows is None or rows <= max_rows:
-            return cfg, per_sm
+def entry_for(rows, arch=None):
+    """The CONFIGS entry used for a query block of `rows` = T*H rows on `arch` (None: this machine's)."""
+    for entry in CONFIGS[arch if arch is not None else _arch()]:
+        if entry.max_rows is None or rows <= entry.max_rows:
+            return entry
     raise ValueError(f"no attention config for {rows} rows")
 
 
 def pick_config(rows, arch=None):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, BLOCK_DV, UNCHAIN) for a query block of `rows` = T*H rows on `arch`."""
-    return _entry(rows, arch)[0]
-
-
-def programs_per_sm(rows, base, arch=None):
-    """Programs per SM the split count aims at, for `rows` query rows and `base` programs per split."""
-    return next(n for max_base, n in _entry(rows, arch)[1] if max_base is None or base <= max_base)
+    return entry_for(rows, arch).config
 
 
 def num_sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def choose_splits(base, max_len, block_n, sms, per_sm):
-    """Splits per sequence: about per_sm programs per SM over `sms` SMs with `base` programs per split, each
-    split reading at least MIN_TILES_PER_SPLIT tiles of the max_len-entry cache."""
-    want = math.ceil(per_sm * sms / base)
+def choose_splits(base, max_len, block_n, slots, per_slot):
+    """Splits per sequence: about per_slot programs per slot over `slots` resident programs with `base` programs
+    per split, each split reading at least MIN_TILES_PER_SPLIT tiles of the max_len-entry cache."""
+    want = math.ceil(per_slot * slots / base)
     cap = max(1, triton.cdiv(max_len, block_n * MIN_TILES_PER_SPLIT))
     return max(1, min(want, cap))
+
+
+def split_cost(splits, base, max_len, entry, slots, partial_bytes, merge_cost):
+    """Modelled time (us) with `splits` splits: the split kernel's programs (`base` per split, each tile_us per KV
+    tile of its split + program_us, in launch order) list-scheduled over `slots`, plus the merge of
+    `partial_bytes` per split."""
+    block_n = entry.config[1]
+    split_len = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n  # the kernel's rule
+    tiles = [triton.cdiv(max(0, min(max_len, (s + 1) * split_len) - s * split_len), block_n) for s in range(splits)]
+    free = [0.0] * slots  # heap of the times the slots become free
+    for s in range(splits):
+        for _ in range(base):
+            heapq.heappush(free, heapq.heappop(free) + entry.tile_us * tiles[s] + entry.program_us)
+    merge = merge_cost[0] + merge_cost[1] * splits * partial_bytes / 1e6 if splits > 1 else 0.0
+    return max(free) + merge
+
+
+@functools.lru_cache(maxsize=4096)
+def default_splits(entry, rows, B, max_len, sms, arch, value_bytes):
+    """The split count of the least modelled time among SPLIT_PER_SLOT's candidates with `entry` (of CONFIGS), for B
+    sequences of `rows` query rows over a max_len-entry cache on `sms` SMs of `arch` (partials: value_bytes a value)."""
+    block_m, block_n, _, _, block_dv, _ = entry.config
+    grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
+    slots = sms * entry.slots
+    counts = {choose_splits(B * grid_m, max_len, block_n, slots, n) for n in SPLIT_PER_SLOT}
+    part_bytes = B * rows * D_LAT * value_bytes
+    return min(sorted(counts), key=lambda s: split_cost(s, B * grid_m, max_len, entry, slots, part_bytes,
+                                                        MERGE_COST[arch]))
 
 
 def _check(q, kv_cache, value_dim):
@@ -278,23 +313,25 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     _check(q, kv_cache, value_dim)
     B, T, H, _ = q.shape
     rows = T * H
-    block_m, block_n, warps, stages, block_dv, unchain = config or pick_config(rows)
-    tail_stages = TAIL_STAGES[_arch()] or stages
+    arch = _arch()
+    entry = entry_for(rows, arch)
+    block_m, block_n, warps, stages, block_dv, unchain = config or entry.config
+    tail_stages = TAIL_STAGES[arch] or stages
     if block_dv not in (256, 512):
         raise ValueError(f"mla_attention (triton): BLOCK_DV must be 256 or 512, got {block_dv}")
     if partials not in (None, torch.float32, q.dtype):
         raise ValueError(f"mla_attention (triton): partials must be torch.float32 or q's {q.dtype}, got {partials}")
-    grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
+    partials = partials or entry.partials or q.dtype
     if num_splits is None:
-        per_sm = programs_per_sm(rows, B * grid_m)
-        num_splits = choose_splits(B * grid_m, kv_cache.shape[1], block_n, num_sms(q.device), per_sm)
+        num_splits = default_splits(entry._replace(config=(block_m, block_n, warps, stages, block_dv, unchain)), rows,
+                                    B, kv_cache.shape[1], num_sms(q.device), arch, partials.itemsize)
+    grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
     out = torch.empty(B, T, H, D_LAT, dtype=q.dtype, device=q.device)
     direct = num_splits == 1
     if direct:
         o_part = lse_part = out
     else:
-        o_part = torch.empty(B, num_splits, rows, D_LAT, dtype=partials or PARTIALS[_arch()] or q.dtype,
-                             device=q.device)
+        o_part = torch.empty(B, num_splits, rows, D_LAT, dtype=partials, device=q.device)
         lse_part = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q.device)
     causal = tree_mask is None
     mask = cache_lens if causal else tree_mask.contiguous()
