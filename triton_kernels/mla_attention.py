@@ -50,6 +50,8 @@ CONFIGS = {
 }
 SPLIT_PER_SLOT = (0.5, 1, 2, 4)  # split-count candidates: this many programs per resident slot of the GPU
 MERGE_COST = {90: (4.0, 0.5), 120: (4.0, 0.5)}  # merge: us per launch, us per MB of partials (written + read)
+# Lazy rescale threshold per arch (log2 units; 0: rescale the accumulator at every tile, as measured so far).
+RESCALE_TAU = {90: 0.0, 120: 0.0}
 # Pipeline stages of the masked tail loop (a few tiles): on sm_90 one, which frees the shared memory of a
 # second pipeline for larger tiles; on sm_120 (mma.sync) the pipelined tail uses less shared memory.
 TAIL_STAGES = {90: 1, 120: None}  # None: the config's stages
@@ -87,13 +89,37 @@ def _probs(s, m_i, l_i, dtype: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(s, v, m_i, l_i, acc, live, UNCHAIN: tl.constexpr):
+def _lazy_probs(s, m_i, l_i, acc, dtype: tl.constexpr, TAU: tl.constexpr):
+    """Online-softmax update that moves the running max (rescaling acc and the sum) only when some row's max grew
+    by more than TAU (log2 units), so p <= 2^TAU and most tiles skip the [BM, DV] rescale: (max, sum, p, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BM]
+    if tl.max(m_new - m_i, 0) > TAU:  # every row moves together: afterwards s - m_i <= TAU for all rows
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    p = tl.exp2(s - m_i[:, None])  # [BM, BN], at most 2^TAU
+    return m_i, l_i + tl.sum(p, 1), p.to(dtype), acc
+
+
+@triton.jit
+def _softmax_step(s, v, m_i, l_i, acc, live, UNCHAIN: tl.constexpr, TAU: tl.constexpr):
     """Online-softmax step with a tile of log2-domain scores s [BM, BN] and its values v [BN, DV].
 
     UNCHAIN: the softmax runs under `if live` (always true at run time), a branch Triton's layout choice does
     not look through, so QK^T is not a chained dot: its warps split S's columns (each warpgroup computes its
     half once) instead of every warpgroup computing the whole S (see triton_kernels/README.md).
+    TAU > 0: lazy rescale (_lazy_probs); 0: rescale at every tile.
     """
+    if TAU > 0:
+        if UNCHAIN:
+            if live:
+                m_i, l_i, p, acc = _lazy_probs(s, m_i, l_i, acc, v.dtype, TAU)
+            else:
+                p = s.to(v.dtype)
+        else:
+            m_i, l_i, p, acc = _lazy_probs(s, m_i, l_i, acc, v.dtype, TAU)
+        return m_i, l_i, tl.dot(p, v, acc)  # [BM, DV]
     if UNCHAIN:
         if live:
             m_new, l_i, p, alpha = _probs(s, m_i, l_i, v.dtype)
@@ -111,7 +137,7 @@ def _mla_split_kernel(
     T, rows_kb, sm_scale_log2,
     H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DO: tl.constexpr,
-    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr,
+    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, TAU: tl.constexpr,
 ):
     SPLIT_V: tl.constexpr = BLOCK_DV < 512  # NV programs per query tile, each owning BLOCK_DV value columns
     NV: tl.constexpr = 512 // BLOCK_DV
@@ -157,7 +183,7 @@ def _mla_split_kernel(
         offs_n = start + i * BLOCK_N + offs_tile  # [BN]
         s, v = _scores(q_own, q_other, q_pe, kv_base, offs_n, n_all, offs_own, offs_other, offs_pe, sm_scale_log2,
                        SPLIT_V, UNCHAIN)
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN, TAU)
     for j0 in tl.range(start + n_full * BLOCK_N, end, BLOCK_N, num_stages=TAIL_STAGES):  # the last few tiles
         offs_n = j0 + offs_tile  # [BN]
         n_ok = offs_n < end
@@ -174,7 +200,7 @@ def _mla_split_kernel(
             seen = ((words >> (node_c % 32)[None, :]) & 1) != 0
         visible = n_ok[None, :] & (~in_tree[None, :] | seen)
         s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN, TAU)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [BM, DV]
     if DIRECT:
@@ -303,12 +329,13 @@ def _check(q, kv_cache, value_dim):
 
 
 def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, num_splits=None, config=None,
-                  partials=None):
+                  partials=None, rescale_tau=None):
     """Triton twin of ops.mla_attention: q [B, T, H, 576], kv_cache [B, L_max, 576], cache_lens [B] int32,
     tree_mask [B, T, ceil(T/32)] int32 or None (causal), -> [B, T, H, 512] in q's dtype.
 
-    num_splits (splits per sequence), config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)) and
-    partials (dtype of the per-split outputs: torch.float32 or q.dtype) override the defaults.
+    num_splits (splits per sequence), config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)), partials
+    (dtype of the per-split outputs: torch.float32 or q.dtype) and rescale_tau (lazy rescale threshold in log2
+    units, 0 = off) override the defaults.
     """
     _check(q, kv_cache, value_dim)
     B, T, H, _ = q.shape
@@ -340,6 +367,7 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         T, kv_cache.stride(0) // ENTRY, scale * 1.4426950408889634,
         H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv,
         BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16, TAIL_STAGES=tail_stages, UNCHAIN=unchain,
+        TAU=float(RESCALE_TAU[arch] if rescale_tau is None else rescale_tau),
         num_warps=warps, num_stages=stages,
     )
     if not direct:
