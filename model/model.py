@@ -86,17 +86,17 @@ class Attention(nn.Module):
         q_nope, q_pe, ckv = self.project(x)
         ops.write_latent(kv, ckv, self.kv_a_layernorm.weight, cfg.latent_norm_eps, meta.positions, self.inv_freq,
                          self.rope_factor, meta.starts)
-        q_pe = ops.apply_rope(q_pe, meta.positions, self.inv_freq, self.rope_factor)
         w_kv = self.kv_b_proj.weight.view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w_kv[:, : cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim :]
         if self.naive:
+            q_pe = ops.apply_rope(q_pe, meta.positions, self.inv_freq, self.rope_factor)
             o_lat = naive_latent_attention(q_nope, q_pe, w_uk, kv, meta, cfg.softmax_scale, cfg.kv_lora_rank)
         else:
-            q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
-            q = torch.cat([q_lat, q_pe], -1).view(meta.B, meta.T, self.heads, cfg.cache_entry_dim)
-            o_lat = ops.mla_attention(q, kv, meta.lens_after, meta.tree_mask, cfg.softmax_scale, cfg.kv_lora_rank)
-        o = torch.einsum("nhc,hdc->nhd", o_lat.reshape(N, self.heads, cfg.kv_lora_rank), w_uv)
-        return F.linear(o.reshape(N, -1), self.o_proj.weight)
+            q = ops.absorb_query(q_nope, q_pe, w_uk, meta.positions, self.inv_freq, self.rope_factor)
+            o_lat = ops.mla_attention(q.view(meta.B, meta.T, self.heads, cfg.cache_entry_dim), kv, meta.lens_after,
+                                      meta.tree_mask, cfg.softmax_scale, cfg.kv_lora_rank)
+        o = ops.absorb_output(o_lat.reshape(N, self.heads, cfg.kv_lora_rank), w_uv)
+        return F.linear(o, self.o_proj.weight)
 
 
 def naive_latent_attention(q_nope, q_pe, w_uk, kv, meta, scale, rank):

@@ -107,6 +107,7 @@ def test_router_matches_reference(M, E, D, top_k, n_group, topk_group, norm):
 
 def sm120_resources():
     """Resources of each glue kernel compiled for sm_120 (needs real @triton.jit objects: no interpreter)."""
+    from triton_kernels.absorb import _absorb_output_kernel, _absorb_query_kernel
     from triton_kernels.aot import compile_for
     from triton_kernels.glue import _rms_norm_kernel, _rope_kernel
     from triton_kernels.router import BLOCK_D, BLOCK_E, BLOCK_M, _logits_kernel
@@ -120,6 +121,14 @@ def sm120_resources():
         compile_for(_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", M="i32", E="i32", D="i32",
                                          d_per_split="i32"), dict(BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D),
                     num_stages=3, aligned=True),
+        compile_for(_absorb_query_kernel, dict(qn_ptr="*bf16", qp_ptr="*bf16", w_ptr="*bf16", pos_ptr="*i64",
+                                               freq_ptr="*fp32", out_ptr="*bf16", N="i32", H="i32", stride_qn="i32",
+                                               stride_qnh="i32", stride_qp="i32", stride_qph="i32", stride_wh="i32",
+                                               stride_wd="i32", factor="fp32"),
+                    dict(DN=128, R=512, HALF=32, BLOCK_N=64, BLOCK_C=64), aligned=True),
+        compile_for(_absorb_output_kernel, dict(o_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", N="i32", H="i32",
+                                                stride_on="i32", stride_oh="i32", stride_wh="i32", stride_wd="i32"),
+                    dict(R=512, DV=128, BLOCK_N=64, BLOCK_D=32, BLOCK_K=128), aligned=True),
     ]
 
 
@@ -201,3 +210,35 @@ def test_router_sums_many_k_splits(monkeypatch):
     weights, ids = router.route(x, w, bias, 6, 1, 1, 1.0)
     ref_weights, ref_ids = route_torch(x, w, bias, 6, 1, 1, 1.0)
     assert torch.equal(ids.cpu(), ref_ids.cpu()) and rel_err(weights, ref_weights) < 1e-4
+
+
+@requires_triton
+@pytest.mark.parametrize("N,H,dn,R", [(1, 8, 128, 512), (19, 4, 32, 512), (70, 2, 32, 128)])
+def test_absorb_query_matches_reference(N, H, dn, R):
+    from ops.absorb import absorb_query_torch
+    from triton_kernels.absorb import absorb_query
+
+    dtype = kernel_dtypes()[0]
+    gen = torch.Generator().manual_seed(N + R)
+    q = torch.randn(N, H, dn + 64, generator=gen).to(dtype).to(DEV)  # q_nope and q_pe are views, as in the model
+    w_kv = (torch.randn(H, dn + 32, R, generator=gen) / dn ** 0.5).to(dtype).to(DEV)
+    positions = torch.randint(0, 150000, (N,), generator=gen).to(DEV)
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)).to(DEV)
+    args = (q[..., :dn], q[..., dn:], w_kv[:, :dn], positions, inv_freq, 1.2)
+    out, ref = absorb_query(*args), absorb_query_torch(*args)
+    assert out.shape == (N, H, R + 64)
+    assert rel_err(out[..., :R], ref[..., :R]) < 5e-3 and rel_err(out[..., R:], ref[..., R:]) < 5e-3
+
+
+@requires_triton
+@pytest.mark.parametrize("N,H,dv,R", [(1, 8, 128, 512), (19, 4, 32, 512), (70, 2, 64, 256)])
+def test_absorb_output_matches_reference(N, H, dv, R):
+    from ops.absorb import absorb_output_torch
+    from triton_kernels.absorb import absorb_output
+
+    dtype = kernel_dtypes()[0]
+    gen = torch.Generator().manual_seed(N + dv)
+    o_lat = torch.randn(N, H, R, generator=gen).to(dtype).to(DEV)
+    w_kv = (torch.randn(H, 16 + dv, R, generator=gen) / R ** 0.5).to(dtype).to(DEV)
+    out, ref = absorb_output(o_lat, w_kv[:, 16:]), absorb_output_torch(o_lat, w_kv[:, 16:])
+    assert out.shape == (N, H * dv) and rel_err(out, ref) < 5e-3

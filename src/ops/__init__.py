@@ -3,6 +3,7 @@
 The model calls only these functions; `ops.use(...)` / `--kernels` / SPEC_KERNELS choose torch or Triton per op.
 """
 
+from ops.absorb import absorb_output, absorb_query
 from ops._backend import current, dispatch, has_triton, op_names, table, use, use_spec, using
 from ops.attention import causal_tree_mask, mla_attention, pack_tree_mask, tree_mask_dense, write_kv
 from ops.latent import write_latent
@@ -16,8 +17,9 @@ from ops import _backend
 _backend.apply_env()
 
 __all__ = [
-    "add_rms_norm", "apply_rope", "causal_tree_mask", "current", "dispatch", "has_triton", "mla_attention", "mlp",
-    "moe", "op_names", "pack_int4", "pack_tree_mask", "PackedExperts", "prepare_moe", "rms_norm", "route", "table",
-    "tree_mask_dense", "unpack_int4", "use", "use_spec", "using", "write_kv", "write_latent", "yarn_inv_freq",
-    "yarn_mscale", "Tree", "accept", "build_tree", "compact", "draft_topk",
+    "absorb_output", "absorb_query", "add_rms_norm", "apply_rope", "causal_tree_mask", "current", "dispatch",
+    "has_triton", "mla_attention", "mlp", "moe", "op_names", "pack_int4", "pack_tree_mask", "PackedExperts",
+    "prepare_moe", "rms_norm", "route", "table", "tree_mask_dense", "unpack_int4", "use", "use_spec", "using",
+    "write_kv", "write_latent", "yarn_inv_freq", "yarn_mscale", "Tree", "accept", "build_tree", "compact",
+    "draft_topk",
 ]

@@ -1,0 +1,89 @@
+"""MLA's absorbed projections as Triton kernels (`ops.absorb`): per-head skinny GEMMs that cuBLAS runs as batched
+GEMMs of a few rows (4.5-6.5 us each at one token on an H200 for 1 MB of weights), with the query's RoPE and the
+[latent ; rope] concatenation folded into the query kernel and the head-major output written in place."""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _absorb_query_kernel(qn_ptr, qp_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, N, H, stride_qn, stride_qnh,
+                         stride_qp, stride_qph, stride_wh, stride_wd, factor, DN: tl.constexpr, R: tl.constexpr,
+                         HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    h, pid_c, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (offs_n < N)[:, None]
+    rows = offs_n[:, None].to(tl.int64)
+    offs_d = tl.arange(0, DN)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    q = tl.load(qn_ptr + rows * stride_qn + h * stride_qnh + offs_d[None, :], mask=n_ok, other=0.0)  # [BN, DN]
+    w = tl.load(w_ptr + h * stride_wh + offs_d[:, None] * stride_wd + offs_c[None, :])  # [DN, BC]
+    out_row = out_ptr + rows * H * (R + 2 * HALF) + h * (R + 2 * HALF)  # [BN, 1]
+    ty = out_ptr.dtype.element_ty
+    tl.store(out_row + offs_c[None, :], tl.dot(q, w).to(ty), mask=n_ok)
+    if pid_c == 0:  # the rope part of the same rows: interleaved pairs turned by position * inv_freq
+        offs_i = tl.arange(0, HALF)
+        pos = tl.load(pos_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
+        angle = pos[:, None] * tl.load(freq_ptr + offs_i)[None, :]  # [BN, HALF]
+        cos, sin = tl.cos(angle) * factor, tl.sin(angle) * factor
+        src = qp_ptr + rows * stride_qp + h * stride_qph + 2 * offs_i[None, :]
+        even = tl.load(src, mask=n_ok, other=0.0).to(tl.float32)
+        odd = tl.load(src + 1, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_row + R + 2 * offs_i[None, :], (even * cos - odd * sin).to(ty), mask=n_ok)
+        tl.store(out_row + R + 2 * offs_i[None, :] + 1, (odd * cos + even * sin).to(ty), mask=n_ok)
+
+
+@triton.jit
+def _absorb_output_kernel(o_ptr, w_ptr, out_ptr, N, H, stride_on, stride_oh, stride_wh, stride_wd,
+                          R: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    h, pid_d, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (offs_n < N)[:, None]
+    rows = offs_n[:, None].to(tl.int64)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    for k in range(0, R, BLOCK_K):
+        o = tl.load(o_ptr + rows * stride_on + h * stride_oh + k + offs_k[None, :], mask=n_ok, other=0.0)  # [BN, BK]
+        w = tl.load(w_ptr + h * stride_wh + offs_d[None, :] * stride_wd + k + offs_k[:, None])  # [BK, BD]
+        acc = tl.dot(o, w, acc)
+    tl.store(out_ptr + rows * H * DV + h * DV + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _block_n(N):
+    return 16 if N <= 16 else 64
+
+
+def absorb_query(q_nope, q_pe, w_uk, positions, inv_freq, attention_factor):
+    """See `ops.absorb.absorb_query`. q_nope [N, H, dn], q_pe [N, H, dr] (last dims contiguous); w_uk [H, dn, R]
+    (last dim contiguous). dn, R/64 and dr/2 must be powers of two (128, 512, 32 for K2.6)."""
+    N, H, dn = q_nope.shape
+    R, half = w_uk.shape[2], q_pe.shape[2] // 2
+    if q_nope.stride(2) != 1 or q_pe.stride(2) != 1 or w_uk.stride(2) != 1 or R % 64:
+        raise ValueError("absorb_query (triton): last dims must be contiguous and R a multiple of 64")
+    out = torch.empty(N, H, R + 2 * half, dtype=q_nope.dtype, device=q_nope.device)
+    if N:
+        block_n = _block_n(N)
+        _absorb_query_kernel[(H, R // 64, triton.cdiv(N, block_n))](
+            q_nope, q_pe, w_uk, positions, inv_freq.float().contiguous(), out, N, H, q_nope.stride(0),
+            q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), w_uk.stride(0), w_uk.stride(1),
+            float(attention_factor), DN=dn, R=R, HALF=half, BLOCK_N=block_n, BLOCK_C=64)
+    return out
+
+
+def absorb_output(o_lat, w_uv):
+    """See `ops.absorb.absorb_output`. o_lat [N, H, R] and w_uv [H, dv, R] with contiguous last dims; R a multiple
+    of 128 and dv of 32."""
+    N, H, R = o_lat.shape
+    dv = w_uv.shape[1]
+    if o_lat.stride(2) != 1 or w_uv.stride(2) != 1 or R % 128 or dv % 32:
+        raise ValueError("absorb_output (triton): last dims must be contiguous, R a multiple of 128, dv of 32")
+    out = torch.empty(N, H * dv, dtype=o_lat.dtype, device=o_lat.device)
+    if N:
+        block_n = _block_n(N)
+        _absorb_output_kernel[(H, dv // 32, triton.cdiv(N, block_n))](
+            o_lat, w_uv, out, N, H, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1),
+            R=R, DV=dv, BLOCK_N=block_n, BLOCK_D=32, BLOCK_K=128, num_stages=2)
+    return out
