@@ -3,7 +3,8 @@
 Standalone: `python bench/bench_attention.py --out DIR [--tune] [--quick]` measures the ceilings (HBM read
 bandwidth: a sum over 4 GiB; bf16 matmul rate: 8192^3) and the sweep T x context x H at B=1, checks each
 case against the fp32 reference, and writes attention.json + attention.md. --tune also times candidate
-configs and split counts per case. As a pytest-benchmark sweep: `pytest bench/bench_attention.py` (GPU only).
+configs and split counts per case; --focus a short tune at 32k/128k; --round2 the round-2 options (lazy rescale,
+all split counts, bf16 partials, small configs) beside the default. As a pytest-benchmark sweep: `pytest bench/bench_attention.py` (GPU only).
 
 Each case captures one CUDA graph of R launches over R different caches (R * cache >= 256 MiB, so every
 launch finds its cache cold in L2, as the model's layers would) and reports graph time / R.
@@ -45,6 +46,8 @@ FOCUS = {  # --focus: the measured defaults beside the unchained configs (a shor
     None: [(64, 64, 8, 2, 512, False), (64, 64, 8, 2, 512, True), (64, 32, 8, 3, 512, True)],
 }
 PER_SM = (0.5, 1, 2, 4)  # programs per SM (split counts) tried by --tune
+LAZY_TAU = 8.0  # --round2: lazy rescale threshold timed (log2 units)
+ROUND2_SMALL = [(16, 32, 4, 3, 512, False), (32, 32, 4, 2, 512, False)]  # --round2: mma.sync configs, 16 < T*H <= 64
 HALF_PARTIALS_MAX_ROWS = 64  # --tune also times bf16 per-split outputs where T*H is at most this (merge-heavy cases)
 
 
@@ -142,33 +145,59 @@ def run_case(L, H, T, ceil, B=1, causal=False, time_torch=True):
     return row
 
 
-def tune_case(row, table=CANDIDATES, direct=True):
-    """Time every candidate config at each PER_SM (programs per SM: split counts; one split only if direct) for one
-    measured case, also with bf16 partials where T*H <= HALF_PARTIALS_MAX_ROWS, and check each against the fp32
-    reference."""
-    L, H, T, B, rows = row["L"], row["H"], row["T"], row["B"], row["T"] * row["H"]
-    q, caches, lens, mask = make_inputs(L, H, T, B, causal=row["causal"])
-    ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE).double()
-    results = []
-    runs = []  # (config, splits, per_sm, partials)
+def focus_runs(row, sms, table=CANDIDATES, direct=True):
+    """(label, config, splits, partials, rescale_tau) of every candidate config at each PER_SM (programs per SM; one
+    split only if direct), also with bf16 partials where T*H <= HALF_PARTIALS_MAX_ROWS, and the committed default."""
+    L, B, rows = row["L"], row["B"], row["T"] * row["H"]
+    runs = []
     for cfg in candidates(rows, table):
         base = B * triton.cdiv(rows, cfg[0]) * (512 // cfg[4])
         for per_sm in PER_SM:
-            splits = mk.choose_splits(base, L, cfg[1], mk.num_sms(q.device), per_sm)
-            if (direct or splits > 1) and not any(r[:2] == (cfg, splits) for r in runs):
-                half = [q.dtype] if rows <= HALF_PARTIALS_MAX_ROWS and splits > 1 else []
-                runs += [(cfg, splits, per_sm, dt) for dt in [torch.float32] + half]
-    cfg, splits, partials = default_choice(rows, B, L, mk.num_sms(q.device), mk._arch())
-    if cfg in candidates(rows, table) and not any(r[:2] == (cfg, splits) for r in runs):  # the default, always timed
-        runs.append((cfg, splits, "default", getattr(torch, partials)))
-    for cfg, splits, per_sm, dt in runs:
-        entry = {"config": list(cfg), "splits": splits, "per_sm": per_sm, "partials": str(dt).split(".")[-1]}
+            splits = mk.choose_splits(base, L, cfg[1], sms, per_sm)
+            if (direct or splits > 1) and not any(r[1:3] == (cfg, splits) for r in runs):
+                half = [torch.bfloat16] if rows <= HALF_PARTIALS_MAX_ROWS and splits > 1 else []
+                runs += [(per_sm, cfg, splits, dt, 0.0) for dt in [torch.float32] + half]
+    cfg, splits, partials = default_choice(rows, B, L, sms)
+    if cfg in candidates(rows, table) and not any(r[1:3] == (cfg, splits) for r in runs):  # the default, always timed
+        runs.append(("default", cfg, splits, getattr(torch, partials), 0.0))
+    return runs
+
+
+def round2_runs(row, sms):
+    """Round-2 candidates: the committed default, with lazy rescale (LAZY_TAU), with the model's split count over all
+    counts, with bf16 partials (T*H > 64), and the ROUND2_SMALL configs where T*H <= 64."""
+    L, B, rows = row["L"], row["B"], row["T"] * row["H"]
+    cfg, splits, partials = default_choice(rows, B, L, sms)
+    entry = mk.entry_for(rows, 90)
+    dt = getattr(torch, partials)
+    every = mk.default_splits(entry, rows, B, L, sms, 90, dt.itemsize, every=True)
+    runs = [("default", cfg, splits, dt, 0.0), ("lazy", cfg, splits, dt, LAZY_TAU)]
+    if every != splits:
+        runs += [("all-S", cfg, every, dt, 0.0), ("all-S lazy", cfg, every, dt, LAZY_TAU)]
+    if dt != torch.bfloat16 and splits > 1:
+        runs += [("bf16", cfg, splits, torch.bfloat16, 0.0), ("bf16 lazy", cfg, splits, torch.bfloat16, LAZY_TAU)]
+    for small in ROUND2_SMALL if 16 < rows <= 64 else []:
+        base = B * triton.cdiv(rows, small[0]) * (512 // small[4])
+        for per_sm in (1, 2):
+            runs.append((f"small x{per_sm}", small, mk.choose_splits(base, L, small[1], sms, per_sm), torch.bfloat16, 0.0))
+    return runs
+
+
+def tune_case(row, runs):
+    """Time each run (label, config, splits, partials, rescale_tau) of one measured case and check it against the fp32
+    reference."""
+    L, H, T, B = row["L"], row["H"], row["T"], row["B"]
+    q, caches, lens, mask = make_inputs(L, H, T, B, causal=row["causal"])
+    ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE).double()
+    results = []
+    for label, cfg, splits, dt, tau in runs:
+        entry = {"config": list(cfg), "splits": splits, "per_sm": label, "partials": str(dt).split(".")[-1],
+                 "rescale_tau": tau}
+        kwargs = dict(num_splits=splits, config=cfg, partials=dt, rescale_tau=tau)
         try:
-            out = mk.mla_attention(q, caches[0], lens, mask, SCALE, num_splits=splits, config=cfg, partials=dt)
+            out = mk.mla_attention(q, caches[0], lens, mask, SCALE, **kwargs)
             entry["rel_err"] = ((out.double() - ref).norm() / ref.norm()).item()
-            entry["us"] = graph_time_us(
-                lambda kv: mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=dt),
-                caches)
+            entry["us"] = graph_time_us(lambda kv: mk.mla_attention(q, kv, lens, mask, SCALE, **kwargs), caches)
         except Exception as exc:  # a config that does not fit this GPU's resources is recorded, not fatal
             entry["error"] = str(exc)[:200]
         results.append(entry)
@@ -192,14 +221,33 @@ def markdown(report):
         ok = [t for t in r.get("tuned", []) if "us" in t]
         best = min(ok, key=lambda t: t["us"]) if ok else None
         best_s = (f"{best['us']:.1f} ({best['config']}, {best['splits']}, {best.get('partials', 'float32')}, "
-                  f"err {best.get('rel_err', float('nan')):.1e})" if best else "-")
+                  f"{best.get('per_sm')}, tau {best.get('rescale_tau', 0.0):g}, err {best.get('rel_err', float('nan')):.1e})"
+                  if best else "-")
         best_x = f"{best['us'] / r['roofline_us']:.2f}" if best else "-"
         torch_s = f"{r['torch_us']:.0f}" if "torch_us" in r else "-"
         kind = " (prefill)" if r.get("causal") else ""
         lines.append(f"| {r['L']} | {r['H']} | {r['T']}{kind} | {r['us']:.1f} | {r['GBps']:.0f} | {r['frac_read_bw']:.2f} "
                      f"| {r['TFLOPs']:.0f} | {r['roofline_us']:.1f} | {r['x_roofline']:.2f} | {best_s} | {best_x} | {torch_s} "
                      f"| {r['rel_err']:.1e} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + round2_table(report)) + "\n"
+
+
+def round2_table(report):
+    """Lines of a table: each --round2 label's time (and x roofline) per case; none without round-2 timings."""
+    labels = ["default", "lazy", "all-S", "all-S lazy", "bf16", "bf16 lazy", "small x1", "small x2"]
+    rows = [r for r in report["cases"] if any(t.get("rescale_tau") is not None for t in r.get("tuned", []))]
+    if not rows:
+        return []
+    lines = ["", "Round 2 (us, x roofline; splits): " + ", ".join(labels), "",
+             "| L | H | T | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)]
+    for r in rows:
+        cells = []
+        for label in labels:
+            hits = sorted((t for t in r["tuned"] if t.get("per_sm") == label and "us" in t), key=lambda t: t["us"])
+            cells.append(f"{hits[0]['us']:.1f} ({hits[0]['us'] / r['roofline_us']:.2f}x; {hits[0]['splits']})"
+                         if hits else "-")
+        lines.append(f"| {r['L']} | {r['H']} | {r['T']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def default_choice(rows, B, L, sms, arch=90):
@@ -250,39 +298,52 @@ def summary(report):
 
 def _warm(job):
     """Compile one kernel variant (run in a worker so compiles overlap; the main process hits Triton's disk cache)."""
-    H, cfg, splits, causal, half = job
+    H, cfg, splits, causal, half, tau = job
     try:
-        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32)
+        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32, tau)
     except Exception as exc:  # recorded; the sweep reports the same failure where it matters
         return f"{job}: {exc}"[:300]
     return None
 
 
-def _run_tiny(H, cfg, splits, causal, partials):
+def _run_tiny(H, cfg, splits, causal, partials, tau):
     q = torch.randn(1, 1, H, 576, dtype=torch.bfloat16, device="cuda")
     kv = torch.randn(1, 256, 576, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((1,), 256, dtype=torch.int32, device="cuda")
     mask = None if causal else random_tree_mask(1, 1, 0)
-    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials)
+    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials, rescale_tau=tau)
     torch.cuda.synchronize()
 
 
-def precompile(heads, tree_sizes, tune, workers, prefill=True, table=CANDIDATES):
-    """Compile the kernel variants a sweep runs (split and direct; prefill's causal ones unless prefill=False)."""
+def round2_jobs(contexts, heads, tree_sizes, sms):
+    """The kernel variants --round2 runs: (H, config, splits, causal, 16-bit partials, rescale_tau)."""
     jobs = set()
+    for L in contexts:
+        for H in heads:
+            for T in tree_sizes:
+                row = {"L": L, "B": 1, "T": T, "H": H}
+                jobs |= {(H, cfg, splits, False, dt == torch.bfloat16, tau)
+                         for _, cfg, splits, dt, tau in round2_runs(row, sms)}
+    return jobs
+
+
+def precompile(heads, tree_sizes, tune, workers, prefill=True, table=CANDIDATES, extra=()):
+    """Compile the kernel variants a sweep runs (split and direct; prefill's causal ones unless prefill=False), and
+    `extra` jobs."""
+    jobs = set(extra)
     for H in heads:
         for T in tree_sizes:
             default = mk.pick_config(T * H)
             cfgs = set(candidates(T * H, table)) if tune else set()
             for cfg in cfgs | {default}:
-                jobs |= {(H, cfg, 2, False, False)} | ({(H, cfg, 1, False, False)} if prefill else set())
+                jobs |= {(H, cfg, 2, False, False, 0.0)} | ({(H, cfg, 1, False, False, 0.0)} if prefill else set())
                 if tune and T * H <= HALF_PARTIALS_MAX_ROWS:
-                    jobs.add((H, cfg, 2, False, True))
-            jobs |= {(H, default, 1, False, False), (H, default, 2, False, True)}  # one split, 16-bit partials
+                    jobs.add((H, cfg, 2, False, True, 0.0))
+            jobs |= {(H, default, 1, False, False, 0.0), (H, default, 2, False, True, 0.0)}  # one split, 16-bit partials
     for L, H, T in PREFILL if prefill else ():
         for cfg in (set(candidates(T * H)) if tune else set()) | {mk.pick_config(T * H)}:
-            jobs |= {(H, cfg, 1, True, False), (H, cfg, 2, True, False)}
-    jobs |= {(8, mk.pick_config(8), 2**k + 1, False, False) for k in range(1, 9)}  # the merge's BLOCK_S variants
+            jobs |= {(H, cfg, 1, True, False, 0.0), (H, cfg, 2, True, False, 0.0)}
+    jobs |= {(8, mk.pick_config(8), 2**k + 1, False, False, 0.0) for k in range(1, 9)}  # the merge's BLOCK_S variants
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
         failures = [f for f in pool.map(_warm, sorted(jobs)) if f]
@@ -291,7 +352,7 @@ def precompile(heads, tree_sizes, tune, workers, prefill=True, table=CANDIDATES)
     return len(jobs)
 
 
-def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None):
+def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, round2=False):
     report = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -309,7 +370,9 @@ def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None):
         if deadline is not None and time.time() > deadline:
             print("budget spent: not tuned", row["L"], row["H"], row["T"], flush=True)
             continue
-        row["tuned"] = tune_case(row, FOCUS if focus else CANDIDATES, direct=not focus)
+        sms = report["sms"]
+        runs = round2_runs(row, sms) if round2 else focus_runs(row, sms, FOCUS if focus else CANDIDATES, not focus)
+        row["tuned"] = tune_case(row, runs)
         best = min((t for t in row["tuned"] if "us" in t), key=lambda t: t["us"], default=None)
         print("tuned", row["L"], row["H"], row["T"], row["us"], best, flush=True)
         (out / "attention.json").write_text(json.dumps(report, indent=1))
@@ -324,6 +387,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="32k and 128k only")
     parser.add_argument("--focus", action="store_true",
                         help="--tune --quick over FOCUS's configs, without prefill, torch timing and one-split variants")
+    parser.add_argument("--round2", action="store_true",
+                        help="like --focus, timing round2_runs: lazy rescale, all split counts, bf16 partials, small configs")
     parser.add_argument("--budget", type=float, help="seconds from the start after which no further case is tuned")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling kernel variants up front")
     parser.add_argument("--with-tests", action="store_true", help="first run tests/test_attention_kernel.py here")
@@ -339,15 +404,18 @@ def main(argv=None):
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "attention_tests.log").write_text(tests.stdout + tests.stderr)
         print(tests.stdout[-3000:], flush=True)
+    args.focus = args.focus or args.round2
     args.tune, args.quick = args.tune or args.focus, args.quick or args.focus
     contexts = CONTEXTS[2:] if args.quick else CONTEXTS
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    print("precompiled", precompile(HEADS, TREE_SIZES, args.tune, args.workers, prefill=not args.focus,
-                                    table=FOCUS if args.focus else CANDIDATES),
+    extra = round2_jobs(contexts, HEADS, TREE_SIZES, mk.num_sms(torch.device("cuda"))) if args.round2 else ()
+    print("precompiled", precompile(HEADS, TREE_SIZES, args.tune and not args.round2, args.workers,
+                                    prefill=not args.focus, table=FOCUS if args.focus else CANDIDATES, extra=extra),
           "variants in", f"{time.time() - start:.0f}s", flush=True)
     deadline = start + args.budget if args.budget else None
-    report = sweep(contexts, HEADS, TREE_SIZES, args.tune, args.out, focus=args.focus, deadline=deadline)
+    report = sweep(contexts, HEADS, TREE_SIZES, args.tune, args.out, focus=args.focus, deadline=deadline,
+                   round2=args.round2)
     (args.out / "attention.json").write_text(json.dumps(report, indent=1))
     (args.out / "attention.md").write_text(markdown(report))
     print(markdown(report))

@@ -303,13 +303,16 @@ def split_cost(splits, base, max_len, entry, slots, partial_bytes, merge_cost):
 
 
 @functools.lru_cache(maxsize=4096)
-def default_splits(entry, rows, B, max_len, sms, arch, value_bytes):
-    """The split count of the least modelled time among SPLIT_PER_SLOT's candidates with `entry` (of CONFIGS), for B
-    sequences of `rows` query rows over a max_len-entry cache on `sms` SMs of `arch` (partials: value_bytes a value)."""
+def default_splits(entry, rows, B, max_len, sms, arch, value_bytes, every=False):
+    """The split count of the least modelled time among SPLIT_PER_SLOT's candidates (every: among all counts up to
+    the cap) with `entry` (of CONFIGS), for B sequences of `rows` query rows over a max_len-entry cache on `sms` SMs
+    of `arch` (partials: value_bytes a value)."""
     block_m, block_n, _, _, block_dv, _ = entry.config
     grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
     slots = sms * entry.slots
     counts = {choose_splits(B * grid_m, max_len, block_n, slots, n) for n in SPLIT_PER_SLOT}
+    if every:
+        counts = range(1, choose_splits(1, max_len, block_n, 1, max_len) + 1)  # 1 .. the cap
     part_bytes = B * rows * D_LAT * value_bytes
     return min(sorted(counts), key=lambda s: split_cost(s, B * grid_m, max_len, entry, slots, part_bytes,
                                                         MERGE_COST[arch]))
