@@ -45,9 +45,9 @@ def parse_args(argv):
     p.add_argument("--no-spec", action="store_true", help="target-only autoregressive decoding")
     p.add_argument("--kernels", default=None, help="op=backend,... e.g. moe=triton,attention=torch or all=triton")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
-                   help="replay the verify and draft passes as CUDA graphs per tree-size bucket (CUDA only; off by "
-                        "default until the capture path has been measured on a GPU)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay the verify and draft passes as CUDA graphs per tree-size bucket, captured once "
+                        "after load (CUDA only; --no-cuda-graphs runs eagerly)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     args = p.parse_args(argv)
     if args.prompt is None and args.prompt_ids is None:

@@ -75,7 +75,7 @@ def root_tree(tokens):
 class Engine:
     """Speculative (DDTree) or target-only decoding of batches of token prompts with a KimiModel target."""
 
-    def __init__(self, target, drafter=None, budget=32, cuda_graphs=False, buckets=DEFAULT_BUCKETS):
+    def __init__(self, target, drafter=None, budget=32, cuda_graphs=True, buckets=DEFAULT_BUCKETS):
         if not 1 <= budget <= MAX_BUDGET:
             raise ValueError(f"tree budget must be in 1..{MAX_BUDGET}, got {budget}")
         self.target, self.drafter, self.budget = target, drafter, budget
