@@ -306,15 +306,15 @@ def test_bench_step_pieces_on_cpu(tiny):
 
 
 def test_engine_graph_bucket(capsys, tiny):
-    """The engine's choice: the bucket of its budget (0 for target-only) on CUDA, None on the CPU, with graphs
-    off, or past the buckets (one notice)."""
+    """The engine's choice: the bucket of its budget (0 for target-only) on CUDA (graphs are on by default), None
+    on the CPU, with graphs off, or past the buckets (one notice)."""
     from spec.engine import Engine
 
-    assert Engine(tiny[0], budget=8, cuda_graphs=True).graph_bucket(True) is None
+    assert Engine(tiny[0], budget=8).graph_bucket(True) is None
     fake = fake_cuda_model()
     on = dict(cuda_graphs=True)
-    assert Engine(fake, budget=40, **on).graph_bucket(True) == 64 and Engine(fake, budget=40, **on).graph_bucket(False) == 0
-    assert Engine(fake, budget=8).graph_bucket(True) is None  # off by default
+    assert Engine(fake, budget=40).graph_bucket(True) == 64 and Engine(fake, budget=40, **on).graph_bucket(False) == 0
+    assert Engine(fake, budget=8, cuda_graphs=False).graph_bucket(True) is None
     assert capsys.readouterr().err == ""
     engine = Engine(fake, budget=200, **on)
     assert engine.graph_bucket(True) is None and engine.graph_bucket(True) is None
