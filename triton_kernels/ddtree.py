@@ -17,8 +17,8 @@ TIE_CAP = 512  # top-k: at most this many keys equal to the K-th are kept by the
 # heap build (its heap lives in registers: one warp keeps every reduction inside shuffles), the budget from
 # which the depth-synchronous build replaces the heap loop, and that build's warps.
 CONFIGS = {
-    90: dict(block_v=2048, warps_v=8, programs=1056, build_warps=1, levels_from=64, levels_warps=4),
-    120: dict(block_v=1024, warps_v=4, programs=752, build_warps=1, levels_from=64, levels_warps=4),
+    90: dict(block_v=2048, warps_v=8, programs=1056, build_warps=1, levels_from=64, levels_warps=8),
+    120: dict(block_v=1024, warps_v=4, programs=752, build_warps=1, levels_from=64, levels_warps=2),
 }
 
 
@@ -341,13 +341,13 @@ def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_
         j = tl.cumsum(is_p.to(tl.int32), 0) - 1  # [NP] parent index j among U's depth-(d-1) nodes
         # child r of parent j has >= (pos_j - 1) + (j + 1)(r + 1) nodes before it: r < (N - pos_j) // (j + 1);
         # and it must score at least as well as U's N-th node (all of U beats it otherwise): a binary search
-        thr = tl.max(tl.where(lane == N - 1, keys, dead), 0) >> 32  # ordered score (lowest if U is not full)
+        thr = (tl.max(tl.where(lane == N - 1, keys, dead), 0) >> 32).to(tl.int32)  # ordered; lowest if not full
         lo = zero
         hi = zero + K
         for _ in tl.static_range(LOG + 1):  # lo: the first rank whose child scores below thr
             mid = (lo + hi) >> 1
             go = is_p & (lo < hi)
-            keep = _ordered(score + tl.load(lp_b + (d - 1) * KS + mid, mask=go, other=0.0)).to(tl.int64) >= thr
+            keep = _ordered(score + tl.load(lp_b + (d - 1) * KS + mid, mask=go, other=0.0)) >= thr
             lo = tl.where(go & keep, mid + 1, lo)
             hi = tl.where(go & ~keep, mid, hi)
         c = tl.where(is_p, tl.minimum(lo, (N - lane - 1) // (tl.maximum(j, 0) + 1)), 0)
