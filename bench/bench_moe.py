@@ -157,18 +157,21 @@ def sweep_configs(M):
 # ----------------------------------------------------------------------------------------------- static SASS count
 
 ALU_PIPE = {"LOP3", "SHF", "IADD3", "PRMT", "LEA", "SEL", "ISETP", "VIADD", "PLOP3", "P2R", "R2P", "FSEL", "IABS"}
+MEMORY_OPS = ("LDG", "LDGSTS", "LDS", "LDSM", "STS", "BAR", "HMMA", "HGMMA")  # per loop trip, reported apart
 H200_ISSUE = dict(sms=132, clock_hz=1.98e9, read_gbs=4317.0)  # read bandwidth: bench/results/moe_h200.md
 
 
 def _cubin_sass(kernel, signature, constexprs, num_warps, num_stages, arch=90):
-    """nvdisasm text of `kernel` compiled on the CPU with the specialisations the JIT gives the TP8 call:
-    16-byte aligned pointers, D/I/strides divisible by 16, and the down kernel's n_slabs == 1 (I = 256)."""
+    """(nvdisasm text, registers, spill bytes, shared bytes) of `kernel` compiled on the CPU with the
+    specialisations the JIT gives the TP8 call: 16-byte aligned pointers, D/I/strides divisible by 16, and the
+    down kernel's n_slabs == 1 (I = 256)."""
     import tempfile
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from triton_kernels.aot import _ptxas_report
     from triton_kernels.moe_w4a16 import _down_kernel
 
     signature, constexprs = dict(signature), dict(constexprs)
@@ -185,7 +188,8 @@ def _cubin_sass(kernel, signature, constexprs, num_warps, num_stages, arch=90):
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    return (sass, *_ptxas_report(compiled.asm["ptx"], arch), compiled.metadata.shared)
 
 
 def _loop_opcodes(sass):
@@ -214,21 +218,25 @@ def sass_count(cfg, shape="tp8"):
     budget = 4 * H200_ISSUE["sms"] * H200_ISSUE["clock_hz"] * 32 / (H200_ISSUE["read_gbs"] * 1e9 * 2)  # per weight
     out = {}
     for (kernel, (sig, cx, _, warps, stages)), tile in zip(compile_specs(cfg, arch=90, D=D, I=I), ("gate_up", "down")):
-        ops = collections.Counter(_loop_opcodes(_cubin_sass(kernel, sig, cx, warps, stages)))
+        sass, registers, spills, shared = _cubin_sass(kernel, sig, cx, warps, stages)
+        ops = collections.Counter(_loop_opcodes(sass))
         weights = SLAB * cx["BN"] * (2 if tile == "gate_up" else 1) / (32 * warps)  # per thread per loop trip
         total, alu, imad = sum(ops.values()), sum(ops[o] for o in ALU_PIPE), ops["IMAD"]
         out[tile] = dict(instr_per_weight=total / weights, alu_per_weight=alu / weights, imad_per_weight=imad / weights,
                          issue_bound_frac=min(1.0, budget / max(total, 2 * alu, 2 * imad) * weights),
-                         top=dict(ops.most_common(8)))
+                         registers=registers, spill_bytes=spills, shared=shared, top=dict(ops.most_common(8)),
+                         memory={o: ops[o] for o in MEMORY_OPS if ops[o]})
     return out
 
 
-def sass_table(M=1):
-    """sass_count of the sm_90 entry for M tokens and of each of its VARIANTS (CPU, about 5 s a config)."""
+def sass_table(M=1, names=None):
+    """sass_count of the sm_90 entry for M tokens and of each of its VARIANTS (or those in `names`; CPU, about
+    5 s a config)."""
     from triton_kernels.moe_configs import VARIANTS, config_for, with_variant
 
     base = config_for(torch.device("cpu"), M)
-    return {name: sass_count(cfg) for name, cfg in [("default", base)] + [(n, with_variant(base, n)) for n in VARIANTS]}
+    chosen = [n for n in VARIANTS if names is None or n in names]
+    return {name: sass_count(cfg) for name, cfg in [("default", base)] + [(n, with_variant(base, n)) for n in chosen]}
 
 
 def rel_err(out, ref):
@@ -426,9 +434,10 @@ def main():
                         help="only time the default against moe_configs.VARIANTS at the TP8 shape (about --budget s)")
     parser.add_argument("--names", help="with --variants: comma-separated VARIANTS to time (default: all)")
     parser.add_argument("--sass", action="store_true", help="CPU only: static SASS counts of the default and variants")
+    parser.add_argument("--sass-m", type=int, default=1, help="with --sass: the M bucket whose entry is counted")
     args = parser.parse_args()
     if args.sass:
-        print(json.dumps(sass_table(), indent=1))
+        print(json.dumps(sass_table(args.sass_m, args.names.split(",") if args.names else None), indent=1))
         return
     if not args.out:
         parser.error("--out is required")

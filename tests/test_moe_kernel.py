@@ -131,6 +131,27 @@ def test_moe_panel_layout(panels, bn, extra):
 
 
 @requires_triton
+@pytest.mark.parametrize("BM,panels,extra", [(8, (0, 0), {}), (16, (64, 128), {"lean": True, "tiles": 2}),
+                                             (8, (64, 64), {"decode": True})],
+                         ids=["bm8_slab", "bm16_panel_lean_tiles2", "bm8_panel_decode"])
+def test_moe_swapped_tiles(BM, panels, extra):
+    """`swap` (transposed tiles: weights as the MMA's M operand, tokens its N) on ragged shapes, split over K, a
+    repeated expert; with BM 8 (fewer rows than tl.dot's usual 16), panels, lean pointers, two down tiles a
+    program and the decode path (the GPU run adds `lop3`, which the interpreter cannot run)."""
+    E, D, I = 5, 320, 96
+    lop3 = gpu()
+    kernel = dict(BN=64, waves=8, num_warps=4, num_stages=2, swap=True, lop3=lop3, lean=extra.get("lean", False))
+    cfg = {"BM": BM, "panels": panels, "decode": extra.get("decode", False), "gate_up": kernel,
+           "down": dict(kernel, BN=64 // extra.get("tiles", 1), tiles=extra.get("tiles", 1))}  # tiles x BN | D
+    raw = make_experts(E, D, I, seed=6)
+    ids, weights = make_routing(3, E, 2, seed=6)
+    ids[2] = ids[0]
+    x = torch.randn(3, D, generator=torch.Generator().manual_seed(6)).to(device()).to(kernel_dtypes()[0])
+    out = moe_w4a16.moe(x, ids, weights, moe_w4a16.prepare_moe(*raw, panels=panels), config=cfg)
+    assert rel_err(out, moe_torch(x.float(), ids, weights, PackedExperts(*raw))) < 1e-2
+
+
+@requires_triton
 def test_moe_rejects_config_for_another_layout():
     raw = make_experts(4, 256, 64)
     ids, weights = make_routing(2, 4, 2)
@@ -217,22 +238,26 @@ print(json.dumps([(kernel.__name__, max_m, vars(compile_for(kernel, *launch)))
 """
 
 
-PREFETCH_COMPILE = """
+PTX_COMPILE = """
 import json
+import sys
 import torch
 from triton_kernels.aot import compile_for
 from triton_kernels.moe_configs import config_for, with_variant
 from triton_kernels.moe_w4a16 import compile_specs
-cfg = with_variant(config_for(torch.device("cpu"), 1), "panel_gu32_prefetch")
+cfg = with_variant(config_for(torch.device("cpu"), int(sys.argv[2])), sys.argv[1])
 print(json.dumps([vars(compile_for(kernel, *launch)) for arch in (90, 120)
                   for kernel, launch in compile_specs(cfg, arch=arch)]))
 """
 
 
-def test_prefetch_variant_compiles():
-    """The L2-prefetch variant (inline PTX, which the interpreter cannot run) assembles for sm_90 and sm_120."""
+@pytest.mark.parametrize("variant,M", [("panel_gu32_prefetch", 1), ("swap8", 1), ("swap16", 64)])
+def test_inline_ptx_variants_compile(variant, M):
+    """Variants with inline PTX (L2 prefetch, lop3), which the interpreter cannot run, assemble for sm_90 and
+    sm_120 without spills (swap16 at BM 16 is wgmma with register weights on sm_90)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", PREFETCH_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", PTX_COMPILE, variant, str(M)], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert all(res["spill_bytes"] == 0 for res in json.loads(proc.stdout.strip().splitlines()[-1]))
 

@@ -1,9 +1,9 @@
 """Launch configurations of the W4A16 MoE kernels, as data: per architecture, per bucket of M (tokens).
 
-Each entry: BM (token rows per block, >= 16 for tl.dot), and per kernel BN (N tile), waves (K splits are chosen
-so that about waves x SMs programs run, from the expected number of distinct experts touched), num_warps and
-num_stages. sm_120 entries must fit 101,376 bytes of shared memory without spills (tests/test_moe_kernel.py);
-gate/up BN=64 at 4 warps spilled 116 bytes under Triton 3.6 (255 registers), so sm_120 keeps BN=32. The sm_90
+Each entry: BM (token rows per block: the MMA's M, padded to 16, or with `swap` its N, padded to 8), and per
+kernel BN (N tile), waves (K splits are chosen so that about waves x SMs programs run, from the expected number of
+distinct experts touched), num_warps and num_stages. sm_120 entries must fit 101,376 bytes of shared memory
+without spills (tests/test_moe_kernel.py); gate/up BN=64 at 4 warps spilled 116 bytes under Triton 3.6 (255 registers), so sm_120 keeps BN=32. The sm_90
 entries were the fastest or within 10% of the fastest of the five configs swept on an H200
 (bench/results/moe_h200.md).
 """
@@ -63,6 +63,19 @@ VARIANTS = {
     # outside the K loop is a third of its instructions, ncu 2026-11-30)
     "dn_tiles2": dict(down=dict(tiles=2)),
     "panel_gu32_prefetch_dn2": dict(panels=(32, 128), gate_up=dict(BN=32, prefetch=2), down=dict(tiles=2)),
+    # `swap` (per kernel): the transposed tile acc^T [BN, BM] += W^T [BN, 32] @ A^T [32, BM], so the dequantised
+    # weights are the MMA's M operand (registers) and BM tokens pad to the MMA's N = 8 instead of M = 16: half the
+    # HMMAs and the scale FFMAs a weight at BM 8 (mma.sync m16n8k16); at BM 16 Triton 3.6 picks wgmma with the
+    # weights as a register operand (HGMMA 64x16x16, no STS of weights). `lop3` (per kernel): the nibble mask and
+    # the magic exponent as one PTX lop3 instead of an AND and an OR (inline PTX: GPU and compile tests only).
+    # Static counts (sm_90, Triton 3.6, TP8, M <= 16 entry) in triton_kernels/README.md.
+    "lop3": dict(gate_up=dict(lop3=True), down=dict(lop3=True)),
+    "swap8_plain": dict(BM=8, gate_up=dict(BN=64, swap=True), down=dict(BN=64, swap=True)),
+    "swap8": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True), down=dict(BN=64, swap=True, lop3=True)),
+    "swap8_s3": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True, num_stages=3),
+                     down=dict(BN=64, swap=True, lop3=True)),
+    "swap8_dn2": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True), down=dict(BN=64, swap=True, lop3=True, tiles=2)),
+    "swap16": dict(BM=16, gate_up=dict(BN=64, swap=True, lop3=True), down=dict(BN=64, swap=True, lop3=True)),
 }
 
 

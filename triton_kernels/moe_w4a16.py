@@ -62,10 +62,12 @@ class TritonExperts:
 
 @triton.jit
 def _unpack_group(words, m: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr,
-                  DTYPE: tl.constexpr):
-    """Nibble pair m of half-slab words [16, BN] int32 -> one group [32, BN] DTYPE, row 2w + j from word w's
-    nibble at bit 4m + 16j, holding q exactly; q * 16 for odd m when WIDE (mantissa >= 8 bits, fp16), which
-    reads those nibbles in place instead of shifting them down."""
+                  DTYPE: tl.constexpr, SWAP: tl.constexpr, LOP3: tl.constexpr):
+    """Nibble pair m of half-slab words [16, BN] int32 (SWAP: [BN, 16]) -> one group [32, BN] DTYPE (SWAP:
+    its transpose [BN, 32]), row 2w + j from word w's nibble at bit 4m + 16j, holding q exactly; q * 16 for odd
+    m when WIDE (mantissa >= 8 bits, fp16), which reads those nibbles in place instead of shifting them down.
+    LOP3: the mask and the OR as one 3-input PTX lop3 (ptxas takes one immediate an instruction, so it emits an
+    AND and an OR for the plain form; inline PTX: not interpretable)."""
     if WIDE:
         SHIFT: tl.constexpr = 8 * (m // 2)
         MASK: tl.constexpr = 0x00F000F0 if m % 2 else 0x000F000F
@@ -74,44 +76,81 @@ def _unpack_group(words, m: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.c
         SHIFT: tl.constexpr = 4 * m
         MASK: tl.constexpr = 0x000F000F
         SCALE: tl.constexpr = 1
-    pair = ((words >> SHIFT) & MASK) | (MAGIC * 65537)  # two 16-bit floats MAGIC_VALUE + SCALE * u per word
-    lo = pair.to(tl.int16).to(DTYPE, bitcast=True)  # [16, BN]
+    shifted = words >> SHIFT
+    if LOP3:  # 0xEA: (a & b) | c
+        pair = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                                         [shifted, tl.full(words.shape, MASK, tl.int32),
+                                          tl.full(words.shape, MAGIC * 65537, tl.int32)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        pair = (shifted & MASK) | (MAGIC * 65537)  # two 16-bit floats MAGIC_VALUE + SCALE * u per word
+    lo = pair.to(tl.int16).to(DTYPE, bitcast=True)
     hi = (pair >> 16).to(tl.int16).to(DTYPE, bitcast=True)
-    v = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (2 * words.shape[0], words.shape[1]))  # [32, BN]
+    if SWAP:  # [BN, 16, 2] -> [BN, 32]: a word's two rows are adjacent along K already
+        v = tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
+    else:
+        v = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (2 * words.shape[0], words.shape[1]))  # [32, BN]
     return v - (MAGIC_VALUE + 8.0 * SCALE)
 
 
 @triton.jit
 def _load_slab(w_ptrs, w_row, w_mask):
-    """The two half-slabs of words [16, BN] int32 at w_ptrs [16, BN] and 16 rows (of stride w_row) further."""
+    """The two half-slabs of words [16, BN] int32 at w_ptrs [16, BN] (or both transposed) and 16 rows (of
+    stride w_row) further."""
     return tl.load(w_ptrs, mask=w_mask, other=0), tl.load(w_ptrs + 16 * w_row, mask=w_mask, other=0)
 
 
 @triton.jit
 def _slab_dot(acc, a_ptrs, row_mask, k, K, w0, w1, s_ptrs, s_mask, stride_sg,
               MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, DTYPE: tl.constexpr,
-              EVEN_K: tl.constexpr):
-    """acc [BM, BN] += A [BM, 256] @ dequant(slab) [256, BN], scaling each group's partial product.
+              EVEN_K: tl.constexpr, SWAP: tl.constexpr, LOP3: tl.constexpr):
+    """acc [BM, BN] += A [BM, 256] @ dequant(slab) [256, BN], scaling each group's partial product; with SWAP
+    the transposed product acc [BN, BM] += dequant(slab)^T [BN, 256] @ A^T [256, BM] (the weights are the MMA's
+    M operand: BM tokens pad to 8, not 16).
 
-    w0, w1 [16, BN]: the slab's half-slabs of words (`_load_slab`); a_ptrs [BM, 32] point at the slab's first
-    group (columns k [32]); A's columns at or past K read as 0 (no column mask when EVEN_K: K is a multiple of
-    256). Group 2m + t is nibble pair m of half t.
+    w0, w1 [16, BN] (SWAP: [BN, 16]): the slab's half-slabs of words (`_load_slab`); a_ptrs [BM, 32] (SWAP:
+    [32, BM]) point at the slab's first group (columns k [32]); A's columns at or past K read as 0 (no column
+    mask when EVEN_K: K is a multiple of 256). Group 2m + t is nibble pair m of half t.
     """
     for t in tl.static_range(2):
-        words = w1 if t else w0  # [16, BN] int32
+        words = w1 if t else w0
         for m in tl.static_range(4):
             g = 2 * m + t
-            if EVEN_K:
-                a_mask = row_mask[:, None]
+            if SWAP:
+                a_mask = row_mask[None, :] if EVEN_K else row_mask[None, :] & (k + g * _GROUP < K)[:, None]
             else:
-                a_mask = row_mask[:, None] & (k + g * _GROUP < K)[None, :]
-            a = tl.load(a_ptrs + g * _GROUP, mask=a_mask, other=0.0).to(DTYPE)  # [BM, 32]
-            w = _unpack_group(words, m, MAGIC, MAGIC_VALUE, WIDE, DTYPE)  # [32, BN]
+                a_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (k + g * _GROUP < K)[None, :]
+            a = tl.load(a_ptrs + g * _GROUP, mask=a_mask, other=0.0).to(DTYPE)  # [BM, 32] (SWAP: [32, BM])
+            w = _unpack_group(words, m, MAGIC, MAGIC_VALUE, WIDE, DTYPE, SWAP, LOP3)  # [32, BN] (SWAP: [BN, 32])
             scale = tl.load(s_ptrs + g * stride_sg, mask=s_mask, other=0.0).to(tl.float32)  # [BN]
             if WIDE:
                 if m % 2:
                     scale = scale * 0.0625
-            acc += tl.dot(a, w) * scale[None, :]
+            if SWAP:
+                acc += tl.dot(w, a) * scale[:, None]
+            else:
+                acc += tl.dot(a, w) * scale[None, :]
+    return acc
+
+
+@triton.jit
+def _orient(r, c, SWAP: tl.constexpr):
+    """Row vector r [BM] and column vector c [BN] as broadcastable tile indices of a [BM, BN] tile, or of its
+    transpose [BN, BM] with SWAP."""
+    if SWAP:  # one return (Triton 3.6 rejects returns of different shapes in constexpr branches)
+        r2, c2 = r[None, :], c[:, None]
+    else:
+        r2, c2 = r[:, None], c[None, :]
+    return r2, c2
+
+
+@triton.jit
+def _acc_zeros(BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
+    """fp32 zeros [BM, BN], or [BN, BM] with SWAP."""
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     return acc
 
 
@@ -145,13 +184,15 @@ def _prefetch_slab(lines, slab, w_row, up_w, UP: tl.constexpr):
 
 
 @triton.jit
-def _slab_ptrs(w_base, s_base, a_rows, kw, kg, w_cols, s_cols, slab, w_row, s_row):
+def _slab_ptrs(w_base, s_base, a_rows, kw, kg, w_cols, s_cols, slab, w_row, s_row, SWAP: tl.constexpr):
     """Pointers of slab `slab`: words [16, BN] (first half), activations [BM, 32] (first group) from row
-    pointers a_rows [BM, 1], scales [BN] (first group), and k [32] (the first group's columns); w_row and s_row
-    are the row strides of words and scales (N in the slab layout, the panel width in the panel layout)."""
-    w_ptrs = w_base + (kw + slab * _SLAB_WORDS)[:, None].to(tl.int64) * w_row + w_cols[None, :]  # [16, BN]
+    pointers a_rows [BM], scales [BN] (first group), and k [32] (the first group's columns); with SWAP words
+    [BN, 16] and activations [32, BM]. w_row and s_row are the row strides of words and scales (N in the slab
+    layout, the panel width in the panel layout)."""
     k = kg + slab * _SLAB  # [32]
-    return w_ptrs, a_rows + k[None, :], s_base + (slab * 8) * s_row + s_cols, k
+    word_rows, cols = _orient((kw + slab * _SLAB_WORDS).to(tl.int64) * w_row, w_cols, SWAP)
+    a_r, a_k = _orient(a_rows, k, SWAP)
+    return w_base + word_rows + cols, a_r + a_k, s_base + (slab * 8) * s_row + s_cols, k
 
 
 @triton.jit
@@ -207,10 +248,13 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
                     w_row, s_row, stride_wp, stride_sp, up_w, up_s,
                     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, LEAN: tl.constexpr,
                     EVEN_N: tl.constexpr, DECODE: tl.constexpr, PANEL: tl.constexpr, PREFETCH: tl.constexpr,
-                    MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr):
+                    MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
+                    SWAP: tl.constexpr, LOP3: tl.constexpr):
     """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate.
 
     With SPLIT, pid 2 of split_k sums a range of slabs into part; the last split to arrive finishes the tile.
+    With SWAP the tiles are transposed ([BN, BM]: the weights are the MMA's M operand, see `_slab_dot`); LOP3
+    dequantises with inline PTX (`_unpack_group`).
     Layout (TritonExperts): w_row / s_row are the row strides of words / scales, stride_wp / stride_sp their
     panel strides (PANEL > 0), up_w / up_s the offsets of the up columns from the gate columns.
     """
@@ -237,47 +281,51 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     w_cols = _tile_cols(pid_n, stride_wp, BN, PANEL)  # [BN]
     s_cols = _tile_cols(pid_n, stride_sp, BN, PANEL)
     two_i = 2 * I
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    R, C = _orient(rows.to(tl.int64), n, SWAP)  # tile indices: [BM, 1], [1, BN] (SWAP: [1, BM], [BN, 1])
+    _, col_mask = _orient(rows, n_mask, SWAP)
+    acc_g = _acc_zeros(BM, BN, SWAP)
+    acc_u = _acc_zeros(BM, BN, SWAP)
     first = pid_k * n_slabs_per_split
     end = tl.minimum(first + n_slabs_per_split, n_slabs)
-    w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token[:, None] * D, kw, kg, w_cols, s_cols,
-                                           first, w_row, s_row)
+    w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token * D, kw, kg, w_cols, s_cols, first,
+                                           w_row, s_row, SWAP)
     if PREFETCH:  # slabs first + 1 .. first + PREFETCH - 1; the loop asks for slab + PREFETCH
         lines = w_base + _tile_cols(pid_n, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]: 128-byte lines
         for ahead in tl.static_range(1, PREFETCH):
             _prefetch_slab(lines, tl.minimum(first + ahead, end - 1), w_row, up_w, True)
     for slab in range(first, end):
         if not LEAN:  # recomputed from the slab index (the measured default); LEAN carries them below
-            w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token[:, None] * D, kw, kg, w_cols,
-                                                   s_cols, slab, w_row, s_row)
+            w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token * D, kw, kg, w_cols, s_cols,
+                                                   slab, w_row, s_row, SWAP)
         if PREFETCH:
             _prefetch_slab(lines, tl.minimum(slab + PREFETCH, end - 1), w_row, up_w, True)
-        g0, g1 = _load_slab(w_ptrs, w_row, n_mask[None, :])  # [16, BN] each
-        u0, u1 = _load_slab(w_ptrs + up_w, w_row, n_mask[None, :])
-        acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, g0, g1, s_ptrs, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
-        acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, u0, u1, s_ptrs + up_s, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K)
+        g0, g1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
+        u0, u1 = _load_slab(w_ptrs + up_w, w_row, col_mask)
+        acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, g0, g1, s_ptrs, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE,
+                          DTYPE, EVEN_K, SWAP, LOP3)
+        acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, u0, u1, s_ptrs + up_s, n_mask, s_row, MAGIC, MAGIC_VALUE,
+                          WIDE, DTYPE, EVEN_K, SWAP, LOP3)
         if LEAN:
             w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
-    out = rows[:, None].to(tl.int64) * I + n[None, :]  # [BM, BN]
+    out = R * I + C  # [BM, BN] (SWAP: [BN, BM])
     if SPLIT:
-        part = part_ptr + pid_k.to(tl.int64) * stride_part + rows[:, None].to(tl.int64) * two_i + n[None, :]
-        tl.store(part, acc_g, mask=n_mask[None, :])
-        tl.store(part + I, acc_u, mask=n_mask[None, :])
+        part = part_ptr + pid_k.to(tl.int64) * stride_part + R * two_i + C
+        tl.store(part, acc_g, mask=col_mask)
+        tl.store(part + I, acc_u, mask=col_mask)
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + pid_b * tl.num_programs(1) + pid_n, 1)
         if arrived == split_k - 1:
-            acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-            part = part_ptr + rows[:, None].to(tl.int64) * two_i + n[None, :]
+            acc_g = _acc_zeros(BM, BN, SWAP)
+            acc_u = _acc_zeros(BM, BN, SWAP)
+            part = part_ptr + R * two_i + C
             for j in range(split_k):
-                acc_g += tl.load(part + j * stride_part, mask=n_mask[None, :], other=0.0, cache_modifier=".cg")
-                acc_u += tl.load(part + j * stride_part + I, mask=n_mask[None, :], other=0.0, cache_modifier=".cg")
+                acc_g += tl.load(part + j * stride_part, mask=col_mask, other=0.0, cache_modifier=".cg")
+                acc_u += tl.load(part + j * stride_part + I, mask=col_mask, other=0.0, cache_modifier=".cg")
             h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            tl.store(h_ptr + out, h.to(DTYPE), mask=n_mask[None, :])
+            tl.store(h_ptr + out, h.to(DTYPE), mask=col_mask)
     else:
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        tl.store(h_ptr + out, h.to(DTYPE), mask=n_mask[None, :])
+        tl.store(h_ptr + out, h.to(DTYPE), mask=col_mask)
 
 
 @triton.jit(do_not_specialize=["n_slabs_per_split"])
@@ -285,9 +333,11 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
                  D, I, n_slabs, n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp,
                  TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LEAN: tl.constexpr, EVEN_N: tl.constexpr,
                  DECODE: tl.constexpr, PANEL: tl.constexpr, PREFETCH: tl.constexpr, TILES: tl.constexpr,
-                 MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr):
+                 MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
+                 SWAP: tl.constexpr, LOP3: tl.constexpr):
     """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tiles TILES * pid 1 ..
-    TILES * pid 1 + TILES - 1 (one after the other), K split pid 2 (layout arguments as in `_gate_up_kernel`)."""
+    TILES * pid 1 + TILES - 1 (one after the other), K split pid 2 (layout arguments and SWAP as in
+    `_gate_up_kernel`)."""
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
     e = tl.load(block_expert_ptr + pid_b)
@@ -308,7 +358,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
     kg = tl.arange(0, _GROUP)
     w_base = w_ptr + e.to(tl.int64) * stride_we
     s_base = s_ptr + e.to(tl.int64) * stride_se
-    h_rows = h_ptr + rows[:, None].to(tl.int64) * I
+    h_rows = h_ptr + rows.to(tl.int64) * I
     first = pid_k * n_slabs_per_split
     end = tl.minimum(first + n_slabs_per_split, n_slabs)
     for t in range(TILES):  # one after the other: index loads and activations set up once
@@ -317,8 +367,11 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
         n_mask = (n < D) | EVEN_N
         w_cols = _tile_cols(tile, stride_wp, BN, PANEL)  # [BN]
         s_cols = _tile_cols(tile, stride_sp, BN, PANEL)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, first, w_row, s_row)
+        T, C = _orient(token, n, SWAP)
+        valid_r, col_mask = _orient(valid, n_mask, SWAP)
+        acc = _acc_zeros(BM, BN, SWAP)
+        w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, first, w_row, s_row,
+                                               SWAP)
         if PREFETCH:  # as in _gate_up_kernel (one slab at K2.6's TP8 shape: nothing to prefetch)
             lines = w_base + _tile_cols(tile, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]
             for ahead in tl.static_range(1, PREFETCH):
@@ -326,18 +379,18 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
         for slab in range(first, end):
             if not LEAN:
                 w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, slab, w_row,
-                                                       s_row)
+                                                       s_row, SWAP)
             if PREFETCH:
                 _prefetch_slab(lines, tl.minimum(slab + PREFETCH, end - 1), w_row, 0, False)
-            w0, w1 = _load_slab(w_ptrs, w_row, n_mask[None, :])  # [16, BN] each
+            w0, w1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
             acc = _slab_dot(acc, a_ptrs, valid, k, I, w0, w1, s_ptrs, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE,
-                            EVEN_K)
+                            EVEN_K, SWAP, LOP3)
             if LEAN:
                 w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
         # relaxed: only atomicity is needed (the cast reads out in a later launch); the default acq_rel fences every
         # atomic (MEMBAR.ALL.GPU + L1 invalidation on sm_90)
-        tl.atomic_add(out_ptr + token[:, None] * D + n[None, :], acc * weight[:, None],
-                      mask=valid[:, None] & n_mask[None, :], sem="relaxed")
+        W, _ = _orient(weight, n, SWAP)
+        tl.atomic_add(out_ptr + T * D + C, acc * W, mask=valid_r & col_mask, sem="relaxed")
 
 
 # ----------------------------------------------------------------------------------------------- repack
@@ -451,13 +504,15 @@ def _expected_experts(E, pairs):
     return min(E, pairs, max(1, round(E * (1 - (1 - 1 / E) ** pairs))))
 
 
-def _lean(kernel_cfg, N):
-    """LEAN / EVEN_N / PREFETCH constexprs of a kernel config: `lean` carries the slab pointers across the K loop,
-    drops the column masks when BN divides N and loads a block's pair ids with its expert; `prefetch` (a distance
-    in slabs, 0 off) asks L2 for the words of slab + prefetch while slab is dequantised (sm_90 variants under
-    test; the measured defaults leave both off; PTX prefetch: not interpretable)."""
+def _flags(kernel_cfg, N):
+    """LEAN / EVEN_N / PREFETCH / SWAP constexprs of a kernel config: `lean` carries the slab pointers across the K
+    loop, drops the column masks when BN divides N and loads a block's pair ids with its expert; `prefetch` (a
+    distance in slabs, 0 off) asks L2 for the words of slab + prefetch while slab is dequantised (PTX prefetch: not
+    interpretable); `swap` computes the transposed tile, weights as the MMA's M operand (`_slab_dot`); `lop3`
+    dequantises with one PTX lop3 for the mask and the magic exponent (`_unpack_group`; not interpretable)."""
     lean = kernel_cfg.get("lean", False)
-    return dict(LEAN=lean, EVEN_N=lean and N % kernel_cfg["BN"] == 0, PREFETCH=kernel_cfg.get("prefetch", 0))
+    return dict(LEAN=lean, EVEN_N=lean and N % kernel_cfg["BN"] == 0, PREFETCH=kernel_cfg.get("prefetch", 0),
+                SWAP=kernel_cfg.get("swap", False), LOP3=kernel_cfg.get("lop3", False))
 
 
 def _layout(words, scales, panel, BN, up=0):
@@ -547,13 +602,13 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
         x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert,
         D, I, gu_slabs, gu_per_split, gu_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
         part.stride(0) if gu_split > 1 else 0, **gu_layout,
-        TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_lean(g, I), DECODE=decode,
+        TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_flags(g, I), DECODE=decode,
         num_warps=g["num_warps"], num_stages=g["num_stages"], **magic)
     d = cfg["down"]
     _down_kernel[(nb_max, dn_tiles, dn_split)](
         h, experts.down, experts.down_scale, out, topk_weights, sorted_pairs, block_expert,
         D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0), **dn_layout,
-        TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_lean(d, D), DECODE=decode, TILES=dn_per_cta,
+        TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_flags(d, D), DECODE=decode, TILES=dn_per_cta,
         num_warps=d["num_warps"], num_stages=d["num_stages"], **magic)
     return out.to(x.dtype)
 
@@ -573,8 +628,8 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
     g, d, decode = cfg["gate_up"], cfg["down"], cfg.get("decode", False)
     p_gu, p_dn = cfg.get("panels", (0, 0))
     return [
-        (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT=True, EVEN_K=True, **_lean(g, I),
+        (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT=True, EVEN_K=True, **_flags(g, I),
                                          DECODE=decode, PANEL=p_gu, **magic), arch, g["num_warps"], g["num_stages"])),
-        (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], EVEN_K=True, **_lean(d, D), DECODE=decode,
+        (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], EVEN_K=True, **_flags(d, D), DECODE=decode,
                                    PANEL=p_dn, TILES=d.get("tiles", 1), **magic), arch, d["num_warps"], d["num_stages"])),
     ]
