@@ -183,6 +183,18 @@ def round2_runs(row, sms):
     return runs
 
 
+def merge_time_us(B, rows, splits, partials):
+    """The merge kernel alone for one case's split count (graph of 8 launches over the same partials, so L2-warm
+    like the partials the split kernel has just written): the share of the merge in the default's time."""
+    o_part = torch.randn(B, splits, rows, 512, device="cuda").to(partials)
+    lse_part = torch.randn(B, splits, rows, device="cuda")
+    out = torch.empty(B, rows, 512, dtype=torch.bfloat16, device="cuda")
+    block_s, block_d = mk.merge_blocks(splits)
+    grid = (rows, 512 // block_d, B)
+    return graph_time_us(lambda _: mk._merge_kernel[grid](o_part, lse_part, out, rows, splits, BLOCK_S=block_s,
+                                                          BLOCK_D=block_d), [None] * 8)
+
+
 def tune_case(row, runs):
     """Time each run (label, config, splits, partials, rescale_tau) of one measured case and check it against the fp32
     reference."""
@@ -234,7 +246,7 @@ def markdown(report):
 
 def round2_table(report):
     """Lines of a table: each --round2 label's time (and x roofline) per case; none without round-2 timings."""
-    labels = ["default", "lazy", "all-S", "all-S lazy", "bf16", "bf16 lazy", "small x1", "small x2"]
+    labels = ["default", "lazy", "all-S", "all-S lazy", "bf16", "bf16 lazy", "small x1", "small x2", "merge alone"]
     rows = [r for r in report["cases"] if any(t.get("rescale_tau") is not None for t in r.get("tuned", []))]
     if not rows:
         return []
@@ -244,6 +256,8 @@ def round2_table(report):
         cells = []
         for label in labels:
             hits = sorted((t for t in r["tuned"] if t.get("per_sm") == label and "us" in t), key=lambda t: t["us"])
+            if label == "merge alone" and "merge_us" in r:
+                hits = [{"us": r["merge_us"], "splits": default_choice(r["T"] * r["H"], r["B"], r["L"], report["sms"])[1]}]
             cells.append(f"{hits[0]['us']:.1f} ({hits[0]['us'] / r['roofline_us']:.2f}x; {hits[0]['splits']})"
                          if hits else "-")
         lines.append(f"| {r['L']} | {r['H']} | {r['T']} | " + " | ".join(cells) + " |")
@@ -373,6 +387,9 @@ def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, ro
         sms = report["sms"]
         runs = round2_runs(row, sms) if round2 else focus_runs(row, sms, FOCUS if focus else CANDIDATES, not focus)
         row["tuned"] = tune_case(row, runs)
+        _, splits, partials = default_choice(row["T"] * row["H"], row["B"], row["L"], sms)
+        if round2 and splits > 1:
+            row["merge_us"] = merge_time_us(row["B"], row["T"] * row["H"], splits, getattr(torch, partials))
         best = min((t for t in row["tuned"] if "us" in t), key=lambda t: t["us"], default=None)
         print("tuned", row["L"], row["H"], row["T"], row["us"], best, flush=True)
         (out / "attention.json").write_text(json.dumps(report, indent=1))

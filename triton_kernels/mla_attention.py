@@ -318,6 +318,12 @@ def default_splits(entry, rows, B, max_len, sms, arch, value_bytes, every=False)
                                                         MERGE_COST[arch]))
 
 
+def merge_blocks(num_splits):
+    """(BLOCK_S, BLOCK_D) of the merge for `num_splits` splits."""
+    block_s = min(triton.next_power_of_2(num_splits), MERGE_MAX_SPLITS_BLOCK)
+    return block_s, max(32, min(D_LAT, MERGE_ELEMENTS // block_s))
+
+
 def _check(q, kv_cache, value_dim):
     if value_dim != D_LAT or q.shape[-1] != ENTRY or kv_cache.shape[-1] != ENTRY:
         raise ValueError(f"mla_attention (triton): needs entry {ENTRY} and value_dim {D_LAT}, got q "
@@ -374,8 +380,7 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         num_warps=warps, num_stages=stages,
     )
     if not direct:
-        block_s = min(triton.next_power_of_2(num_splits), MERGE_MAX_SPLITS_BLOCK)
-        block_d = max(32, min(D_LAT, MERGE_ELEMENTS // block_s))
+        block_s, block_d = merge_blocks(num_splits)
         _merge_kernel[(rows, D_LAT // block_d, B)](
             o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d,
         )
