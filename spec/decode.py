@@ -2,6 +2,8 @@
 
 With no --model-path it runs the embedded default (a tiny random K2.6-shaped target and drafter, see
 spec/default_model.py). Text streams to stdout, then one stats line; --json prints one object instead.
+Under `torchrun --nproc-per-node N` each process holds one tensor-parallel rank (NCCL on GPUs, gloo on CPU):
+every rank runs the same steps on the same gathered logits, and rank 0 prints.
 Bad input (paths, a drafter that does not fit the target, a prompt longer than the context, kernel choices,
 out-of-range values) ends with one `error: ...` line on stderr and exit code 2.
 """
@@ -12,9 +14,11 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 import ops
 import spec.drafter  # noqa: F401 (registers the drafter_attention op before --kernels is read)
+from model.parallel import Parallel
 from spec.engine import MAX_BUDGET, Engine, SamplingParams
 
 DEFAULT_BUDGET = 32
@@ -94,8 +98,22 @@ def pick_device(name):
     return device
 
 
-def load(args, device):
-    """(target, drafter or None, tokenizer) from the paths given, or the embedded default."""
+def join_ranks(device_name):
+    """(device, Parallel) of this process: alone, or one rank of the group torchrun describes (WORLD_SIZE,
+    LOCAL_RANK): NCCL with one GPU per rank when CUDA is used, gloo on the CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return pick_device(device_name), Parallel()
+    device = pick_device(device_name)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device, Parallel.from_process_group()
+
+
+def load(args, device, parallel):
+    """(target, drafter or None, tokenizer) from the paths given, or the embedded default, as this rank's shard."""
     from model.checkpoint import load_model
     from model.tokenizer import load_tokenizer
     from spec.default_model import load_default
@@ -105,13 +123,14 @@ def load(args, device):
     if args.model_path is None:
         if device.type == "cpu":
             torch.set_num_threads(1)  # the tiny default's matmuls are too small to gain from threads
-        target, drafter, tok = load_default(dtype, device)
+        target, drafter, tok = load_default(dtype, device, parallel=parallel)
         return target, None if args.no_spec else drafter, tok
     for flag, path in (("--model-path", args.model_path), ("--draft-model-path", args.draft_model_path)):
         if path is not None and not os.path.isdir(path):
             raise UsageError(f"{flag}: {path} is not a directory")
     try:
-        target = load_model(args.model_path, dtype=dtype, device=device, progress=not args.json)
+        target = load_model(args.model_path, parallel, dtype=dtype, device=device,
+                            progress=not args.json and parallel.rank == 0)
         drafter = None
         if not args.no_spec:
             drafter = load_drafter(args.draft_model_path, target, dtype=dtype, device=device)
@@ -173,9 +192,17 @@ class Streamer:
 
 
 def run(args):
-    device = pick_device(args.device)
+    device, parallel = join_ranks(args.device)
+    try:
+        generate(args, device, parallel)
+    finally:
+        if parallel.joined:
+            dist.destroy_process_group()
+
+
+def generate(args, device, parallel):
     choose_kernels(args.kernels, device)
-    target, drafter, tok = load(args, device)
+    target, drafter, tok = load(args, device, parallel)
     ids = prompt_ids(args, tok)
     engine = Engine(target, drafter, args.tree_budget, cuda_graphs=args.cuda_graphs)
     try:
@@ -183,10 +210,13 @@ def run(args):
     except ValueError as err:
         raise UsageError(str(err)) from None
     sampling = SamplingParams(args.temperature, args.top_p, 0, args.seed)
-    streamer = None if args.json else Streamer(tok, sys.stdout)
+    main_rank = parallel.rank == 0
+    streamer = None if args.json or not main_rank else Streamer(tok, sys.stdout)
     result = engine.generate([ids], args.max_new_tokens, sampling, stop_ids=tok.stop_ids, spec=drafter is not None,
                              on_tokens=streamer)
     out, accepts = result.output_ids[0], result.accept_lengths[0]
+    if not main_rank:
+        return
     if args.json:
         print(json.dumps({
             "output_ids": out, "text": decode_text(tok, out), "accept_lengths": accepts,
@@ -199,7 +229,7 @@ def run(args):
     mode = "target only" if drafter is None else f"DDTree budget {args.tree_budget}"
     print(f"[{mode}] {len(out)} tokens in {result.steps} steps, mean accept length {result.mean_accept_length:.2f}, "
           f"{result.tokens_per_s:.1f} tok/s (prefill {result.prefill_s * 1e3:.0f} ms of {len(ids)} tokens, "
-          f"{result.finish_reasons[0]}) on {device.type}")
+          f"{result.finish_reasons[0]}) on {device.type}" + (f" x {parallel.tp_size} ranks" if parallel.joined else ""))
 
 
 def main(argv=None):

@@ -52,12 +52,12 @@ def write_default(path, seed=SEED, target_cfg=TARGET, dcfg=None):
     return target_dir, drafter_dir
 
 
-def load_default(dtype=torch.float32, device="cpu", seed=SEED):
+def load_default(dtype=torch.float32, device="cpu", seed=SEED, parallel=None):
     """(target, drafter, tokenizer) of the embedded default: the target built in a temporary directory, the
-    shipped trained drafter."""
+    shipped trained drafter; `parallel`: this tensor-parallel rank's shard of both."""
     with tempfile.TemporaryDirectory(prefix="kimi-ddtree-default-") as tmp:
         target_dir, _ = write_default(tmp, seed)
-        target = load_model(target_dir, dtype=dtype, device=device, progress=False)
+        target = load_model(target_dir, parallel, dtype=dtype, device=device, progress=False)
     drafter = load_drafter(DRAFTER_DIR, target, dtype=dtype, device=device)
     return target, drafter, ByteTokenizer(TARGET.vocab_size)
 

@@ -123,3 +123,20 @@ def test_bad_checkpoints_and_prompts(capsys, tmp_path, checkpoints, case, messag
                "corrupt": tmp_path / "corrupt"}.get(case, bad.get(case))
     prompt = ["--prompt-ids", ",".join(["65"] * 60)] if case == "long" else ["--prompt", "x"]
     bad_input(capsys, ["--json", "--model-path", str(target), "--draft-model-path", str(drafter), *prompt], message)
+
+
+def test_torchrun_two_ranks_decode_like_one_process():
+    """`torchrun --nproc-per-node 2 -m spec.decode`: two gloo ranks, each holding half of the target and the
+    drafter, emit the single process's tokens; rank 0 alone prints."""
+    from tests.test_model_vs_hf import _free_port
+
+    args = ["--prompt", "Hello", "--max-new-tokens", "16", "--tree-budget", "8", "--device", "cpu", "--json"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("SPEC_KERNELS", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(_free_port()), "-m", "spec.decode", *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1
+    assert json.loads(lines[0])["output_ids"] == run_json(*args)["output_ids"]
