@@ -48,7 +48,8 @@ CONFIGS = {
         Entry(None, (32, 32, 8, 2, 512, False), 1, 1.6, 10.0, torch.float32),
     ],
 }
-SPLIT_PER_SLOT = (0.5, 1, 2, 4)  # split-count candidates: this many programs per resident slot of the GPU
+# Split-count candidates per arch: this many programs per resident slot of the GPU (sm_120: one, untimed).
+SPLIT_PER_SLOT = {90: (0.5, 1, 2, 4), 120: (1,)}
 MERGE_COST = {90: (4.0, 0.5), 120: (4.0, 0.5)}  # merge: us per launch, us per MB of partials (written + read)
 # Lazy rescale threshold per arch (log2 units; 0: rescale the accumulator at every tile, as measured so far).
 RESCALE_TAU = {90: 0.0, 120: 0.0}
@@ -310,7 +311,7 @@ def default_splits(entry, rows, B, max_len, sms, arch, value_bytes, every=False)
     block_m, block_n, _, _, block_dv, _ = entry.config
     grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
     slots = sms * entry.slots
-    counts = {choose_splits(B * grid_m, max_len, block_n, slots, n) for n in SPLIT_PER_SLOT}
+    counts = {choose_splits(B * grid_m, max_len, block_n, slots, n) for n in SPLIT_PER_SLOT[arch]}
     if every:
         counts = range(1, choose_splits(1, max_len, block_n, 1, max_len) + 1)  # 1 .. the cap
     part_bytes = B * rows * D_LAT * value_bytes
