@@ -132,15 +132,20 @@ def test_moe_panel_layout(panels, bn, extra):
 
 @requires_triton
 @pytest.mark.parametrize("BM,panels,extra", [(8, (0, 0), {}), (16, (64, 128), {"lean": True, "tiles": 2}),
-                                             (8, (64, 64), {"decode": True})],
-                         ids=["bm8_slab", "bm16_panel_lean_tiles2", "bm8_panel_decode"])
+                                             (8, (64, 64), {"decode": True}),
+                                             (8, (0, 0), {"scales_ahead": True, "waves": 1, "D": 608}),
+                                             (16, (64, 128), {"scales_ahead": True, "swap": False, "waves": 1,
+                                                              "D": 608})],
+                         ids=["bm8_slab", "bm16_panel_lean_tiles2", "bm8_panel_decode", "bm8_scales_ahead",
+                              "unswapped_panel_scales_ahead"])
 def test_moe_swapped_tiles(BM, panels, extra):
     """`swap` (transposed tiles: weights as the MMA's M operand, tokens its N) on ragged shapes, split over K, a
     repeated expert; with BM 8 (fewer rows than tl.dot's usual 16), panels, lean pointers, two down tiles a
-    program and the decode path (the GPU run adds `lop3`, which the interpreter cannot run)."""
-    E, D, I = 5, 320, 96
-    lop3 = gpu()
-    kernel = dict(BN=64, waves=8, num_warps=4, num_stages=2, swap=True, lop3=lop3, lean=extra.get("lean", False))
+    program, the decode path, and `scales_ahead` (three slabs in one split: scales carried across slabs), also
+    unswapped (the GPU run adds `lop3`, which the interpreter cannot run)."""
+    E, D, I = 5, extra.get("D", 320), 96
+    kernel = dict(BN=64, waves=extra.get("waves", 8), num_warps=4, num_stages=2, swap=extra.get("swap", True),
+                  lop3=gpu(), lean=extra.get("lean", False), scales_ahead=extra.get("scales_ahead", False))
     cfg = {"BM": BM, "panels": panels, "decode": extra.get("decode", False), "gate_up": kernel,
            "down": dict(kernel, BN=64 // extra.get("tiles", 1), tiles=extra.get("tiles", 1))}  # tiles x BN | D
     raw = make_experts(E, D, I, seed=6)
@@ -251,7 +256,7 @@ print(json.dumps([vars(compile_for(kernel, *launch)) for arch in (90, 120)
 """
 
 
-@pytest.mark.parametrize("variant,M", [("panel_gu32_prefetch", 1), ("swap8", 1), ("swap16", 64)])
+@pytest.mark.parametrize("variant,M", [("panel_gu32_prefetch", 1), ("swap8_ahead", 1), ("swap16", 64)])
 def test_inline_ptx_variants_compile(variant, M):
     """Variants with inline PTX (L2 prefetch, lop3), which the interpreter cannot run, assemble for sm_90 and
     sm_120 without spills (swap16 at BM 16 is wgmma with register weights on sm_90)."""

@@ -101,16 +101,36 @@ def _load_slab(w_ptrs, w_row, w_mask):
 
 
 @triton.jit
-def _slab_dot(acc, a_ptrs, row_mask, k, K, w0, w1, s_ptrs, s_mask, stride_sg,
+def _load_scales(s_ptrs, s_mask, s_row):
+    """A slab's 8 group scales [BN, 8] (bf16) from s_ptrs [BN] (its first group's) and the row stride s_row."""
+    return tl.load(s_ptrs[:, None] + (tl.arange(0, 8) * s_row)[None, :], mask=s_mask[:, None], other=0.0)
+
+
+@triton.jit
+def _group_scale(tile, g: tl.constexpr):
+    """Column g [BN] fp32 of scales [BN, 8], by splits of the view [BN, 2, 2, 2] (g = 4a + 2b + c; the splits
+    are shared by the 8 calls of a slab)."""
+    lo, hi = tl.split(tl.reshape(tile.to(tl.float32), (tile.shape[0], 2, 2, 2)))  # [BN, 2, 2]: c
+    v = hi if g % 2 else lo
+    lo, hi = tl.split(v)  # [BN, 2]: b
+    v = hi if (g // 2) % 2 else lo
+    lo, hi = tl.split(v)  # [BN]: a
+    return hi if g // 4 else lo
+
+
+@triton.jit
+def _slab_dot(acc, a_ptrs, row_mask, k, K, w0, w1, s_ptrs, s_mask, stride_sg, s_tile,
               MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, DTYPE: tl.constexpr,
-              EVEN_K: tl.constexpr, SWAP: tl.constexpr, LOP3: tl.constexpr):
+              EVEN_K: tl.constexpr, SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr):
     """acc [BM, BN] += A [BM, 256] @ dequant(slab) [256, BN], scaling each group's partial product; with SWAP
     the transposed product acc [BN, BM] += dequant(slab)^T [BN, 256] @ A^T [256, BM] (the weights are the MMA's
     M operand: BM tokens pad to 8, not 16).
 
     w0, w1 [16, BN] (SWAP: [BN, 16]): the slab's half-slabs of words (`_load_slab`); a_ptrs [BM, 32] (SWAP:
     [32, BM]) point at the slab's first group (columns k [32]); A's columns at or past K read as 0 (no column
-    mask when EVEN_K: K is a multiple of 256). Group 2m + t is nibble pair m of half t.
+    mask when EVEN_K: K is a multiple of 256). Group 2m + t is nibble pair m of half t. Scales: loaded here from
+    s_ptrs [BN] (the first group's; groups stride_sg apart), or with AHEAD taken from s_tile [BN, 8]
+    (`_load_scales`, loaded a slab ahead by the caller).
     """
     for t in tl.static_range(2):
         words = w1 if t else w0
@@ -122,7 +142,10 @@ def _slab_dot(acc, a_ptrs, row_mask, k, K, w0, w1, s_ptrs, s_mask, stride_sg,
                 a_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (k + g * _GROUP < K)[None, :]
             a = tl.load(a_ptrs + g * _GROUP, mask=a_mask, other=0.0).to(DTYPE)  # [BM, 32] (SWAP: [32, BM])
             w = _unpack_group(words, m, MAGIC, MAGIC_VALUE, WIDE, DTYPE, SWAP, LOP3)  # [32, BN] (SWAP: [BN, 32])
-            scale = tl.load(s_ptrs + g * stride_sg, mask=s_mask, other=0.0).to(tl.float32)  # [BN]
+            if AHEAD:
+                scale = _group_scale(s_tile, g)
+            else:
+                scale = tl.load(s_ptrs + g * stride_sg, mask=s_mask, other=0.0).to(tl.float32)  # [BN]
             if WIDE:
                 if m % 2:
                     scale = scale * 0.0625
@@ -249,12 +272,13 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
                     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, LEAN: tl.constexpr,
                     EVEN_N: tl.constexpr, DECODE: tl.constexpr, PANEL: tl.constexpr, PREFETCH: tl.constexpr,
                     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
-                    SWAP: tl.constexpr, LOP3: tl.constexpr):
+                    SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr):
     """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate.
 
     With SPLIT, pid 2 of split_k sums a range of slabs into part; the last split to arrive finishes the tile.
     With SWAP the tiles are transposed ([BN, BM]: the weights are the MMA's M operand, see `_slab_dot`); LOP3
-    dequantises with inline PTX (`_unpack_group`).
+    dequantises with inline PTX (`_unpack_group`); AHEAD loads a slab's scales during the slab before (Triton
+    pipelines only loads that feed a dot: the scales would otherwise wait a global load each slab).
     Layout (TritonExperts): w_row / s_row are the row strides of words / scales, stride_wp / stride_sp their
     panel strides (PANEL > 0), up_w / up_s the offsets of the up columns from the gate columns.
     """
@@ -293,18 +317,26 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
         lines = w_base + _tile_cols(pid_n, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]: 128-byte lines
         for ahead in tl.static_range(1, PREFETCH):
             _prefetch_slab(lines, tl.minimum(first + ahead, end - 1), w_row, up_w, True)
+    sg, su = 0, 0  # with AHEAD: the gate and up scales [BN, 8] of the slab being computed
+    if AHEAD:
+        sg, su = _load_scales(s_ptrs, n_mask, s_row), _load_scales(s_ptrs + up_s, n_mask, s_row)
     for slab in range(first, end):
         if not LEAN:  # recomputed from the slab index (the measured default); LEAN carries them below
             w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token * D, kw, kg, w_cols, s_cols,
                                                    slab, w_row, s_row, SWAP)
         if PREFETCH:
             _prefetch_slab(lines, tl.minimum(slab + PREFETCH, end - 1), w_row, up_w, True)
+        if AHEAD:
+            s_next = s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols  # [BN]
+            sg_next, su_next = _load_scales(s_next, n_mask, s_row), _load_scales(s_next + up_s, n_mask, s_row)
         g0, g1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
         u0, u1 = _load_slab(w_ptrs + up_w, w_row, col_mask)
-        acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, g0, g1, s_ptrs, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE,
-                          DTYPE, EVEN_K, SWAP, LOP3)
-        acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, u0, u1, s_ptrs + up_s, n_mask, s_row, MAGIC, MAGIC_VALUE,
-                          WIDE, DTYPE, EVEN_K, SWAP, LOP3)
+        acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, g0, g1, s_ptrs, n_mask, s_row, sg, MAGIC, MAGIC_VALUE,
+                          WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD)
+        acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, u0, u1, s_ptrs + up_s, n_mask, s_row, su, MAGIC,
+                          MAGIC_VALUE, WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD)
+        if AHEAD:
+            sg, su = sg_next, su_next
         if LEAN:
             w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
     out = R * I + C  # [BM, BN] (SWAP: [BN, BM])
@@ -334,7 +366,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
                  TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LEAN: tl.constexpr, EVEN_N: tl.constexpr,
                  DECODE: tl.constexpr, PANEL: tl.constexpr, PREFETCH: tl.constexpr, TILES: tl.constexpr,
                  MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
-                 SWAP: tl.constexpr, LOP3: tl.constexpr):
+                 SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr):
     """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tiles TILES * pid 1 ..
     TILES * pid 1 + TILES - 1 (one after the other), K split pid 2 (layout arguments and SWAP as in
     `_gate_up_kernel`)."""
@@ -372,6 +404,9 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
         acc = _acc_zeros(BM, BN, SWAP)
         w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, first, w_row, s_row,
                                                SWAP)
+        sc = 0  # with AHEAD: the scales [BN, 8] of the slab being computed (as in _gate_up_kernel)
+        if AHEAD:
+            sc = _load_scales(s_ptrs, n_mask, s_row)
         if PREFETCH:  # as in _gate_up_kernel (one slab at K2.6's TP8 shape: nothing to prefetch)
             lines = w_base + _tile_cols(tile, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]
             for ahead in tl.static_range(1, PREFETCH):
@@ -382,9 +417,13 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
                                                        s_row, SWAP)
             if PREFETCH:
                 _prefetch_slab(lines, tl.minimum(slab + PREFETCH, end - 1), w_row, 0, False)
+            if AHEAD:
+                sc_next = _load_scales(s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols, n_mask, s_row)
             w0, w1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
-            acc = _slab_dot(acc, a_ptrs, valid, k, I, w0, w1, s_ptrs, n_mask, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE,
-                            EVEN_K, SWAP, LOP3)
+            acc = _slab_dot(acc, a_ptrs, valid, k, I, w0, w1, s_ptrs, n_mask, s_row, sc, MAGIC, MAGIC_VALUE, WIDE,
+                            DTYPE, EVEN_K, SWAP, LOP3, AHEAD)
+            if AHEAD:
+                sc = sc_next
             if LEAN:
                 w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
         # relaxed: only atomicity is needed (the cast reads out in a later launch); the default acq_rel fences every
@@ -509,10 +548,12 @@ def _flags(kernel_cfg, N):
     loop, drops the column masks when BN divides N and loads a block's pair ids with its expert; `prefetch` (a
     distance in slabs, 0 off) asks L2 for the words of slab + prefetch while slab is dequantised (PTX prefetch: not
     interpretable); `swap` computes the transposed tile, weights as the MMA's M operand (`_slab_dot`); `lop3`
-    dequantises with one PTX lop3 for the mask and the magic exponent (`_unpack_group`; not interpretable)."""
+    dequantises with one PTX lop3 for the mask and the magic exponent (`_unpack_group`; not interpretable);
+    `scales_ahead` loads each slab's group scales one slab early."""
     lean = kernel_cfg.get("lean", False)
     return dict(LEAN=lean, EVEN_N=lean and N % kernel_cfg["BN"] == 0, PREFETCH=kernel_cfg.get("prefetch", 0),
-                SWAP=kernel_cfg.get("swap", False), LOP3=kernel_cfg.get("lop3", False))
+                SWAP=kernel_cfg.get("swap", False), LOP3=kernel_cfg.get("lop3", False),
+                AHEAD=kernel_cfg.get("scales_ahead", False))
 
 
 def _layout(words, scales, panel, BN, up=0):
