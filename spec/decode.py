@@ -197,6 +197,7 @@ def run(args):
         generate(args, device, parallel)
     finally:
         if parallel.joined:
+            dist.barrier()  # no rank tears the group down while another still talks to it
             dist.destroy_process_group()
 
 
