@@ -70,15 +70,18 @@ VARIANTS = {
     # the magic exponent as one PTX lop3 instead of an AND and an OR (inline PTX: GPU and compile tests only).
     # Static counts (sm_90, Triton 3.6, TP8, M <= 16 entry) in triton_kernels/README.md.
     "lop3": dict(gate_up=dict(lop3=True), down=dict(lop3=True)),
-    "swap8": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True), down=dict(BN=64, swap=True, lop3=True)),
+    # `waves` below = the CTAs an SM holds (registers and shared memory of the sm_90 build), so that at small M the
+    # K splits fill one wave: swap8's gate/up holds 3 (61 KB), at 3 stages 4 (128 registers), swap16's 2
+    "swap8": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True, waves=3), down=dict(BN=64, swap=True, lop3=True)),
     "swap8_s3": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True, num_stages=3),
                      down=dict(BN=64, swap=True, lop3=True)),
-    "swap8_dn2": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True), down=dict(BN=64, swap=True, lop3=True, tiles=2)),
-    "swap16": dict(BM=16, gate_up=dict(BN=64, swap=True, lop3=True), down=dict(BN=64, swap=True, lop3=True)),
+    "swap8_dn2": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True, waves=3),
+                      down=dict(BN=64, swap=True, lop3=True, tiles=2)),
+    "swap16": dict(BM=16, gate_up=dict(BN=64, swap=True, lop3=True, waves=2), down=dict(BN=64, swap=True, lop3=True)),
     # `scales_ahead` (per kernel): the group scales are plain loads (Triton's pipeliner stages only loads that feed
     # a dot), so every slab waited a global-load latency for them; these load slab + 1's [BN, 8] scales while slab
-    # is computed
-    "swap8_ahead": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True, scales_ahead=True),
+    # is computed (swap8_ahead's gate/up: 164 registers, 3 CTAs an SM)
+    "swap8_ahead": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True, scales_ahead=True, waves=3),
                         down=dict(BN=64, swap=True, lop3=True, scales_ahead=True, tiles=2)),
     "ahead": dict(gate_up=dict(scales_ahead=True), down=dict(scales_ahead=True)),
 }
