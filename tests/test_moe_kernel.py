@@ -142,10 +142,10 @@ def test_moe_swapped_tiles(BM, panels, extra):
     """`swap` (transposed tiles: weights as the MMA's M operand, tokens its N) on ragged shapes, split over K, a
     repeated expert; with BM 8 (fewer rows than tl.dot's usual 16), panels, lean pointers, two down tiles a
     program, the decode path, and `scales_ahead` (three slabs in one split: scales carried across slabs), also
-    unswapped (the GPU run adds `lop3`, which the interpreter cannot run)."""
+    unswapped; `lop3` runs on the GPU (the interpreter runs the plain form)."""
     E, D, I = 5, extra.get("D", 320), 96
     kernel = dict(BN=64, waves=extra.get("waves", 8), num_warps=4, num_stages=2, swap=extra.get("swap", True),
-                  lop3=gpu(), lean=extra.get("lean", False), scales_ahead=extra.get("scales_ahead", False))
+                  lop3=True, lean=extra.get("lean", False), scales_ahead=extra.get("scales_ahead", False))
     cfg = {"BM": BM, "panels": panels, "decode": extra.get("decode", False), "gate_up": kernel,
            "down": dict(kernel, BN=64 // extra.get("tiles", 1), tiles=extra.get("tiles", 1))}  # tiles x BN | D
     raw = make_experts(E, D, I, seed=6)

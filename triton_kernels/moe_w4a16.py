@@ -543,16 +543,17 @@ def _expected_experts(E, pairs):
     return min(E, pairs, max(1, round(E * (1 - (1 - 1 / E) ** pairs))))
 
 
-def _flags(kernel_cfg, N):
-    """LEAN / EVEN_N / PREFETCH / SWAP constexprs of a kernel config: `lean` carries the slab pointers across the K
-    loop, drops the column masks when BN divides N and loads a block's pair ids with its expert; `prefetch` (a
-    distance in slabs, 0 off) asks L2 for the words of slab + prefetch while slab is dequantised (PTX prefetch: not
-    interpretable); `swap` computes the transposed tile, weights as the MMA's M operand (`_slab_dot`); `lop3`
-    dequantises with one PTX lop3 for the mask and the magic exponent (`_unpack_group`; not interpretable);
-    `scales_ahead` loads each slab's group scales one slab early."""
+def _flags(kernel_cfg, N, ptx=True):
+    """LEAN / EVEN_N / PREFETCH / SWAP / LOP3 / AHEAD constexprs of a kernel config: `lean` carries the slab
+    pointers across the K loop, drops the column masks when BN divides N and loads a block's pair ids with its
+    expert; `prefetch` (a distance in slabs, 0 off) asks L2 for the words of slab + prefetch while slab is
+    dequantised (PTX prefetch: not interpretable); `swap` computes the transposed tile, weights as the MMA's M
+    operand (`_slab_dot`); `lop3` dequantises with one PTX lop3 for the mask and the magic exponent
+    (`_unpack_group`), the same result as the plain form the interpreter runs (ptx=False); `scales_ahead` loads
+    each slab's group scales one slab early."""
     lean = kernel_cfg.get("lean", False)
     return dict(LEAN=lean, EVEN_N=lean and N % kernel_cfg["BN"] == 0, PREFETCH=kernel_cfg.get("prefetch", 0),
-                SWAP=kernel_cfg.get("swap", False), LOP3=kernel_cfg.get("lop3", False),
+                SWAP=kernel_cfg.get("swap", False), LOP3=ptx and kernel_cfg.get("lop3", False),
                 AHEAD=kernel_cfg.get("scales_ahead", False))
 
 
@@ -625,6 +626,7 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
     dn_split = triton.cdiv(dn_slabs, dn_per_split)
 
     dev = x.device
+    ptx = dev.type == "cuda"  # inline PTX (lop3) compiles; the interpreter runs the plain forms
     n_counters = nb_max * gu_tiles if gu_split > 1 else 0
     if decode:  # one block per pair: a memset instead of the routing pass
         scratch = torch.zeros(M * D + n_counters, dtype=torch.float32, device=dev)
@@ -643,13 +645,13 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
         x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert,
         D, I, gu_slabs, gu_per_split, gu_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
         part.stride(0) if gu_split > 1 else 0, **gu_layout,
-        TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_flags(g, I), DECODE=decode,
+        TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_flags(g, I, ptx), DECODE=decode,
         num_warps=g["num_warps"], num_stages=g["num_stages"], **magic)
     d = cfg["down"]
     _down_kernel[(nb_max, dn_tiles, dn_split)](
         h, experts.down, experts.down_scale, out, topk_weights, sorted_pairs, block_expert,
         D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0), **dn_layout,
-        TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_flags(d, D), DECODE=decode, TILES=dn_per_cta,
+        TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_flags(d, D, ptx), DECODE=decode, TILES=dn_per_cta,
         num_warps=d["num_warps"], num_stages=d["num_stages"], **magic)
     return out.to(x.dtype)
 
