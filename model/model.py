@@ -1,4 +1,4 @@
-"""Kimi K2.6 / DeepSeek-V3 text model built only from `ops.*` (plus plain linear projections).
+"""Kimi K2.6 / DeepSeek-V3 text model built only from `ops.*` (and the embedding lookup).
 
 Module and buffer names mirror the checkpoint's (after its `model.` / `language_model.model.` prefix), except
 two stacked forms the loader fills: `mlp.gate_up.weight` (gate rows then up rows of a dense MLP or shared
@@ -72,11 +72,12 @@ class Attention(nn.Module):
     def project(self, x):
         """x: [N, D] -> q_nope [N, H, 128], q_pe [N, H, 64] and the latent projection ckv [N, 576]."""
         cfg = self.cfg
-        qa, ckv = F.linear(x, self.down_proj_weight).split([cfg.q_lora_rank or 0, cfg.cache_entry_dim], -1)
+        qa, ckv = ops.linear(x, self.down_proj_weight).split([cfg.q_lora_rank or 0, cfg.cache_entry_dim], -1)
         if cfg.q_lora_rank:
-            q = F.linear(ops.rms_norm(qa, self.q_a_layernorm.weight, cfg.latent_norm_eps), self.q_b_proj.weight)
+            qa = ops.rms_norm(qa, self.q_a_layernorm.weight, cfg.latent_norm_eps)
+            q = ops.linear(qa, self.q_b_proj.weight)
         else:
-            q = F.linear(x, self.q_proj.weight)
+            q = ops.linear(x, self.q_proj.weight)
         q = q.view(x.shape[0], self.heads, cfg.qk_head_dim)
         return (*q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1), ckv)
 
@@ -96,7 +97,7 @@ class Attention(nn.Module):
             o_lat = ops.mla_attention(q.view(meta.B, meta.T, self.heads, cfg.cache_entry_dim), kv, meta.lens_after,
                                       meta.tree_mask, cfg.softmax_scale, cfg.kv_lora_rank)
         o = ops.absorb_output(o_lat.reshape(N, self.heads, cfg.kv_lora_rank), w_uv)
-        return F.linear(o, self.o_proj.weight)
+        return ops.linear(o, self.o_proj.weight)
 
 
 def naive_latent_attention(q_nope, q_pe, w_uk, kv, meta, scale, rank):
@@ -270,7 +271,7 @@ class KimiModel(nn.Module):
         h = ops.add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[1].view(B, T, -1)
         if logit_rows is not None:
             h = h.gather(1, logit_rows[..., None].expand(-1, -1, h.shape[-1]))
-        logits = self.par.all_gather_last(F.linear(h, self.lm_head.weight))
+        logits = self.par.all_gather_last(ops.linear(h, self.lm_head.weight))
         hidden = torch.cat([kept[i] for i in hidden_layers], -1).view(B, T, -1) if hidden_layers else None
         return ForwardOutput(logits, hidden)
 

@@ -257,9 +257,9 @@ class DrafterAttention(nn.Module):
     def keys_values(self, x, positions, rope):
         """x: [N, D] -> roped, k-normed keys [N, KVH, hd] and values [N, KVH, hd]."""
         cfg = self.cfg
-        k = F.linear(x, self.k_proj.weight).view(x.shape[0], self.kv_heads, cfg.head_dim)
+        k = ops.linear(x, self.k_proj.weight).view(x.shape[0], self.kv_heads, cfg.head_dim)
         k = rope_half(ops.rms_norm(k, self.k_norm.weight, cfg.rms_norm_eps), positions, *rope)
-        v = F.linear(x, self.v_proj.weight).view(x.shape[0], self.kv_heads, cfg.head_dim)
+        v = ops.linear(x, self.v_proj.weight).view(x.shape[0], self.kv_heads, cfg.head_dim)
         return k, v
 
     def forward(self, x, positions, rope, k_cache, v_cache, starts, lens_after, max_len):
@@ -267,14 +267,14 @@ class DrafterAttention(nn.Module):
         cfg = self.cfg
         B, S, _ = x.shape
         flat = x.reshape(B * S, -1)
-        q = F.linear(flat, self.q_proj.weight).view(B * S, self.heads, cfg.head_dim)
+        q = ops.linear(flat, self.q_proj.weight).view(B * S, self.heads, cfg.head_dim)
         q = rope_half(ops.rms_norm(q, self.q_norm.weight, cfg.rms_norm_eps), positions, *rope)
         k, v = self.keys_values(flat, positions, rope)
         _scatter_rows(k_cache, k.view(B, S, *k.shape[1:]), starts)
         _scatter_rows(v_cache, v.view(B, S, *v.shape[1:]), starts)
         o = drafter_attention(q.view(B, S, *q.shape[1:]), k_cache, v_cache, lens_after, max_len,
                               cfg.head_dim ** -0.5)
-        return self.par.all_reduce(F.linear(o.reshape(B, S, -1), self.o_proj.weight))
+        return self.par.all_reduce(ops.linear(o.reshape(B, S, -1), self.o_proj.weight))
 
 
 class DrafterLayer(nn.Module):
@@ -361,7 +361,7 @@ class DFlashDrafter(nn.Module):
         """
         B, C, _ = features.shape
         cache.check_room(C)
-        ctx = ops.rms_norm(F.linear(self.hf_features(features).to(self.dtype), self.fc.weight),
+        ctx = ops.rms_norm(ops.linear(self.hf_features(features).to(self.dtype), self.fc.weight),
                            self.hidden_norm.weight, self.cfg.rms_norm_eps).reshape(B * C, -1)
         positions = (cache.lens[:B, None] + torch.arange(C, device=self.device)).reshape(-1)
         rope = (self.inv_freq, self.rope_factor)
@@ -392,7 +392,7 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, positions, rope, cache.k[i], cache.v[i], starts, lens_after, max_len)
         h = ops.rms_norm(h[:, 1:], self.norm.weight, self.cfg.rms_norm_eps)
-        return self.target.par.all_gather_last(F.linear(h, self.target.lm_head.weight))
+        return self.target.par.all_gather_last(ops.linear(h, self.target.lm_head.weight))
 
     def init_random_(self, seed=0, std=0.02):
         """Seeded random weights (tests and the embedded default)."""

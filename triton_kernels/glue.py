@@ -150,10 +150,12 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
 
 
 def mlp(x, gate_up_weight, down_weight):
-    """See `ops.mlp.mlp`: the two projections by cuBLAS, silu(gate) * up in one launch between them."""
-    gate_up = torch.nn.functional.linear(x, gate_up_weight)  # [M, 2I]
+    """See `ops.mlp.mlp`: the two projections through `ops.linear`, silu(gate) * up in one launch between them."""
+    from ops.linear import linear
+
+    gate_up = linear(x, gate_up_weight)  # [M, 2I]
     M, I = gate_up.shape[0], gate_up.shape[1] // 2
     act = torch.empty(M, I, dtype=gate_up.dtype, device=x.device)
     if M:
         _silu_mul_kernel[(M, triton.cdiv(I, 1024))](gate_up, act, I, BLOCK=1024)
-    return torch.nn.functional.linear(act, down_weight)
+    return linear(act, down_weight)

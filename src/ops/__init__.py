@@ -7,6 +7,7 @@ from ops.absorb import absorb_output, absorb_query
 from ops._backend import current, dispatch, has_triton, op_names, table, use, use_spec, using
 from ops.attention import causal_tree_mask, mla_attention, pack_tree_mask, tree_mask_dense, write_kv
 from ops.latent import write_latent
+from ops.linear import linear
 from ops.mlp import mlp
 from ops.moe import PackedExperts, moe, pack_int4, prepare_moe, route, unpack_int4
 from ops.norm import add_rms_norm, rms_norm
@@ -18,7 +19,7 @@ _backend.apply_env()
 
 __all__ = [
     "absorb_output", "absorb_query", "add_rms_norm", "apply_rope", "causal_tree_mask", "current", "dispatch",
-    "has_triton", "mla_attention", "mlp", "moe", "op_names", "pack_int4", "pack_tree_mask", "PackedExperts",
+    "has_triton", "linear", "mla_attention", "mlp", "moe", "op_names", "pack_int4", "pack_tree_mask", "PackedExperts",
     "prepare_moe", "rms_norm", "route", "table", "tree_mask_dense", "unpack_int4", "use", "use_spec", "using",
     "write_kv", "write_latent", "yarn_inv_freq", "yarn_mscale", "Tree", "accept", "build_tree", "compact",
     "draft_topk",
