@@ -45,8 +45,9 @@ def _absorb_output_kernel(o_ptr, w_ptr, out_ptr, N, H, stride_on, stride_oh, str
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    for k in range(0, R, BLOCK_K):
-        o = tl.load(o_ptr + rows * stride_on + h * stride_oh + k + offs_k[None, :], mask=n_ok, other=0.0)  # [BN, BK]
+    o_rows = o_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_on + h * stride_oh  # clamped, not
+    for k in range(0, R, BLOCK_K):  # masked, so the loads pipeline (rows past N feed outputs never stored)
+        o = tl.load(o_rows + k + offs_k[None, :])  # [BN, BK]
         w = tl.load(w_ptr + h * stride_wh + offs_d[None, :] * stride_wd + k + offs_k[:, None])  # [BK, BD]
         acc = tl.dot(o, w, acc)
     tl.store(out_ptr + rows * H * DV + h * DV + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=n_ok)
