@@ -170,14 +170,15 @@ def drafter_attention(q, k_cache, v_cache, lens, max_len, scale):
 
 
 def drafter_attention_torch(q, k_cache, v_cache, lens, max_len, scale):
-    B, S, H, hd = q.shape
-    group = H // k_cache.shape[2]
-    k = k_cache[:B, :max_len].float().repeat_interleave(group, dim=2)  # [B, M, H, hd]
-    v = v_cache[:B, :max_len].float().repeat_interleave(group, dim=2)
-    scores = torch.einsum("bshd,bmhd->bhsm", q.float(), k) * scale
+    """Through torch's scaled_dot_product_attention in q's dtype (fp32 math for fp32 inputs; on a GPU its fused
+    kernels, without expanding the key/value heads or the scores to fp32 in memory)."""
+    B = q.shape[0]
+    k = k_cache[:B, :max_len].transpose(1, 2)  # [B, KVH, M, hd]
+    v = v_cache[:B, :max_len].transpose(1, 2)
     visible = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [B, M]
-    probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
-    return torch.einsum("bhsm,bmhd->bshd", probs, v).to(q.dtype)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype),
+                                         attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
 
 
 register("drafter_attention", drafter_attention_torch)
