@@ -11,13 +11,17 @@ keeps BN=32. The sm_90 entries were the fastest or within 10% of the fastest of 
 import torch
 
 CONFIGS = {
+    # swap16 of bench/results/moe_variants_h200_s2b.md (H200, 2026-11-30 04:01 UTC): transposed tiles (wgmma with
+    # the dequantised weights from registers), lop3, gate/up waves = the 2 CTAs an SM holds; 1.20-1.32x the
+    # previous entries at every M of the TP8 sweep, the fastest measured at 7 of 10 M and within 4% of swap8_s3
+    # at the other 3
     "sm_90": [
-        (16, dict(BM=16, gate_up=dict(BN=32, waves=4, num_warps=4, num_stages=4),
-                  down=dict(BN=128, waves=4, num_warps=4, num_stages=2))),
-        (128, dict(BM=16, gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=4),
-                   down=dict(BN=128, waves=4, num_warps=4, num_stages=2))),
-        (None, dict(BM=16, gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=4),
-                    down=dict(BN=128, waves=2, num_warps=4, num_stages=2))),
+        (16, dict(BM=16, gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=4, swap=True, lop3=True),
+                  down=dict(BN=64, waves=4, num_warps=4, num_stages=2, swap=True, lop3=True))),
+        (128, dict(BM=16, gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=4, swap=True, lop3=True),
+                   down=dict(BN=64, waves=4, num_warps=4, num_stages=2, swap=True, lop3=True))),
+        (None, dict(BM=16, gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=4, swap=True, lop3=True),
+                    down=dict(BN=64, waves=2, num_warps=4, num_stages=2, swap=True, lop3=True))),
     ],
     "sm_120": [
         (16, dict(BM=16, gate_up=dict(BN=32, waves=4, num_warps=4, num_stages=3),
@@ -33,54 +37,32 @@ CONFIGS = {
 LAYOUTS = {"sm_90": (0, 0), "sm_120": (0, 0)}
 
 
-# sm_90 variants under test, as overrides of an entry's per-kernel dicts (not used by config_for). `lean` carries
-# the slab pointers across the K loop, drops column masks when BN divides N and loads a block's pair ids together
-# with its expert; `decode` (top level) gives each (token, expert) pair its own block of rows and replaces the
-# routing pass by a memset (for a few tokens: an expert chosen by two tokens is read twice). Static SASS counts
-# per variant are in triton_kernels/README.md; `python bench/bench_moe.py --variants` times them (TP8 shape).
+# sm_90 variants under test, as overrides of an entry's per-kernel dicts (not used by config_for); those measured
+# slower in session 2's two H200 calls were dropped (bench/results/moe_variants_h200_s2*.md). Other config keys the
+# kernels take (tests/test_moe_kernel.py runs them): `lean` (slab pointers carried across the K loop, no column
+# masks when BN divides N), `decode` (top level: a block per (token, expert) pair, a memset instead of the routing
+# pass), `panels` (top level: the weight layout the config expects). Static SASS counts are in
+# triton_kernels/README.md; `python bench/bench_moe.py --variants` times the variants (TP8 shape).
 VARIANTS = {
-    "lean": dict(gate_up=dict(lean=True), down=dict(lean=True)),
-    "lean_gu64": dict(gate_up=dict(BN=64, lean=True), down=dict(lean=True)),
-    # panel layouts (`panels`: the layout the bench prepares for the variant; README.md): a program's K range of
-    # one panel is one contiguous stream. `panel` changes the layout only (at M <= 16 a gate/up tile of BN 32 is
-    # half a 64-wide panel); `panel_gu32` keeps gate/up at BN 32 for every M (89 registers instead of 250 at BN
-    # 64: 5 CTAs an SM instead of 2, ncu 2026-11-30); `gu32` is that without the panels; `panel_s2` trades
-    # pipeline depth for occupancy (gate/up at M <= 16: 49 KB of shared memory, 4 CTAs an SM).
-    "panel": dict(panels=(64, 128)),
-    "panel_gu32": dict(panels=(32, 128), gate_up=dict(BN=32)),
-    "gu32": dict(gate_up=dict(BN=32)),
-    "panel_s2": dict(panels=(64, 128), gate_up=dict(num_stages=2)),
-    "panel_decode": dict(panels=(32, 128), decode=True, gate_up=dict(BN=32)),
-    # `prefetch` (distance in slabs): the weight words are loaded straight into registers (LDG; only the
-    # activations go through cp.async stages), so a CTA has one slab's words in flight and none while it
-    # dequantises; these ask L2 for slab + prefetch's words (one PTX prefetch per 128-byte line) first
-    "prefetch": dict(gate_up=dict(prefetch=2), down=dict(prefetch=2)),
-    "panel_prefetch": dict(panels=(64, 128), gate_up=dict(prefetch=2), down=dict(prefetch=2)),
-    "panel_gu32_prefetch": dict(panels=(32, 128), gate_up=dict(BN=32, prefetch=2), down=dict(prefetch=2)),
-    "panel_gu32_prefetch4": dict(panels=(32, 128), gate_up=dict(BN=32, prefetch=4), down=dict(prefetch=4)),
-    # `tiles` (down): N tiles a program computes one after the other (unrolled), so the index loads, pointers and
-    # activations of a block are set up once per `tiles` tiles (at I = 256 a down program has one slab: the code
-    # outside the K loop is a third of its instructions, ncu 2026-11-30)
+    # `tiles` (down): N tiles a program computes one after the other, so the index loads, pointers and activations
+    # of a block are set up once per `tiles` tiles (+1-3% at M >= 16 on the unswapped entries, H200 02:52 UTC)
     "dn_tiles2": dict(down=dict(tiles=2)),
-    "panel_gu32_prefetch_dn2": dict(panels=(32, 128), gate_up=dict(BN=32, prefetch=2), down=dict(tiles=2)),
-    # `swap` (per kernel): the transposed tile acc^T [BN, BM] += W^T [BN, 32] @ A^T [32, BM], so the dequantised
-    # weights are the MMA's M operand (registers) and BM tokens pad to the MMA's N = 8 instead of M = 16: half the
-    # HMMAs and the scale FFMAs a weight at BM 8 (mma.sync m16n8k16); at BM 16 Triton 3.6 picks wgmma with the
-    # weights as a register operand (HGMMA 64x16x16, no STS of weights). `lop3` (per kernel): the nibble mask and
-    # the magic exponent as one PTX lop3 instead of an AND and an OR (inline PTX: GPU and compile tests only).
-    # Static counts (sm_90, Triton 3.6, TP8, M <= 16 entry) in triton_kernels/README.md.
-    "lop3": dict(gate_up=dict(lop3=True), down=dict(lop3=True)),
-    # `waves` below = the CTAs an SM holds (registers and shared memory of the sm_90 build), so that at small M the
-    # K splits fill one wave: swap8's gate/up holds 3 (61 KB), at 3 stages 4 (128 registers), swap16's 2
+    # `prefetch` (distance in slabs): ask L2 for slab + prefetch's words (one PTX prefetch per 128-byte line) while
+    # slab is dequantised (0-7% slower on the unswapped entries, kept for the compile test of inline PTX)
+    "prefetch": dict(gate_up=dict(prefetch=2), down=dict(prefetch=2)),
+    # BM 8 with swap: tokens pad to mma.sync's N = 8 (Triton keeps mma.sync there; half the HMMAs and scale FFMAs
+    # a weight). `waves` = the CTAs an SM holds: 3 at 4 stages (61 KB), 4 at 3 stages (128 registers). Measured
+    # (unswapped BM 16 base, 04:01 UTC): swap8_s3 the fastest at M = 8, 16, 64 (1-4% ahead of swap16), all BM 8
+    # variants 22-25% slower at M = 512 (an expert's tokens need two blocks)
     "swap8": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True, waves=3), down=dict(BN=64, swap=True, lop3=True)),
-    "swap8_s3": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True, num_stages=3),
+    "swap8_s3": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True, num_stages=3, waves=4),
                      down=dict(BN=64, swap=True, lop3=True)),
     "swap8_dn2": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True, waves=3),
                       down=dict(BN=64, swap=True, lop3=True, tiles=2)),
-    "swap16": dict(BM=16, gate_up=dict(BN=64, swap=True, lop3=True, waves=2), down=dict(BN=64, swap=True, lop3=True)),
     # `scales_ahead` (per kernel): the group scales are plain loads (Triton's pipeliner stages only loads that feed
     # a dot), so every slab waited a global-load latency for them; these load slab + 1's [BN, 8] scales while slab
-    # is computed (swap8_ahead's gate/up: 164 registers, 3 CTAs an SM)
+    # is computed (swap8_ahead's gate/up: 164 registers, 3 CTAs an SM). Measured on the unswapped base: `ahead`
+    # 3-11% faster, swap8_ahead within 1-7% of swap8_s3 below M = 256
     "swap8_ahead": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True, scales_ahead=True, waves=3),
                         down=dict(BN=64, swap=True, lop3=True, scales_ahead=True, tiles=2)),
     "ahead": dict(gate_up=dict(scales_ahead=True), down=dict(scales_ahead=True)),
