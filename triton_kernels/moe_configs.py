@@ -4,8 +4,7 @@ Each entry: BM (token rows per block: the MMA's M, padded to 16, or with `swap` 
 BN (N tile), waves (K splits are chosen so that about waves x SMs programs run, from the expected number of distinct
 experts touched), num_warps and num_stages. sm_120 entries must fit 101,376 bytes of shared memory without spills
 (tests/test_moe_kernel.py); gate/up BN=64 at 4 warps spilled 116 bytes under Triton 3.6 (255 registers), so sm_120
-keeps BN=32. The sm_90 entries were the fastest or within 10% of the fastest of the five configs swept on an H200
-(bench/results/moe_h200.md).
+keeps BN=32 (sm_120 entries: unswapped, not re-timed). The sm_90 entries: see the comment above them.
 """
 
 import torch
