@@ -48,9 +48,10 @@ class OracleDrafter:
     (10%), seeded; so trees are accepted deep, through later siblings, and cut short (rows whose sequence is
     None get noise). Context bookkeeping is the real drafter's."""
 
-    def __init__(self, real, sequences, seed=0, exact=False):
+    def __init__(self, real, sequences, seed=0, exact=False, on_divergence="raise"):
         self.real, self.sequences, self.gen = real, sequences, torch.Generator().manual_seed(seed)
         self.exact = exact  # always rank 0: every step accepts the whole block
+        self.on_divergence = on_divergence  # "noise": a row that left its sequence is drafted noise from then on
         self.cfg, self.target_layer_ids = real.cfg, real.target_layer_ids
 
     def new_cache(self, batch, max_len):
@@ -64,6 +65,9 @@ class OracleDrafter:
         logits = torch.randn(B, L, V, generator=self.gen)
         for b, pos in enumerate(cache.lens[:B].tolist()):
             if self.sequences[b] is None or pos >= len(self.sequences[b]):  # noise, or a finished sequence
+                continue
+            if self.sequences[b][pos] != bonus[b].item() and self.on_divergence == "noise":
+                self.sequences[b] = None  # the caller checks the divergence itself
                 continue
             assert self.sequences[b][pos] == bonus[b].item()  # the bonus sits at the committed length
             for j in range(L):
@@ -212,6 +216,42 @@ def test_greedy_ddtree_is_lossless_on_triton(paths, budget):
         target, drafter = load_pair(paths, torch.float16, TRITON_DEVICE)
         reference = Engine(target).generate(prompts, new, spec=False).output_ids
         sequences = [p + r for p, r in zip(prompts, reference)]
-        result = Engine(target, OracleDrafter(drafter, sequences, seed=1), budget).generate(prompts, new)
-    assert result.output_ids == reference
+        oracle = OracleDrafter(drafter, sequences, seed=1, on_divergence="noise")
+        result = Engine(target, oracle, budget).generate(prompts, new)
+    assert_equal_up_to_near_ties(paths, prompts, result.output_ids, reference)
     assert result.mean_accept_length > 1
+
+
+def assert_equal_up_to_near_ties(paths, prompts, got, want, tie=0.02):
+    """Outputs equal, or each row's first difference is a near-tie of the target: under the fp32 torch reference
+    the two tokens' logits at that position differ by less than `tie` of the logits' range (a verify pass and
+    a single-token step round differently in fp16, which can flip such a choice without any bug)."""
+    if got == want:
+        return
+    target, _ = load_pair(paths, torch.float32, TRITON_DEVICE)
+    for b, (g, w) in enumerate(zip(got, want)):
+        i = next((i for i, (x, y) in enumerate(zip(g, w)) if x != y), None)
+        if i is None:
+            assert len(g) == len(w), f"row {b}: {len(g)} tokens, the reference {len(w)}"
+            continue
+        seq = torch.tensor([prompts[b] + w[:i]], device=TRITON_DEVICE)
+        with ops.using(**{n: "torch" for n in ops.op_names()}):
+            logits = target(seq, torch.arange(seq.shape[1], device=seq.device)[None],
+                            target.new_cache(1, seq.shape[1])).logits[0, -1]
+        gap = (logits[w[i]] - logits[g[i]]).abs().item()
+        span = (logits.max() - logits.min()).item()
+        assert gap < tie * span, f"row {b} token {i}: {g[i]} vs the reference {w[i]}, fp32 logit gap {gap:.4g} " \
+                                 f"of a {span:.4g} range: not a near-tie"
+
+
+def test_near_tie_check_rejects_a_real_difference(paths):
+    """The GPU lossless test's tolerance for fp16 near-ties does not excuse a token the target did not favour."""
+    target, _ = load_pair(paths, torch.float32)
+    want = greedy_generate(target, PROMPTS[:1], 3)
+    assert_equal_up_to_near_ties(paths, PROMPTS[:1], want, want)
+    seq = torch.tensor([PROMPTS[0]])
+    with ops.using(**{n: "torch" for n in ops.op_names()}):
+        logits = target(seq, torch.arange(seq.shape[1])[None], target.new_cache(1, seq.shape[1])).logits[0, -1]
+    worst = [[logits.argmin().item()] + want[0][1:]]
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        assert_equal_up_to_near_ties(paths, PROMPTS[:1], worst, want)
