@@ -27,8 +27,8 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_spli
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok, n_ok = offs_m < M, offs_n < N
-    # Rows and columns past M and N are clamped, not masked: a masked load is not software-pipelined (Triton
-    # 3.6 and 3.9 on sm_90 and sm_120 keep it synchronous), and the duplicates only feed outputs never stored.
+    # Rows and columns past M and N are clamped, not masked: masked this loop compiled without cp.async stages
+    # (Triton 3.6 and 3.9, sm_90 and sm_120); the duplicates only feed outputs that are never stored.
     x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm  # [BM, 1]
     w_cols = w_ptr + tl.minimum(offs_n, N - 1)[None, :].to(tl.int64) * stride_wn  # [1, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
