@@ -104,6 +104,17 @@ def test_moe_variant_configs(E, D, I, extra):
     assert rel_err(out, moe_torch(x.float(), ids, weights, PackedExperts(*raw))) < 1e-2
 
 
+def assert_three_tokens_match(cfg, panels, E, D, I, seed):
+    """Three tokens, the third routed like the first (a repeated expert), through `cfg` in the given layout,
+    against the fp32 reference."""
+    raw = make_experts(E, D, I, seed=seed)
+    ids, weights = make_routing(3, E, 2, seed=seed)
+    ids[2] = ids[0]
+    x = torch.randn(3, D, generator=torch.Generator().manual_seed(seed)).to(device()).to(kernel_dtypes()[0])
+    out = moe_w4a16.moe(x, ids, weights, moe_w4a16.prepare_moe(*raw, panels=panels), config=cfg)
+    assert rel_err(out, moe_torch(x.float(), ids, weights, PackedExperts(*raw))) < 1e-2
+
+
 @requires_triton
 @pytest.mark.parametrize("panels,bn,extra", [((64, 128), (64, 128), {"lean": True}), ((64, 64), (32, 64), {}),
                                              ((64, 128), (64, 128), {"lean": True, "decode": True}),
@@ -122,12 +133,7 @@ def test_moe_panel_layout(panels, bn, extra):
            "gate_up": dict(BN=bn[0], waves=8, num_warps=4, num_stages=2, lean=lean, prefetch=prefetch),
            "down": dict(BN=bn[1], waves=8, num_warps=4, num_stages=2, lean=lean, prefetch=prefetch,
                         tiles=extra.get("tiles", 1))}
-    raw = make_experts(E, D, I, seed=5)
-    ids, weights = make_routing(3, E, 2, seed=5)
-    ids[2] = ids[0]
-    x = torch.randn(3, D, generator=torch.Generator().manual_seed(5)).to(device()).to(kernel_dtypes()[0])
-    out = moe_w4a16.moe(x, ids, weights, moe_w4a16.prepare_moe(*raw, panels=panels), config=cfg)
-    assert rel_err(out, moe_torch(x.float(), ids, weights, PackedExperts(*raw))) < 1e-2
+    assert_three_tokens_match(cfg, panels, E, D, I, seed=5)
 
 
 @requires_triton
@@ -148,12 +154,7 @@ def test_moe_swapped_tiles(BM, panels, extra):
                   lop3=True, lean=extra.get("lean", False), scales_ahead=extra.get("scales_ahead", False))
     cfg = {"BM": BM, "panels": panels, "decode": extra.get("decode", False), "gate_up": kernel,
            "down": dict(kernel, BN=64 // extra.get("tiles", 1), tiles=extra.get("tiles", 1))}  # tiles x BN | D
-    raw = make_experts(E, D, I, seed=6)
-    ids, weights = make_routing(3, E, 2, seed=6)
-    ids[2] = ids[0]
-    x = torch.randn(3, D, generator=torch.Generator().manual_seed(6)).to(device()).to(kernel_dtypes()[0])
-    out = moe_w4a16.moe(x, ids, weights, moe_w4a16.prepare_moe(*raw, panels=panels), config=cfg)
-    assert rel_err(out, moe_torch(x.float(), ids, weights, PackedExperts(*raw))) < 1e-2
+    assert_three_tokens_match(cfg, panels, E, D, I, seed=6)
 
 
 @requires_triton
