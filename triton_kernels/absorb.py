@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_kernels.glue import rope_pairs
+
 
 @triton.jit
 def _absorb_query_kernel(qn_ptr, qp_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, N, H, stride_qn, stride_qnh,
@@ -26,12 +28,8 @@ def _absorb_query_kernel(qn_ptr, qp_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, N, H
         offs_i = tl.arange(0, HALF)
         pos = tl.load(pos_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
         angle = pos[:, None] * tl.load(freq_ptr + offs_i)[None, :]  # [BN, HALF]
-        cos, sin = tl.cos(angle) * factor, tl.sin(angle) * factor
-        src = qp_ptr + rows * stride_qp + h * stride_qph + 2 * offs_i[None, :]
-        even = tl.load(src, mask=n_ok, other=0.0).to(tl.float32)
-        odd = tl.load(src + 1, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(out_row + R + 2 * offs_i[None, :], (even * cos - odd * sin).to(ty), mask=n_ok)
-        tl.store(out_row + R + 2 * offs_i[None, :] + 1, (odd * cos + even * sin).to(ty), mask=n_ok)
+        rope_pairs(qp_ptr + rows * stride_qp + h * stride_qph + 2 * offs_i[None, :], out_row + R + 2 * offs_i[None, :],
+                   angle, factor, n_ok, ty)
 
 
 @triton.jit

@@ -13,6 +13,17 @@ import triton.language as tl
 
 
 @triton.jit
+def rope_pairs(src, dst, angle, factor, mask, ty):
+    """Turn the interleaved pairs whose even elements src points at (any shape) by `angle` (broadcast to it) and
+    store them, cast to `ty`, at dst: (e, o) -> factor * (e cos - o sin, o cos + e sin), in fp32."""
+    cos, sin = tl.cos(angle) * factor, tl.sin(angle) * factor
+    even = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    odd = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst, (even * cos - odd * sin).to(ty), mask=mask)
+    tl.store(dst + 1, (odd * cos + even * sin).to(ty), mask=mask)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, D, eps, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
@@ -72,16 +83,9 @@ def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, stride_xn, stride_xh, H, fac
     offs_h = tl.arange(0, BLOCK_H)
     offs_i = tl.arange(0, HALF)
     angle = tl.load(pos_ptr + n).to(tl.float32) * tl.load(freq_ptr + offs_i)  # [HALF]
-    cos = (tl.cos(angle) * factor)[None, :]
-    sin = (tl.sin(angle) * factor)[None, :]
-    ok = (offs_h < H)[:, None]
     src = x_ptr + n * stride_xn + offs_h[:, None] * stride_xh + 2 * offs_i[None, :]  # [BLOCK_H, HALF]
-    even = tl.load(src, mask=ok, other=0.0).to(tl.float32)
-    odd = tl.load(src + 1, mask=ok, other=0.0).to(tl.float32)
     dst = out_ptr + n * H * 2 * HALF + offs_h[:, None] * 2 * HALF + 2 * offs_i[None, :]
-    ty = out_ptr.dtype.element_ty
-    tl.store(dst, (even * cos - odd * sin).to(ty), mask=ok)
-    tl.store(dst + 1, (odd * cos + even * sin).to(ty), mask=ok)
+    rope_pairs(src, dst, angle[None, :], factor, (offs_h < H)[:, None], out_ptr.dtype.element_ty)
 
 
 def apply_rope(x, positions, inv_freq, attention_factor=1.0):
@@ -114,11 +118,8 @@ def _write_latent_kernel(ckv_ptr, w_ptr, pos_ptr, freq_ptr, starts_ptr, kv_ptr, 
     tl.store(dst + offs, latent.to(ckv_ptr.dtype.element_ty).to(ty))
     offs_i = tl.arange(0, HALF)
     angle = tl.load(pos_ptr + n).to(tl.float32) * tl.load(freq_ptr + offs_i)  # [HALF]
-    cos, sin = tl.cos(angle) * factor, tl.sin(angle) * factor
-    even = tl.load(src + R + 2 * offs_i).to(tl.float32)
-    odd = tl.load(src + R + 2 * offs_i + 1).to(tl.float32)
-    tl.store(dst + R + 2 * offs_i, (even * cos - odd * sin).to(ckv_ptr.dtype.element_ty).to(ty))
-    tl.store(dst + R + 2 * offs_i + 1, (odd * cos + even * sin).to(ckv_ptr.dtype.element_ty).to(ty))
+    # rounded to ckv's dtype first (as the reference's rope output), then stored into the cache's
+    rope_pairs(src + R + 2 * offs_i, dst + R + 2 * offs_i, angle, factor, offs_i < HALF, ckv_ptr.dtype.element_ty)
 
 
 def write_latent(kv_cache, ckv, norm_weight, eps, positions, inv_freq, attention_factor, starts):
