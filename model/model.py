@@ -38,7 +38,6 @@ class Attention(nn.Module):
         self.cfg = cfg
         _, self.heads = par.shard(cfg.num_attention_heads, "attention heads")
         D, H, R = cfg.hidden_size, self.heads, cfg.kv_lora_rank
-        # The down-projections that read x ([q_a ;] kv_a) are views of one buffer, so one GEMM reads both.
         # The down-projections that read x ([q_a ;] kv_a) are views of one buffer, so one GEMM reads both;
         # state_dict and the loader see the two views (the joint buffer is not persistent).
         self.register_buffer("down_proj_weight", _empty(((cfg.q_lora_rank or 0) + cfg.cache_entry_dim, D), dtype,

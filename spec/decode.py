@@ -101,10 +101,9 @@ def pick_device(name):
 def join_ranks(device_name):
     """(device, Parallel) of this process: alone, or one rank of the group torchrun describes (WORLD_SIZE,
     LOCAL_RANK): NCCL with one GPU per rank when CUDA is used, gloo on the CPU."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return pick_device(device_name), Parallel()
     device = pick_device(device_name)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return device, Parallel()
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
