@@ -46,8 +46,8 @@ def fill_random_(module, seed=0, std=0.02):
     """Seeded random weights written in place on the module's device (no host or fp32 temporaries): int32
     words uniform (random nibbles), scales in [0.001, 0.005), norms 1, correction biases N(0, 0.1), the rest
     N(0, std)."""
-    for i, (name, buf) in enumerate(module.state_dict(keep_vars=True).items()):  # persistent: no joint views
-        if buf is None or name.endswith("inv_freq"):
+    for i, (name, buf) in enumerate(module.state_dict(keep_vars=True).items()):  # no inv_freq, no joint views
+        if buf is None:
             continue
         gen = torch.Generator(device=buf.device).manual_seed(seed * 100003 + i)
         if buf.dtype == torch.int32:
