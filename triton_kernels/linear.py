@@ -13,9 +13,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from triton_kernels.counters import arrival_counters
+
 MAX_ROWS = 64
 BLOCK_K = 128
-_counters = {}  # device -> int32 arrival counters, all zero between launches
 
 
 @triton.jit
@@ -71,14 +72,6 @@ def plan(M, N, K, sms):
     return block_m, block_n, triton.cdiv(K, k_per_split), k_per_split, 3 if block_m == 64 else 4
 
 
-def _counter_buffer(device, tiles):
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < tiles:
-        buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _counters[device] = buf
-    return buf
-
-
 def linear(x, weight):
     """See `ops.linear.linear`. x: [M, K] (rows may be strided); weight: [N, K] row-major. Returns [M, N]."""
     M, K = x.shape
@@ -90,7 +83,7 @@ def linear(x, weight):
     tiles = triton.cdiv(N, block_n)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     part = torch.empty(splits * block_m * N if splits > 1 else 1, dtype=torch.float32, device=x.device)
-    counters = _counter_buffer(x.device, tiles)
+    counters = arrival_counters("linear", x.device, tiles)
     _linear_kernel[(tiles, splits)](x, weight, y, part, counters, M, N, K, k_per_split, x.stride(0),
                                     weight.stride(0), SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
                                     BLOCK_K=BLOCK_K, EVEN_K=K % BLOCK_K == 0, num_warps=4, num_stages=stages)
