@@ -166,10 +166,37 @@ class MoE(nn.Module):
                                        dtype, device, "shared expert intermediate")
 
     def forward(self, x):
+        side = _side_stream(x.device)
+        if side is None:
+            return self.routed(x) + self.shared_experts(x)
+        # The shared expert's small GEMMs leave most SMs idle; on a second stream they overlap the router and the
+        # routed experts (a fork and a join inside a CUDA graph). x outlives the join, so no record_stream.
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shared = self.shared_experts(x)
+        routed = self.routed(x)
+        main.wait_stream(side)
+        return routed.add_(shared)
+
+    def routed(self, x):
         cfg = self.cfg
         weights, ids = ops.route(x, self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok,
                                  cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob)
-        return ops.moe(x, ids, weights, self.experts.prepared) + self.shared_experts(x)
+        return ops.moe(x, ids, weights, self.experts.prepared)
+
+
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device):
+    """One extra CUDA stream per device for work that overlaps the main stream; None off the GPU."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    return _SIDE_STREAMS[index]
 
 
 class DecoderLayer(nn.Module):
