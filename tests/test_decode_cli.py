@@ -125,18 +125,33 @@ def test_bad_checkpoints_and_prompts(capsys, tmp_path, checkpoints, case, messag
     bad_input(capsys, ["--json", "--model-path", str(target), "--draft-model-path", str(drafter), *prompt], message)
 
 
-def test_torchrun_two_ranks_decode_like_one_process():
-    """`torchrun --nproc-per-node 2 -m spec.decode`: two gloo ranks, each holding half of the target and the
-    drafter, emit the single process's tokens; rank 0 alone prints."""
+def torchrun_json(*args, ranks=2):
+    """The one JSON line rank 0 prints under `torchrun --nproc-per-node ranks -m spec.decode --json args`."""
     from tests.test_model_vs_hf import _free_port
 
-    args = ["--prompt", "Hello", "--max-new-tokens", "16", "--tree-budget", "8", "--device", "cpu", "--json"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("SPEC_KERNELS", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(_free_port()), "-m", "spec.decode", *args],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=180)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                           "--master-port", str(_free_port()), "-m", "spec.decode", "--json", *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1
-    assert json.loads(lines[0])["output_ids"] == run_json(*args)["output_ids"]
+    return json.loads(lines[0])
+
+
+def test_torchrun_two_ranks_decode_like_one_process():
+    """`torchrun --nproc-per-node 2 -m spec.decode`: two gloo ranks, each holding half of the target and the
+    drafter, emit the single process's tokens; rank 0 alone prints."""
+    args = ["--prompt", "Hello", "--max-new-tokens", "16", "--tree-budget", "8", "--device", "cpu"]
+    assert torchrun_json(*args)["output_ids"] == run_json(*args)["output_ids"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_torchrun_two_gpus_nccl_graphs_equal_eager():
+    """Two NCCL ranks on two GPUs: the all-reduces captured inside the CUDA graphs give the tokens of the same
+    two ranks run eagerly (graph buckets pad the tree; padding must not change a token)."""
+    args = ["--prompt", "Hello", "--max-new-tokens", "32", "--tree-budget", "8", "--device", "cuda"]
+    graphs = torchrun_json(*args)
+    assert len(graphs["output_ids"]) == 32
+    assert graphs["output_ids"] == torchrun_json(*args, "--no-cuda-graphs")["output_ids"]
