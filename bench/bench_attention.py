@@ -4,7 +4,8 @@ Standalone: `python bench/bench_attention.py --out DIR [--tune] [--quick]` measu
 bandwidth: a sum over 4 GiB; bf16 matmul rate: 8192^3) and the sweep T x context x H at B=1, checks each
 case against the fp32 reference, and writes attention.json + attention.md. --tune also times candidate
 configs and split counts per case; --focus a short tune at 32k/128k; --round2 the round-2 options (lazy rescale,
-all split counts, bf16 partials, small configs) beside the default. As a pytest-benchmark sweep: `pytest bench/bench_attention.py` (GPU only).
+all split counts, bf16 partials, small configs, programmatic dependent launch, the whole-wave split rule) beside
+the default, also at the verify step's shapes (STEP_CASES: T = budget + 1, cache padded past the length). As a pytest-benchmark sweep: `pytest bench/bench_attention.py` (GPU only).
 
 Each case captures one CUDA graph of R launches over R different caches (R * cache >= 256 MiB, so every
 launch finds its cache cold in L2, as the model's layers would) and reports graph time / R.
@@ -47,8 +48,16 @@ FOCUS = {  # --focus: the measured defaults beside the unchained configs (a shor
 }
 PER_SM = (0.5, 1, 2, 4)  # programs per SM (split counts) tried by --tune
 LAZY_TAU = 8.0  # --round2: lazy rescale threshold timed (log2 units)
-ROUND2_SMALL = [(16, 32, 4, 3, 512, False), (32, 32, 4, 2, 512, False)]  # --round2: mma.sync configs, 16 < T*H <= 64
+ROUND2_SMALL = {  # --round2, 16 < T*H <= 64: "small", mma.sync tiles; "dv256", 4-warp wgmma programs of 110 KB
+    "small": [(16, 32, 4, 3, 512, False), (32, 32, 4, 2, 512, False)],  # that split the values, two per SM (one's
+    "dv256": [(64, 16, 4, 2, 256, False)],  # softmax may overlap the other's MMAs)
+}
 HALF_PARTIALS_MAX_ROWS = 64  # --tune also times bf16 per-split outputs where T*H is at most this (merge-heavy cases)
+# --round2: (context, H, T, pad) as in bench_step.py's TP8 verify: length context + T in a cache of
+# context + T + pad entries (its cache is sized for the largest context and bucket)
+STEP_CASES = ((32768, 8, 33, 97), (32768, 8, 9, 121), (32768, 8, 65, 65), (32768, 8, 1, 129), (4096, 8, 33, 28769))
+ROUND2_PDL = [True]  # --round2 times PDL variants (set False when pdl_probe fails)
+WAVES_RULE = (8, True)  # --round2 "waves": mk.SPLIT_RULE candidate (length window, whole-wave counts)
 
 
 def ceilings():
@@ -76,10 +85,11 @@ def random_tree_mask(B, T, seed):
     return pack_tree_mask(dense).cuda()
 
 
-def make_inputs(L, H, T, B=1, seed=0, causal=False):
+def make_inputs(L, H, T, B=1, seed=0, causal=False, pad=0):
+    """q, caches (rotated, each [B, L + pad, 576]), lengths (L), tree mask."""
     torch.manual_seed(seed)
-    rotate = min(256, max(2, math.ceil(ROTATE_BYTES / (B * L * 576 * 2))))
-    caches = [torch.randn(B, L, 576, dtype=torch.bfloat16, device="cuda") for _ in range(rotate)]
+    rotate = min(256, max(2, math.ceil(ROTATE_BYTES / (B * (L + pad) * 576 * 2))))
+    caches = [torch.randn(B, L + pad, 576, dtype=torch.bfloat16, device="cuda") for _ in range(rotate)]
     q = torch.randn(B, T, H, 576, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
     return q, caches, lens, None if causal else random_tree_mask(B, T, seed)
@@ -123,8 +133,8 @@ def candidates(rows, table=CANDIDATES):
     return []
 
 
-def run_case(L, H, T, ceil, B=1, causal=False, time_torch=True):
-    q, caches, lens, mask = make_inputs(L, H, T, B, causal=causal)
+def run_case(L, H, T, ceil, B=1, causal=False, time_torch=True, pad=0):
+    q, caches, lens, mask = make_inputs(L, H, T, B, causal=causal, pad=pad)
     rows = T * H
     out = mk.mla_attention(q, caches[0], lens, mask, SCALE)
     ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE)
@@ -133,13 +143,14 @@ def run_case(L, H, T, ceil, B=1, causal=False, time_torch=True):
     us = graph_time_us(lambda kv: mk.mla_attention(q, kv, lens, mask, SCALE), caches)
     cache_bytes, io_bytes, flops, roof_us = case_costs(L, H, T, B, ceil, causal)
     row = {
-        "L": L, "H": H, "T": T, "B": B, "causal": causal, "rotate": len(caches),
-        "config": list(mk.pick_config(rows)), "splits": default_choice(rows, B, L, mk.num_sms(q.device), mk._arch())[1],
+        "L": L, "H": H, "T": T, "B": B, "causal": causal, "rotate": len(caches), "pad": pad,
+        "config": list(mk.pick_config(rows)),
+        "splits": default_choice(rows, B, L + pad, mk.num_sms(q.device), mk._arch())[1],
         "rel_err": err, "us": us, "cache_bytes": cache_bytes, "GBps": (cache_bytes + io_bytes) / us / 1e3,
         "TFLOPs": flops / us / 1e6, "roofline_us": roof_us, "x_roofline": us / roof_us,
         "frac_read_bw": (cache_bytes + io_bytes) / us / 1e3 / ceil["read_GBps"],
     }
-    if time_torch and H * T * L <= TORCH_REF_MAX:
+    if time_torch and H * T * L <= TORCH_REF_MAX and not pad:
         row["torch_us"] = 1e3 * triton.testing.do_bench(
             lambda: mla_attention_torch(q, caches[0], lens, mask, SCALE), warmup=5, rep=30, return_mode="median")
     return row
@@ -157,29 +168,41 @@ def focus_runs(row, sms, table=CANDIDATES, direct=True):
             if (direct or splits > 1) and not any(r[1:3] == (cfg, splits) for r in runs):
                 half = [torch.bfloat16] if rows <= HALF_PARTIALS_MAX_ROWS and splits > 1 else []
                 runs += [(per_sm, cfg, splits, dt, 0.0) for dt in [torch.float32] + half]
-    cfg, splits, partials = default_choice(rows, B, L, sms)
+    cfg, splits, partials = default_choice(rows, B, L + row.get("pad", 0), sms)
     if cfg in candidates(rows, table) and not any(r[1:3] == (cfg, splits) for r in runs):  # the default, always timed
         runs.append(("default", cfg, splits, getattr(torch, partials), 0.0))
     return runs
 
 
 def round2_runs(row, sms):
-    """Round-2 candidates: the committed default, with lazy rescale (LAZY_TAU), with the model's split count over all
-    counts, with bf16 partials (T*H > 64), and the ROUND2_SMALL configs where T*H <= 64."""
-    L, B, rows = row["L"], row["B"], row["T"] * row["H"]
+    """Round-2 candidates (label, config, splits, partials, rescale_tau, pdl): the committed default, with lazy
+    rescale (LAZY_TAU), with the model's split count over all counts, with bf16 partials (T*H > 64), the
+    ROUND2_SMALL configs where T*H <= 64, with programmatic dependent launch, and the split count of WAVES_RULE."""
+    L, B, rows = row["L"] + row.get("pad", 0), row["B"], row["T"] * row["H"]
     cfg, splits, partials = default_choice(rows, B, L, sms)
     entry = mk.entry_for(rows, 90)
     dt = getattr(torch, partials)
     every = mk.default_splits(entry, rows, B, L, sms, 90, dt.itemsize, every=True)
-    runs = [("default", cfg, splits, dt, 0.0), ("lazy", cfg, splits, dt, LAZY_TAU)]
+    waves = mk.default_splits(entry, rows, B, L, sms, 90, dt.itemsize, rule=WAVES_RULE)
+    runs = [("default", cfg, splits, dt, 0.0, False), ("lazy", cfg, splits, dt, LAZY_TAU, False)]
+    pdl = ROUND2_PDL[0]
+    if splits > 1 and pdl:
+        runs.append(("pdl", cfg, splits, dt, 0.0, True))
     if every != splits:
-        runs += [("all-S", cfg, every, dt, 0.0), ("all-S lazy", cfg, every, dt, LAZY_TAU)]
+        runs += [("all-S", cfg, every, dt, 0.0, False), ("all-S lazy", cfg, every, dt, LAZY_TAU, False)]
+    if waves != splits:
+        runs.append(("waves", cfg, waves, dt, 0.0, False))
+        if waves > 1 and pdl:
+            runs.append(("waves pdl", cfg, waves, dt, 0.0, True))
     if dt != torch.bfloat16 and splits > 1:
-        runs += [("bf16", cfg, splits, torch.bfloat16, 0.0), ("bf16 lazy", cfg, splits, torch.bfloat16, LAZY_TAU)]
-    for small in ROUND2_SMALL if 16 < rows <= 64 else []:
-        base = B * triton.cdiv(rows, small[0]) * (512 // small[4])
-        for per_sm in (1, 2):
-            runs.append((f"small x{per_sm}", small, mk.choose_splits(base, L, small[1], sms, per_sm), torch.bfloat16, 0.0))
+        runs += [("bf16", cfg, splits, torch.bfloat16, 0.0, False),
+                 ("bf16 lazy", cfg, splits, torch.bfloat16, LAZY_TAU, False)]
+    for name, configs in ROUND2_SMALL.items() if 16 < rows <= 64 else ():
+        for small in configs:
+            base = B * triton.cdiv(rows, small[0]) * (512 // small[4])
+            for per_sm in (1, 2):
+                runs.append((f"{name} x{per_sm}", small, mk.choose_splits(base, L, small[1], sms, per_sm),
+                             torch.bfloat16, 0.0, False))
     return runs
 
 
@@ -192,20 +215,21 @@ def merge_time_us(B, rows, splits, partials):
     block_s, block_d = mk.merge_blocks(splits)
     grid = (rows, 512 // block_d, B)
     return graph_time_us(lambda _: mk._merge_kernel[grid](o_part, lse_part, out, rows, splits, BLOCK_S=block_s,
-                                                          BLOCK_D=block_d), [None] * 8)
+                                                          BLOCK_D=block_d, PDL=False), [None] * 8)
 
 
 def tune_case(row, runs):
-    """Time each run (label, config, splits, partials, rescale_tau) of one measured case and check it against the fp32
-    reference."""
+    """Time each run (label, config, splits, partials, rescale_tau[, pdl]) of one measured case and check it against
+    the fp32 reference."""
     L, H, T, B = row["L"], row["H"], row["T"], row["B"]
-    q, caches, lens, mask = make_inputs(L, H, T, B, causal=row["causal"])
+    q, caches, lens, mask = make_inputs(L, H, T, B, causal=row["causal"], pad=row.get("pad", 0))
     ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE).double()
     results = []
-    for label, cfg, splits, dt, tau in runs:
+    for label, cfg, splits, dt, tau, *pdl in runs:
+        pdl = pdl[0] if pdl else None  # None: the arch's default
         entry = {"config": list(cfg), "splits": splits, "per_sm": label, "partials": str(dt).split(".")[-1],
-                 "rescale_tau": tau}
-        kwargs = dict(num_splits=splits, config=cfg, partials=dt, rescale_tau=tau)
+                 "rescale_tau": tau, "pdl": pdl}
+        kwargs = dict(num_splits=splits, config=cfg, partials=dt, rescale_tau=tau, pdl=pdl)
         try:
             out = mk.mla_attention(q, caches[0], lens, mask, SCALE, **kwargs)
             entry["rel_err"] = ((out.double() - ref).norm() / ref.norm()).item()
@@ -238,7 +262,8 @@ def markdown(report):
         best_x = f"{best['us'] / r['roofline_us']:.2f}" if best else "-"
         torch_s = f"{r['torch_us']:.0f}" if "torch_us" in r else "-"
         kind = " (prefill)" if r.get("causal") else ""
-        lines.append(f"| {r['L']} | {r['H']} | {r['T']}{kind} | {r['us']:.1f} | {r['GBps']:.0f} | {r['frac_read_bw']:.2f} "
+        pad = f" (+{r['pad']})" if r.get("pad") else ""
+        lines.append(f"| {r['L']}{pad} | {r['H']} | {r['T']}{kind} | {r['us']:.1f} | {r['GBps']:.0f} | {r['frac_read_bw']:.2f} "
                      f"| {r['TFLOPs']:.0f} | {r['roofline_us']:.1f} | {r['x_roofline']:.2f} | {best_s} | {best_x} | {torch_s} "
                      f"| {r['rel_err']:.1e} |")
     return "\n".join(lines + round2_table(report)) + "\n"
@@ -246,7 +271,8 @@ def markdown(report):
 
 def round2_table(report):
     """Lines of a table: each --round2 label's time (and x roofline) per case; none without round-2 timings."""
-    labels = ["default", "lazy", "all-S", "all-S lazy", "bf16", "bf16 lazy", "small x1", "small x2", "merge alone"]
+    labels = ["default", "lazy", "pdl", "waves", "waves pdl", "all-S", "all-S lazy", "bf16", "bf16 lazy", "small x1",
+              "small x2", "dv256 x1", "dv256 x2", "merge alone"]
     rows = [r for r in report["cases"] if any(t.get("rescale_tau") is not None for t in r.get("tuned", []))]
     if not rows:
         return []
@@ -257,10 +283,11 @@ def round2_table(report):
         for label in labels:
             hits = sorted((t for t in r["tuned"] if t.get("per_sm") == label and "us" in t), key=lambda t: t["us"])
             if label == "merge alone" and "merge_us" in r:
-                hits = [{"us": r["merge_us"], "splits": default_choice(r["T"] * r["H"], r["B"], r["L"], report["sms"])[1]}]
+                hits = [{"us": r["merge_us"], "splits": r.get("splits", "-")}]
             cells.append(f"{hits[0]['us']:.1f} ({hits[0]['us'] / r['roofline_us']:.2f}x; {hits[0]['splits']})"
                          if hits else "-")
-        lines.append(f"| {r['L']} | {r['H']} | {r['T']} | " + " | ".join(cells) + " |")
+        pad = f" (+{r['pad']})" if r.get("pad") else ""
+        lines.append(f"| {r['L']}{pad} | {r['H']} | {r['T']} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -276,9 +303,10 @@ def committed_defaults(report, arch=90):
     """Per case: the config and split count the committed CONFIGS choose, and its time measured in `report`."""
     sms = report.get("sms", 132)  # the H200's 132 SMs (also what the recorded split counts imply)
     for r in report["cases"]:
-        cfg, splits, partials = default_choice(r["T"] * r["H"], r["B"], r["L"], sms, arch)
+        cfg, splits, partials = default_choice(r["T"] * r["H"], r["B"], r["L"] + r.get("pad", 0), sms, arch)
         hits = [t["us"] for t in r.get("tuned", []) if "us" in t and t["config"] == list(cfg) and t["splits"] == splits
-                and t.get("partials", "float32") == partials]
+                and t.get("partials", "float32") == partials and t.get("rescale_tau", 0.0) == mk.RESCALE_TAU[arch]
+                and t.get("pdl") in (None, mk.PDL[arch])]
         yield r, cfg, splits, hits[0] if hits else None
 
 
@@ -297,7 +325,7 @@ def summary(report):
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r, cfg, splits, us in committed_defaults(report):
-        kind = " (prefill)" if r.get("causal") else ""
+        kind = " (prefill)" if r.get("causal") else f" (cache +{r['pad']})" if r.get("pad") else ""
         torch_s = f"{r['torch_us']:.0f}" if "torch_us" in r else "-"
         if us is None:
             lines.append(f"| {r['L']} | {r['H']} | {r['T']}{kind} | {list(cfg)} | {splits} | not measured | "
@@ -312,33 +340,30 @@ def summary(report):
 
 def _warm(job):
     """Compile one kernel variant (run in a worker so compiles overlap; the main process hits Triton's disk cache)."""
-    H, cfg, splits, causal, half, tau = job
+    H, cfg, splits, causal, half, tau, *pdl = job
     try:
-        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32, tau)
+        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32, tau, pdl[0] if pdl else None)
     except Exception as exc:  # recorded; the sweep reports the same failure where it matters
         return f"{job}: {exc}"[:300]
     return None
 
 
-def _run_tiny(H, cfg, splits, causal, partials, tau):
+def _run_tiny(H, cfg, splits, causal, partials, tau, pdl=None):
     q = torch.randn(1, 1, H, 576, dtype=torch.bfloat16, device="cuda")
     kv = torch.randn(1, 256, 576, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((1,), 256, dtype=torch.int32, device="cuda")
     mask = None if causal else random_tree_mask(1, 1, 0)
-    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials, rescale_tau=tau)
+    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials, rescale_tau=tau,
+                     pdl=pdl)
     torch.cuda.synchronize()
 
 
 def round2_jobs(contexts, heads, tree_sizes, sms):
-    """The kernel variants --round2 runs: (H, config, splits, causal, 16-bit partials, rescale_tau)."""
-    jobs = set()
-    for L in contexts:
-        for H in heads:
-            for T in tree_sizes:
-                row = {"L": L, "B": 1, "T": T, "H": H}
-                jobs |= {(H, cfg, splits, False, dt == torch.bfloat16, tau)
-                         for _, cfg, splits, dt, tau in round2_runs(row, sms)}
-    return jobs
+    """The kernel variants --round2 runs: (H, config, splits, causal, 16-bit partials, rescale_tau, pdl)."""
+    rows = [{"L": L, "B": 1, "T": T, "H": H} for L in contexts for H in heads for T in tree_sizes]
+    rows += [{"L": L + T, "B": 1, "T": T, "H": H, "pad": pad} for L, H, T, pad in STEP_CASES]
+    return {(row["H"], cfg, 1 if splits == 1 else mk.merge_blocks(splits)[0], False, dt == torch.bfloat16, tau, pdl)
+            for row in rows for _, cfg, splits, dt, tau, pdl in round2_runs(row, sms)}  # splits: one per compiled merge
 
 
 def precompile(heads, tree_sizes, tune, workers, prefill=True, table=CANDIDATES, extra=()):
@@ -360,10 +385,36 @@ def precompile(heads, tree_sizes, tune, workers, prefill=True, table=CANDIDATES,
     jobs |= {(8, mk.pick_config(8), 2**k + 1, False, False, 0.0) for k in range(1, 9)}  # the merge's BLOCK_S variants
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        failures = [f for f in pool.map(_warm, sorted(jobs)) if f]
+        failures = [f for f in pool.map(_warm, compile_order(jobs)) if f]
     for failure in failures:
         print("precompile failed:", failure, flush=True)
     return len(jobs)
+
+
+def pdl_probe():
+    """None if the PDL launch replays in a CUDA graph with the plain launch's output, else the failure."""
+    try:
+        q, caches, lens, mask = make_inputs(4096, 8, 1)
+        want = mk.mla_attention(q, caches[0], lens, mask, SCALE, num_splits=8)
+        graph = torch.cuda.CUDAGraph()
+        mk.mla_attention(q, caches[0], lens, mask, SCALE, num_splits=8, pdl=True)
+        with torch.cuda.graph(graph):
+            got = mk.mla_attention(q, caches[0], lens, mask, SCALE, num_splits=8, pdl=True)
+        graph.replay()
+        torch.cuda.synchronize()
+        return None if torch.equal(got, want) else "PDL output differs"
+    except Exception as exc:
+        return str(exc)[:300]
+
+
+def compile_order(jobs):
+    """Jobs with one per split-kernel variant first, so the later ones (merge variants) find it in the cache."""
+    first, rest = {}, []
+    for job in sorted(jobs):
+        H, cfg, splits, causal, half, tau, *pdl = job
+        key = (H, cfg, splits == 1, causal, half, tau, bool(pdl and pdl[0]))
+        rest.append(job) if key in first else first.setdefault(key, job)
+    return list(first.values()) + rest
 
 
 def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, round2=False):
@@ -373,21 +424,27 @@ def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, ro
         "sms": torch.cuda.get_device_properties(0).multi_processor_count, "ceilings": ceilings(), "cases": [],
     }
     print("ceilings", report["ceilings"], flush=True)
-    cases = [(L, H, T, False) for L in contexts for H in heads for T in tree_sizes]
-    for L, H, T, causal in cases + ([] if focus else [(L, H, T, True) for L, H, T in PREFILL]):
-        row = run_case(L, H, T, report["ceilings"], causal=causal, time_torch=not focus)
+    cases = [(L, H, T, False, 0) for L in contexts for H in heads for T in tree_sizes]
+    cases += [] if focus else [(L, H, T, True, 0) for L, H, T in PREFILL]
+    cases += [(L + T, H, T, False, pad) for L, H, T, pad in STEP_CASES] if focus else []
+    for L, H, T, causal, pad in cases:
+        row = run_case(L, H, T, report["ceilings"], causal=causal, time_torch=not focus, pad=pad)
         report["cases"].append(row)
         print(json.dumps(row), flush=True)
         (out / "attention.json").write_text(json.dumps(report, indent=1))
         torch.cuda.empty_cache()
-    for row in report["cases"] if tune else []:  # after all defaults: a faulting candidate cannot cost them
+    # after all defaults (a faulting candidate cannot cost them); round 2: the step's shapes, then the fewest rows first
+    order = report["cases"]
+    if round2:
+        order = sorted(order, key=lambda r: (not r.get("pad"), r["T"] * r["H"], r["L"]))
+    for row in order if tune else []:
         if deadline is not None and time.time() > deadline:
             print("budget spent: not tuned", row["L"], row["H"], row["T"], flush=True)
             continue
         sms = report["sms"]
         runs = round2_runs(row, sms) if round2 else focus_runs(row, sms, FOCUS if focus else CANDIDATES, not focus)
         row["tuned"] = tune_case(row, runs)
-        _, splits, partials = default_choice(row["T"] * row["H"], row["B"], row["L"], sms)
+        _, splits, partials = default_choice(row["T"] * row["H"], row["B"], row["L"] + row.get("pad", 0), sms)
         if round2 and splits > 1:
             row["merge_us"] = merge_time_us(row["B"], row["T"] * row["H"], splits, getattr(torch, partials))
         best = min((t for t in row["tuned"] if "us" in t), key=lambda t: t["us"], default=None)
@@ -405,7 +462,10 @@ def main(argv=None):
     parser.add_argument("--focus", action="store_true",
                         help="--tune --quick over FOCUS's configs, without prefill, torch timing and one-split variants")
     parser.add_argument("--round2", action="store_true",
-                        help="like --focus, timing round2_runs: lazy rescale, all split counts, bf16 partials, small configs")
+                        help="like --focus, timing round2_runs (lazy rescale, all split counts, bf16 partials, small "
+                             "configs, PDL, whole waves) and STEP_CASES")
+    parser.add_argument("--defaults", action="store_true",
+                        help="the committed defaults alone at 32k/128k and STEP_CASES (no tuning, torch or prefill)")
     parser.add_argument("--budget", type=float, help="seconds from the start after which no further case is tuned")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling kernel variants up front")
     parser.add_argument("--with-tests", action="store_true", help="first run tests/test_attention_kernel.py here")
@@ -421,11 +481,16 @@ def main(argv=None):
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "attention_tests.log").write_text(tests.stdout + tests.stderr)
         print(tests.stdout[-3000:], flush=True)
-    args.focus = args.focus or args.round2
-    args.tune, args.quick = args.tune or args.focus, args.quick or args.focus
+    args.focus = args.focus or args.round2 or args.defaults
+    args.tune, args.quick = (args.tune or args.focus) and not args.defaults, args.quick or args.focus
     contexts = CONTEXTS[2:] if args.quick else CONTEXTS
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
+    if args.round2:  # in a child process: a failed capture must not leave this one's stream broken
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            failure = pool.submit(pdl_probe).result()
+        print("PDL probe:", failure or "ok", flush=True)
+        ROUND2_PDL[0] = failure is None
     extra = round2_jobs(contexts, HEADS, TREE_SIZES, mk.num_sms(torch.device("cuda"))) if args.round2 else ()
     print("precompiled", precompile(HEADS, TREE_SIZES, args.tune and not args.round2, args.workers,
                                     prefill=not args.focus, table=FOCUS if args.focus else CANDIDATES, extra=extra),

@@ -11,7 +11,7 @@ import torch
 
 import ops
 from ops.attention import mla_attention_torch, pack_tree_mask, write_kv_torch
-from tests.conftest import gpu, kernel_dtypes, rel_err, requires_triton
+from tests.conftest import gpu, kernel_dtypes, rel_err, requires_gpu, requires_triton
 
 SCALE = 0.1446802  # K2.6 softmax scale (ModelConfig.softmax_scale)
 
@@ -195,7 +195,7 @@ def test_write_kv_exact(dtype):
 AOT_CHECK = """
 import json, sys
 from triton_kernels.aot import compile_for
-from triton_kernels.mla_attention import CONFIGS, RESCALE_TAU, TAIL_STAGES, _mla_split_kernel
+from triton_kernels.mla_attention import CONFIGS, PDL, RESCALE_TAU, TAIL_STAGES, _mla_split_kernel
 sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "lens_ptr": "*i32", "mask_ptr": "*i32", "out_ptr": "*bf16",
        "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "T": "i32", "rows_kb": "i32", "sm_scale_log2": "fp32"}
 causal, arch = sys.argv[1] == "causal", int(sys.argv[2])
@@ -206,7 +206,8 @@ for block_m, block_n, warps, stages, block_dv, unchain in configs:
     res = compile_for(_mla_split_kernel, sig,
                       {"H": 8, "CAUSAL": causal, "DIRECT": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
                        "BLOCK_DV": block_dv, "BLOCK_DO": 512 - block_dv if block_dv < 512 else 16,
-                       "TAIL_STAGES": TAIL_STAGES[arch] or stages, "UNCHAIN": unchain, "TAU": tau},
+                       "TAIL_STAGES": TAIL_STAGES[arch] or stages, "UNCHAIN": unchain, "TAU": tau,
+                       "PDL": PDL[arch] if len(sys.argv) <= 5 else sys.argv[5] == "pdl"},
                       arch=arch, num_warps=warps, num_stages=stages, aligned=True)
     report.append([block_m, block_n, res.shared, res.registers, res.spill_bytes])
 print(json.dumps(report))
@@ -236,3 +237,19 @@ def test_sm90_unchained_config_fits_shared_memory():
     """The unchained 64x64 sm_90 candidate (P moved between warpgroups through shared memory) fits 227 KB."""
     [(_, _, shared, _, _)] = aot_report("tree", 90, [UNCHAINED])
     assert shared <= SM90_SHARED_LIMIT, shared
+
+
+@requires_gpu
+def test_pdl_in_a_cuda_graph_matches_the_plain_launch():
+    """Programmatic dependent launch (split kernel and merge) captured in a CUDA graph: the plain launch's output."""
+    from triton_kernels.mla_attention import mla_attention
+
+    q, kv, cache_lens, mask = make_case(2, 7, 8, [900, 1610], "wide", torch.bfloat16, "cuda", seed=13)
+    want = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=6, pdl=False)
+    mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=6, pdl=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=6, pdl=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)

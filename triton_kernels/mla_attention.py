@@ -50,12 +50,20 @@ CONFIGS = {
 }
 # Split-count candidates per arch: this many programs per resident slot of the GPU (sm_120: one, untimed).
 SPLIT_PER_SLOT = {90: (0.5, 1, 2, 4), 120: (1,)}
+# Split rule per arch: (window, whole). The cost is averaged over cache lengths max_len, max_len - BLOCK_N, ...
+# (window of them): the kernel splits the actual length, which a padded cache (the model's, sized for the largest
+# context) puts below max_len, and where the last split is empty at max_len it is not a tile lower. whole: the
+# counts that fill whole waves (floor) are candidates beside the ceil ones.
+SPLIT_RULE = {90: (1, False), 120: (1, False)}
 MERGE_COST = {90: (4.0, 0.5), 120: (4.0, 0.5)}  # merge: us per launch, us per MB of partials (written + read)
 # Lazy rescale threshold per arch (log2 units; 0: rescale the accumulator at every tile, as measured so far).
 RESCALE_TAU = {90: 0.0, 120: 0.0}
 # Pipeline stages of the masked tail loop (a few tiles): on sm_90 one, which frees the shared memory of a
 # second pipeline for larger tiles; on sm_120 (mma.sync) the pipelined tail uses less shared memory.
 TAIL_STAGES = {90: 1, 120: None}  # None: the config's stages
+# Programmatic dependent launch per arch (sm_90+): the split kernel lets the merge launch while its last programs
+# run, and both wait for the previous kernel (griddepcontrol.wait) before touching memory. Off until timed.
+PDL = {90: False, 120: False}
 MERGE_MAX_SPLITS_BLOCK = 256  # splits combined per step of the merge (one step up to this many)
 MERGE_ELEMENTS = 8192  # partial values per merge program and step: BLOCK_S x BLOCK_D
 MIN_TILES_PER_SPLIT = 4  # a split reads at least this many KV tiles
@@ -138,8 +146,11 @@ def _mla_split_kernel(
     T, rows_kb, sm_scale_log2,
     H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DO: tl.constexpr,
-    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, TAU: tl.constexpr,
+    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, TAU: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # q, the cache and the lengths may come from the previous kernel; the outputs may be read by it
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     SPLIT_V: tl.constexpr = BLOCK_DV < 512  # NV programs per query tile, each owning BLOCK_DV value columns
     NV: tl.constexpr = 512 // BLOCK_DV
     pid_m = tl.program_id(0) // NV
@@ -217,8 +228,10 @@ def _mla_split_kernel(
 
 @triton.jit(do_not_specialize=["rows", "num_splits"])
 def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, rows, num_splits,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """One pass over the splits, BLOCK_S at a time (all of them in one step when BLOCK_S >= num_splits)."""
+    if PDL:  # launched early (programmatic dependent launch): wait until the split kernel's partials are written
+        tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
     pid_d = tl.program_id(1)
     b = tl.program_id(2)
@@ -280,10 +293,11 @@ def num_sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def choose_splits(base, max_len, block_n, slots, per_slot):
+def choose_splits(base, max_len, block_n, slots, per_slot, whole=False):
     """Splits per sequence: about per_slot programs per slot over `slots` resident programs with `base` programs
-    per split, each split reading at least MIN_TILES_PER_SPLIT tiles of the max_len-entry cache."""
-    want = math.ceil(per_slot * slots / base)
+    per split (whole: at most that many, so the programs fill whole waves), each split reading at least
+    MIN_TILES_PER_SPLIT tiles of the max_len-entry cache."""
+    want = math.floor(per_slot * slots / base) if whole else math.ceil(per_slot * slots / base)
     cap = max(1, triton.cdiv(max_len, block_n * MIN_TILES_PER_SPLIT))
     return max(1, min(want, cap))
 
@@ -304,19 +318,25 @@ def split_cost(splits, base, max_len, entry, slots, partial_bytes, merge_cost):
 
 
 @functools.lru_cache(maxsize=4096)
-def default_splits(entry, rows, B, max_len, sms, arch, value_bytes, every=False):
+def default_splits(entry, rows, B, max_len, sms, arch, value_bytes, every=False, rule=None):
     """The split count of the least modelled time among SPLIT_PER_SLOT's candidates (every: among all counts up to
     the cap) with `entry` (of CONFIGS), for B sequences of `rows` query rows over a max_len-entry cache on `sms` SMs
-    of `arch` (partials: value_bytes a value)."""
+    of `arch` (partials: value_bytes a value). rule: (window, whole) overriding SPLIT_RULE[arch]."""
     block_m, block_n, _, _, block_dv, _ = entry.config
+    window, whole = rule or SPLIT_RULE[arch]
     grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
     slots = sms * entry.slots
-    counts = {choose_splits(B * grid_m, max_len, block_n, slots, n) for n in SPLIT_PER_SLOT[arch]}
+    counts = {choose_splits(B * grid_m, max_len, block_n, slots, n, w) for n in SPLIT_PER_SLOT[arch]
+              for w in {False, whole}}
     if every:
         counts = range(1, choose_splits(1, max_len, block_n, 1, max_len) + 1)  # 1 .. the cap
     part_bytes = B * rows * D_LAT * value_bytes
-    return min(sorted(counts), key=lambda s: split_cost(s, B * grid_m, max_len, entry, slots, part_bytes,
-                                                        MERGE_COST[arch]))
+    lengths = [max_len - k * block_n for k in range(window) if max_len - k * block_n > 0]
+
+    def cost(s):
+        return sum(split_cost(s, B * grid_m, n, entry, slots, part_bytes, MERGE_COST[arch]) for n in lengths)
+
+    return min(sorted(counts), key=cost)
 
 
 def merge_blocks(num_splits):
@@ -339,13 +359,13 @@ def _check(q, kv_cache, value_dim):
 
 
 def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, num_splits=None, config=None,
-                  partials=None, rescale_tau=None):
+                  partials=None, rescale_tau=None, pdl=None):
     """Triton twin of ops.mla_attention: q [B, T, H, 576], kv_cache [B, L_max, 576], cache_lens [B] int32,
     tree_mask [B, T, ceil(T/32)] int32 or None (causal), -> [B, T, H, 512] in q's dtype.
 
     num_splits (splits per sequence), config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)), partials
-    (dtype of the per-split outputs: torch.float32 or q.dtype) and rescale_tau (lazy rescale threshold in log2
-    units, 0 = off) override the defaults.
+    (dtype of the per-split outputs: torch.float32 or q.dtype), rescale_tau (lazy rescale threshold in log2
+    units, 0 = off) and pdl (programmatic dependent launch; CUDA only) override the defaults.
     """
     _check(q, kv_cache, value_dim)
     B, T, H, _ = q.shape
@@ -372,18 +392,20 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         lse_part = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q.device)
     causal = tree_mask is None
     mask = cache_lens if causal else tree_mask.contiguous()
+    pdl = q.is_cuda and (PDL[arch] if pdl is None else pdl)
+    launch = {"launch_pdl": True} if pdl else {}
     _mla_split_kernel[(grid_m, num_splits, B)](
         q, kv_cache, cache_lens, mask, out, o_part, lse_part,
         T, kv_cache.stride(0) // ENTRY, scale * 1.4426950408889634,
         H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv,
         BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16, TAIL_STAGES=tail_stages, UNCHAIN=unchain,
-        TAU=float(RESCALE_TAU[arch] if rescale_tau is None else rescale_tau),
-        num_warps=warps, num_stages=stages,
+        TAU=float(RESCALE_TAU[arch] if rescale_tau is None else rescale_tau), PDL=pdl,
+        num_warps=warps, num_stages=stages, **launch,
     )
     if not direct:
         block_s, block_d = merge_blocks(num_splits)
         _merge_kernel[(rows, D_LAT // block_d, B)](
-            o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d,
+            o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d, PDL=pdl, **launch,
         )
     return out
 
