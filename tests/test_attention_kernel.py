@@ -130,6 +130,28 @@ def test_split_rule_picks_the_h200_winners(rows, L, splits):
     assert default_splits(entry, rows, 1, L, 132, 90, (entry.partials or torch.bfloat16).itemsize) == splits
 
 
+def kernel_programs(splits, rows, length, entry):
+    """Non-empty programs the split kernel runs for a length-entry sequence (its device-side split rule)."""
+    from triton import cdiv
+
+    block_m, block_n = entry.config[:2]
+    split_len = cdiv(cdiv(length, splits), block_n) * block_n
+    return sum(1 for s in range(splits) if s * split_len < length) * cdiv(rows, block_m)
+
+
+@pytest.mark.parametrize("length", [32898, 32801, 32770], ids=["at-L_max", "step-T33", "L_max-2-tiles"])
+def test_whole_wave_rule_keeps_the_step_shape_in_one_wave(length):
+    """The verify step's shape (T 33 x H 8 at 32k, cache sized 32,898): the rule that fits the count at L_max alone
+    picks 27 splits, whose last is empty at L_max but not at the lengths the step runs (135 programs, two waves on
+    132 SMs); averaged over lengths with whole-wave counts it stays within one wave at every length."""
+    from triton_kernels.mla_attention import default_splits, entry_for
+
+    entry = entry_for(264, 90)
+    assert kernel_programs(27, 264, 32801, entry) == 135 and kernel_programs(27, 264, 32898, entry) == 130
+    splits = default_splits(entry, 264, 1, 32898, 132, 90, 4, rule=(8, True))
+    assert kernel_programs(splits, 264, length, entry) <= 132
+
+
 @requires_triton
 @pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
 @pytest.mark.parametrize("config", [BIG, UNCHAINED], ids=["chained", "unchained"])
