@@ -111,7 +111,7 @@ def sm120_resources():
     from triton_kernels.aot import compile_for
     from triton_kernels.glue import _rms_norm_kernel, _rope_kernel
     from triton_kernels.linear import _linear_kernel
-    from triton_kernels.router import BLOCK_D, BLOCK_E, BLOCK_M, SELECT_ROWS, _router_kernel
+    from triton_kernels.router import BLOCK_D, BLOCK_E, BLOCK_M, _logits_kernel
 
     return [
         compile_for(_rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", stride_x="i32",
@@ -119,12 +119,9 @@ def sm120_resources():
         compile_for(_rope_kernel, dict(x_ptr="*bf16", pos_ptr="*i64", freq_ptr="*fp32", out_ptr="*bf16",
                                        stride_xn="i32", stride_xh="i32", H="i32", factor="fp32"),
                     dict(HALF=32, BLOCK_H=64)),
-        compile_for(_router_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*fp32", part_ptr="*fp32",
-                                         count_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i32", M="i32", E="i32",
-                                         D="i32", d_per_split="i32", group_size="i32", n_group="i32",
-                                         topk_group="i32", top_k="i32", scaling="fp32"),
-                    dict(NORM=True, BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, BLOCK_A=512, BLOCK_G=1,
-                         BLOCK_K=8, SELECT_ROWS=SELECT_ROWS), num_stages=3, aligned=True),
+        compile_for(_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", M="i32", E="i32", D="i32",
+                                         d_per_split="i32"), dict(BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D),
+                    num_stages=3, aligned=True),
         compile_for(_absorb_query_kernel, dict(qn_ptr="*bf16", qp_ptr="*bf16", w_ptr="*bf16", pos_ptr="*i64",
                                                freq_ptr="*fp32", out_ptr="*bf16", N="i32", H="i32", stride_qn="i32",
                                                stride_qnh="i32", stride_qp="i32", stride_qph="i32", stride_wh="i32",

@@ -1,27 +1,22 @@
-"""DeepSeek-V3 noaux_tc router in one launch: split-K router logits, then sigmoid + grouped top-k per token.
+"""DeepSeek-V3 noaux_tc router in two launches: split-K router logits, then sigmoid + grouped top-k per token.
 
 The torch reference (`ops.moe.route_torch`) casts the gate weight to fp32 on every call and launches about a
-dozen small kernels. Here the logits are a bf16 x bf16 -> fp32 tl.dot (products are exact in fp32, only the
-summation order differs), split along D so that even one token spreads the gate weight over enough programs.
-Each program stores its fp32 partial tile; the last program to arrive for a block of tokens (acquire-release
-counter, reset after use) sums the partials and selects the experts of those tokens in registers, a few
-tokens at a time.
+dozen small kernels; here the logits are a bf16 x bf16 -> fp32 tl.dot (products are exact in fp32, only the
+summation order differs), split along D so that even one token spreads the gate weight over enough programs,
+and the second kernel sums the splits and does the whole selection in registers.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from triton_kernels.counters import arrival_counters
-
 BLOCK_M, BLOCK_E, BLOCK_D = 16, 32, 256
-SELECT_ROWS = 4  # tokens selected at once by the last program: [4, E] rows keep the select within registers
-MAX_SPLITS = 16
 
 
 @triton.jit
-def _partial_logits(x_ptr, w_ptr, part_ptr, M, E, D, d_per_split, pid_e, pid_m, split,
-                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+def _logits_kernel(x_ptr, w_ptr, part_ptr, M, E, D, d_per_split,
+                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_e, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_d = tl.arange(0, BLOCK_D)
@@ -39,80 +34,49 @@ def _partial_logits(x_ptr, w_ptr, part_ptr, M, E, D, d_per_split, pid_e, pid_m, 
 
 
 @triton.jit
-def _first_of_max(x, offs, BIG: tl.constexpr):
-    """Per row of x [BM, N]: (max, the lowest column holding it)."""
-    best = tl.max(x, 1)
-    return best, tl.min(tl.where(x == best[:, None], offs[None, :], BIG), 1)
-
-
-@triton.jit
-def _keep_best_groups(choice, offs, group_size, n_group, topk_group, BLOCK_A: tl.constexpr, BLOCK_G: tl.constexpr):
-    """choice [BM, BA] with experts outside each row's topk_group best groups set to -inf; a group's score is
-    the sum of its two best biased scores."""
-    group = offs // group_size  # [BA]
-    offs_g = tl.arange(0, BLOCK_G)
-    group_score = tl.full((choice.shape[0], BLOCK_G), float("-inf"), tl.float32)
-    for g in range(n_group):
-        member = tl.where((group == g)[None, :], choice, float("-inf"))
-        best, first = _first_of_max(member, offs, BLOCK_A)
-        second = tl.max(tl.where(offs[None, :] == first[:, None], float("-inf"), member), 1)
-        group_score = tl.where(offs_g[None, :] == g, (best + second)[:, None], group_score)
-    kept = tl.zeros(choice.shape, dtype=tl.int1)
-    for _ in range(topk_group):
-        _, top = _first_of_max(group_score, offs_g, BLOCK_G)  # [BM]
-        kept = kept | (group[None, :] == top[:, None])
-        group_score = tl.where(offs_g[None, :] == top[:, None], float("-inf"), group_score)
-    return tl.where(kept, choice, float("-inf"))
-
-
-@triton.jit
-def _select(part_ptr, bias_ptr, weights_ptr, ids_ptr, first_row, M, E, splits, group_size, n_group, topk_group,
-            top_k, scaling, NORM: tl.constexpr, ROWS: tl.constexpr, BLOCK_A: tl.constexpr,
-            BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = first_row + tl.arange(0, ROWS)
-    offs = tl.arange(0, BLOCK_A)
+def _select_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, M, E, splits, group_size, n_group, topk_group,
+                   top_k, scaling, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
+    m = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
     ok = offs < E
-    both = (rows < M)[:, None] & ok[None, :]
-    logits = tl.zeros((ROWS, BLOCK_A), dtype=tl.float32)
-    for s in range(splits):  # .cg: the other programs' partials, read at L2 rather than from a stale L1
-        logits += tl.load(part_ptr + (s * M + rows[:, None]).to(tl.int64) * E + offs[None, :], mask=both,
-                          other=0.0, cache_modifier=".cg")
-    scores = tl.sigmoid(logits)  # [BM, BA]
-    bias = tl.load(bias_ptr + offs, mask=ok, other=0.0)
-    choice = tl.where(ok[None, :], scores + bias[None, :], float("-inf"))
+    offs_s = tl.arange(0, BLOCK_S)
+    parts = tl.load(part_ptr + ((offs_s[:, None] * M + m).to(tl.int64) * E + offs[None, :]),
+                    mask=(offs_s < splits)[:, None] & ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_E]: one round trip
+    logits = tl.sum(parts, 0)
+    scores = tl.sigmoid(logits)
+    choice = tl.where(ok, scores + tl.load(bias_ptr + offs, mask=ok, other=0.0), float("-inf"))
     if n_group > 1:
-        choice = _keep_best_groups(choice, offs, group_size, n_group, topk_group, BLOCK_A, BLOCK_G)
+        group = offs // group_size
+        offs_g = tl.arange(0, BLOCK_G)
+        group_score = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+        for g in range(n_group):  # a group's score: the sum of its two best biased scores
+            member = tl.where(group == g, choice, float("-inf"))
+            best = tl.max(member, 0)
+            first = tl.min(tl.where(member == best, offs, BLOCK_E), 0)
+            second = tl.max(tl.where(offs == first, float("-inf"), member), 0)
+            group_score = tl.where(offs_g == g, best + second, group_score)
+        kept = tl.zeros((BLOCK_E,), dtype=tl.int1)
+        for _ in range(topk_group):
+            best = tl.max(group_score, 0)
+            g = tl.min(tl.where(group_score == best, offs_g, BLOCK_G), 0)
+            kept = kept | (group == g)
+            group_score = tl.where(offs_g == g, float("-inf"), group_score)
+        choice = tl.where(kept, choice, float("-inf"))
     offs_k = tl.arange(0, BLOCK_K)
-    ids = tl.zeros((ROWS, BLOCK_K), dtype=tl.int32)
-    chosen = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    chosen = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for j in range(top_k):  # descending, as torch.topk returns them
-        _, e = _first_of_max(choice, offs, BLOCK_A)
-        picked = offs[None, :] == e[:, None]
-        ids = tl.where(offs_k[None, :] == j, e[:, None], ids)
-        chosen = tl.where(offs_k[None, :] == j, tl.sum(tl.where(picked, scores, 0.0), 1)[:, None], chosen)
-        choice = tl.where(picked, float("-inf"), choice)
+        best = tl.max(choice, 0)
+        e = tl.min(tl.where(choice == best, offs, BLOCK_E), 0)
+        tl.store(ids_ptr + m * top_k + j, e)
+        chosen = tl.where(offs_k == j, tl.sum(tl.where(offs == e, scores, 0.0), 0), chosen)
+        choice = tl.where(offs == e, float("-inf"), choice)
     if NORM:
-        chosen = chosen / (tl.sum(chosen, 1)[:, None] + 1e-20)
-    out = rows[:, None] * top_k + offs_k[None, :]
-    out_ok = (rows < M)[:, None] & (offs_k < top_k)[None, :]
-    tl.store(ids_ptr + out, ids, mask=out_ok)
-    tl.store(weights_ptr + out, chosen * scaling, mask=out_ok)
+        chosen = chosen / (tl.sum(chosen, 0) + 1e-20)
+    tl.store(weights_ptr + m * top_k + offs_k, chosen * scaling, mask=offs_k < top_k)
 
 
-@triton.jit
-def _router_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, count_ptr, weights_ptr, ids_ptr, M, E, D, d_per_split,
-                   group_size, n_group, topk_group, top_k, scaling, NORM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SELECT_ROWS: tl.constexpr):
-    pid_e, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    _partial_logits(x_ptr, w_ptr, part_ptr, M, E, D, d_per_split, pid_e, pid_m, split, BLOCK_M, BLOCK_E, BLOCK_D)
-    tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
-    arrivals = tl.num_programs(0) * tl.num_programs(2)
-    if tl.atomic_add(count_ptr + pid_m, 1, sem="acq_rel") == arrivals - 1:
-        for first in range(pid_m * BLOCK_M, tl.minimum(pid_m * BLOCK_M + BLOCK_M, M), SELECT_ROWS):
-            _select(part_ptr, bias_ptr, weights_ptr, ids_ptr, first, M, E, tl.num_programs(2), group_size, n_group,
-                    topk_group, top_k, scaling, NORM, SELECT_ROWS, BLOCK_A, BLOCK_G, BLOCK_K)
-        tl.atomic_xchg(count_ptr + pid_m, 0)
+MAX_SPLITS = 16
 
 
 def _splits(M, E, sms):
@@ -131,16 +95,15 @@ def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm
     splits = _splits(M, E, sms)
     d_per_split = triton.cdiv(triton.cdiv(D, splits), BLOCK_D) * BLOCK_D
     splits = triton.cdiv(D, d_per_split)
+    part = torch.empty(splits, M, E, dtype=torch.float32, device=x.device)
     weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
     if M == 0:
         return weights, ids
-    part = torch.empty(splits, M, E, dtype=torch.float32, device=x.device)
-    m_tiles = triton.cdiv(M, BLOCK_M)
-    counters = arrival_counters("router", x.device, m_tiles)
-    _router_kernel[(triton.cdiv(E, BLOCK_E), m_tiles, splits)](
-        x, gate_weight, bias.float().contiguous(), part, counters, weights, ids, M, E, D, d_per_split, E // n_group,
-        n_group, topk_group, top_k, float(scaling_factor), NORM=bool(norm_topk_prob), BLOCK_M=BLOCK_M,
-        BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, BLOCK_A=triton.next_power_of_2(E), BLOCK_G=triton.next_power_of_2(n_group),
-        BLOCK_K=triton.next_power_of_2(top_k), SELECT_ROWS=SELECT_ROWS, num_stages=3)
+    _logits_kernel[(triton.cdiv(E, BLOCK_E), triton.cdiv(M, BLOCK_M), splits)](
+        x, gate_weight, part, M, E, D, d_per_split, BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, num_stages=3)
+    _select_kernel[(M,)](part, bias.float().contiguous(), weights, ids, M, E, splits, E // n_group, n_group,
+                         topk_group, top_k, float(scaling_factor), NORM=bool(norm_topk_prob),
+                         BLOCK_E=triton.next_power_of_2(E), BLOCK_G=triton.next_power_of_2(n_group),
+                         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
     return weights, ids
