@@ -26,6 +26,7 @@ import torch
 
 import ops
 from model.config import preset
+import model.model as model_module
 from model.model import KimiModel, MoE
 from model.parallel import Parallel
 from spec.drafter import DFlashDrafter, DrafterConfig
@@ -346,8 +347,11 @@ def main():
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--long-buckets", default=None,
                         help="buckets to time at contexts after the first (default: all of --buckets)")
+    parser.add_argument("--no-overlap", action="store_true", help="the shared expert on the main stream")
     args = parser.parse_args()
     import triton
+
+    model_module.OVERLAP_SHARED_EXPERT = not args.no_overlap
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -358,7 +362,8 @@ def main():
     meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 drafter_note="Kimi-K2.5-DFlash shape, TP8 rank 0 like the target (8 of 64 query heads, 1 of 8 "
-                             "key/value heads, 1/8 of the MLP), scoring with the target's lm_head shard")
+                             "key/value heads, 1/8 of the MLP), scoring with the target's lm_head shard",
+                overlap_shared_expert=not args.no_overlap)
     meta["read_GBps"] = bw = read_GBps()
     t0 = time.perf_counter()
     target = build_target()

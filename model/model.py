@@ -186,12 +186,13 @@ class MoE(nn.Module):
         return ops.moe(x, ids, weights, self.experts.prepared)
 
 
+OVERLAP_SHARED_EXPERT = True  # False: the shared expert runs on the main stream (for A/B timing)
 _SIDE_STREAMS = {}
 
 
 def _side_stream(device):
     """One extra CUDA stream per device for work that overlaps the main stream; None off the GPU."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not OVERLAP_SHARED_EXPERT:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SIDE_STREAMS:
