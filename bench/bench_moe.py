@@ -282,17 +282,18 @@ def measure_point(shape, M, layers, ct_layer, checked_layer, bf16_weights, bw, g
     return row
 
 
-def kernel_breakdown(M, layer, gen, calls=8):
-    """Device time per kernel name (us per call) of eager Triton calls, from torch.profiler."""
+def kernel_breakdown(M, layer, gen, calls=8, config=None):
+    """Device time per kernel name (us per call) of eager Triton calls (under `config`, default the table's entry),
+    from torch.profiler."""
     from triton_kernels.moe_w4a16 import moe
 
-    inputs = routings(M, layer.num_experts, calls, gen)
+    inputs = [(x[:, :layer.hidden].contiguous(), ids, w) for x, ids, w in routings(M, layer.num_experts, calls, gen)]
     for x, ids, w in inputs:
-        moe(x, ids, w, layer)
+        moe(x, ids, w, layer, config=config)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for x, ids, w in inputs:
-            moe(x, ids, w, layer)
+            moe(x, ids, w, layer, config=config)
         torch.cuda.synchronize()
     return {e.key[:60]: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
 
@@ -339,10 +340,11 @@ def run_shape(shape, bw, gen, deadline, sweep, out_rows, save):
     return rows
 
 
-def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None):
+def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None, breakdown=()):
     """The measured default against moe_configs.VARIANTS (or those in `names`) at one shape, per M: each config
     checked against the fp32 reference on experts prepared in its layout, timed cold under a CUDA graph on
-    random layers in that layout; keeps the fastest correct one per M (`best`)."""
+    random layers in that layout; keeps the fastest correct one per M (`best`). For the configs named in
+    `breakdown` ('default' or variants) at M = 1, 16, 256: device time per kernel of eager calls (`kernels`)."""
     from ops.moe import moe_torch
     from triton_kernels.moe_configs import VARIANTS, config_for, layout_for, with_variant
     from triton_kernels.moe_w4a16 import moe, prepare_moe
@@ -381,6 +383,8 @@ def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None)
                 ms = time_graph([lambda c=c, j=j, cfg=cfg, layers=layers: moe(*c, layers[j % len(layers)], config=cfg)
                                  for j, c in enumerate(calls)])
                 row["variants"][name] = dict(us=ms * 1e3, frac=nbytes / ms / 1e6 / bw, rel_err=err, config=cfg)
+                if name in breakdown and M in (1, 16, 256):
+                    row["variants"][name]["kernels"] = kernel_breakdown(M, layers[0], gen, config=cfg)
             except Exception as exc:  # record, keep going
                 row["variants"][name] = dict(error=repr(exc)[:300])
         ok = {n: v for n, v in row["variants"].items() if v.get("rel_err", 1.0) < 1e-2}
@@ -396,8 +400,9 @@ def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None)
 
 def variants_markdown(meta, rows):
     names = list(dict.fromkeys(n for r in rows for n in r.get("variants", {})))
+    shape = rows[0]["shape"].upper() if rows else "TP8"
     lines = [f"# W4A16 MoE variants vs default ({meta['gpu']}, {meta['date']})", "",
-             f"TP8 shape, cold L2, CUDA graph; HBM read {meta['hbm_read_gbs']:.0f} GB/s measured in this run. "
+             f"{shape} shape, cold L2, CUDA graph; HBM read {meta['hbm_read_gbs']:.0f} GB/s measured in this run. "
              "Cells: us (% of HBM read); '-' not run, 'x' failed or wrong.", "",
              "| M | experts | " + " | ".join(names) + " | best |", "|---|---|" + "---|" * len(names) + "---|"]
     for r in rows:
@@ -406,6 +411,10 @@ def variants_markdown(meta, rows):
             v = r["variants"].get(n)
             cells.append("-" if v is None else f"{v['us']:.1f} ({v['frac']:.0%})" if v.get("rel_err", 1) < 1e-2 else "x")
         lines.append(f"| {r['M']} | {r['experts_touched']:.1f} | " + " | ".join(cells) + f" | {r.get('best', '-')} |")
+    kernels = [(r["M"], n, v["kernels"]) for r in rows for n, v in r["variants"].items() if "kernels" in v]
+    if kernels:
+        lines += ["", "Device time per kernel, eager calls (torch.profiler), us per call:", ""]
+        lines += [f"- M = {M}, {n}: " + ", ".join(f"{k} {us:.1f}" for k, us in times.items()) for M, n, times in kernels]
     return "\n".join(lines) + "\n"
 
 
@@ -432,7 +441,11 @@ def main():
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--variants", action="store_true",
                         help="only time the default against moe_configs.VARIANTS at the TP8 shape (about --budget s)")
-    parser.add_argument("--names", help="with --variants: comma-separated VARIANTS to time (default: all)")
+    parser.add_argument("--names", help="with --variants: comma-separated VARIANTS to time (default: all; "
+                                        "'none': the default alone)")
+    parser.add_argument("--shape", default="tp8", choices=list(SHAPES), help="with --variants: the shape")
+    parser.add_argument("--breakdown", default="",
+                        help="with --variants: comma-separated configs ('default' or variants) timed per kernel")
     parser.add_argument("--sass", action="store_true", help="CPU only: static SASS counts of the default and variants")
     parser.add_argument("--sass-m", type=int, default=1, help="with --sass: the M bucket whose entry is counted")
     args = parser.parse_args()
@@ -451,7 +464,7 @@ def main():
     rows = []
 
     def save():
-        with open(os.path.join(args.out, "moe_results.json"), "w") as f:
+        with open(os.path.join(args.out, f"moe_{'variants_' + args.shape if args.variants else 'results'}.json"), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
     bw = hbm_read_bandwidth()
@@ -459,9 +472,10 @@ def main():
     print(f"HBM read {bw:.0f} GB/s", flush=True)
     gen = torch.Generator(DEV).manual_seed(0)
     if args.variants:
-        compare_variants(bw, gen, start + args.budget - 10, rows, save,
-                         names=args.names.split(",") if args.names else None)
-        with open(os.path.join(args.out, "moe_variants.md"), "w") as f:
+        names = None if not args.names else [] if args.names == "none" else args.names.split(",")
+        compare_variants(bw, gen, start + args.budget - 10, rows, save, shape=args.shape, names=names,
+                         breakdown=args.breakdown.split(","))
+        with open(os.path.join(args.out, f"moe_variants_{args.shape}.md"), "w") as f:
             f.write(variants_markdown(meta, rows))
         print(variants_markdown(meta, rows), flush=True)
         return

@@ -141,17 +141,23 @@ def test_moe_panel_layout(panels, bn, extra):
                                              (8, (64, 64), {"decode": True}),
                                              (8, (0, 0), {"scales_ahead": True, "waves": 1, "D": 608}),
                                              (16, (64, 128), {"scales_ahead": True, "swap": False, "waves": 1,
-                                                              "D": 608})],
+                                                              "D": 608}),
+                                             (16, (64, 128), {"stack": True, "scales_ahead": True, "tiles": 2}),
+                                             (16, (0, 0), {"stack": True, "waves": 1, "D": 608}),
+                                             (8, (0, 0), {"scales_ahead": True, "tiles": 2, "I": 320})],
                          ids=["bm8_slab", "bm16_panel_lean_tiles2", "bm8_panel_decode", "bm8_scales_ahead",
-                              "unswapped_panel_scales_ahead"])
+                              "unswapped_panel_scales_ahead", "stacked_panel_ahead_tiles2", "stacked_slab",
+                              "tiles2_two_slabs_ahead"])
 def test_moe_swapped_tiles(BM, panels, extra):
     """`swap` (transposed tiles: weights as the MMA's M operand, tokens its N) on ragged shapes, split over K, a
     repeated expert; with BM 8 (fewer rows than tl.dot's usual 16), panels, lean pointers, two down tiles a
-    program, the decode path, and `scales_ahead` (three slabs in one split: scales carried across slabs), also
-    unswapped; `lop3` runs on the GPU (the interpreter runs the plain form)."""
-    E, D, I = 5, extra.get("D", 320), 96
+    program (down's K in one slab: the pipelined tile loop, scales a tile ahead; or in two), the decode path,
+    `scales_ahead` (three slabs in one split: scales carried across slabs), also unswapped, and `stack` (gate and
+    up as one tile); `lop3` runs on the GPU (the interpreter runs the plain form)."""
+    E, D, I = 5, extra.get("D", 320), extra.get("I", 96)
     kernel = dict(BN=64, waves=extra.get("waves", 8), num_warps=4, num_stages=2, swap=extra.get("swap", True),
-                  lop3=True, lean=extra.get("lean", False), scales_ahead=extra.get("scales_ahead", False))
+                  lop3=True, lean=extra.get("lean", False), scales_ahead=extra.get("scales_ahead", False),
+                  stack=extra.get("stack", False))
     cfg = {"BM": BM, "panels": panels, "decode": extra.get("decode", False), "gate_up": kernel,
            "down": dict(kernel, BN=64 // extra.get("tiles", 1), tiles=extra.get("tiles", 1))}  # tiles x BN | D
     assert_three_tokens_match(cfg, panels, E, D, I, seed=6)

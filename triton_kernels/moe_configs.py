@@ -65,6 +65,26 @@ VARIANTS = {
     "swap8_ahead": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True, scales_ahead=True, waves=3),
                         down=dict(BN=64, swap=True, lop3=True, scales_ahead=True, tiles=2)),
     "ahead": dict(gate_up=dict(scales_ahead=True), down=dict(scales_ahead=True)),
+    # round 3 (on the swap16 entries). `tiles` > 1 where down's K is one slab (TP8: I = 256) drops the K loop, so
+    # the tile loop is the innermost and pipelined: tile t + 1's words stream in while tile t is computed (3
+    # stages: 2 tiles, 16 KB of words, in flight a CTA), with `scales_ahead` its scales too
+    "dn4": dict(down=dict(tiles=4, num_stages=3)),
+    "ahead_dn4": dict(gate_up=dict(scales_ahead=True), down=dict(scales_ahead=True, tiles=4, num_stages=3)),
+    "ahead_dn8": dict(gate_up=dict(scales_ahead=True), down=dict(scales_ahead=True, tiles=8, num_stages=4)),
+    # `stack` (gate/up, with swap): the gate and up columns of a tile as one [2 BN, BM] tile, one dot (wgmma M =
+    # 2 BN) and one wgmma wait a group instead of two (8 a slab, not 16). BN 64 with scales ahead: 255 registers,
+    # 3.23 loop instructions a weight; BN 32 with scales ahead: 138 registers, 3 CTAs an SM
+    "stack_ahead_dn4": dict(gate_up=dict(stack=True, scales_ahead=True),
+                            down=dict(scales_ahead=True, tiles=4, num_stages=3)),
+    "stack32_ahead_dn4": dict(gate_up=dict(BN=32, stack=True, scales_ahead=True, waves=3),
+                              down=dict(scales_ahead=True, tiles=4, num_stages=3)),
+    # swap8_s3 (the fastest at M = 8, 16, 64 in round 2) with scales ahead and the pipelined down tiles (gate/up 164
+    # registers: 3 CTAs an SM)
+    "swap8_ahead_dn4": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True, num_stages=3, scales_ahead=True, waves=3),
+                            down=dict(BN=64, swap=True, lop3=True, scales_ahead=True, tiles=4, num_stages=3)),
+    # the decode path (no routing pass) on ahead_dn4, for M <= 16
+    "decode_ahead_dn4": dict(decode=True, gate_up=dict(scales_ahead=True),
+                             down=dict(scales_ahead=True, tiles=4, num_stages=3)),
 }
 
 

@@ -190,6 +190,23 @@ def _tile_cols(pid_n, stride_p, BN: tl.constexpr, PANEL: tl.constexpr, STEP: tl.
 
 
 @triton.jit
+def _stacked_cols(pid_n, stride_p, up, BN: tl.constexpr, PANEL: tl.constexpr):
+    """Offsets [2 BN] of N tile pid_n's gate columns (`_tile_cols`), then of its up columns (`up` further on), by
+    arithmetic on one arange (a join would give the vector a layout of its own, converted at every use)."""
+    j = tl.arange(0, 2 * BN)
+    c0 = pid_n * BN  # PANEL % BN == 0: the tile lies in one panel
+    base = (c0 // PANEL).to(tl.int64) * stride_p + c0 % PANEL if PANEL else c0
+    return base + j % BN + (j // BN) * up
+
+
+@triton.jit
+def _unstack(acc):
+    """[2 BN, BM] -> its halves [BN, BM], [BN, BM] (the gate rows and the up rows of a stacked tile)."""
+    halves = tl.reshape(acc, (2, acc.shape[0] // 2, acc.shape[1]))
+    return tl.split(tl.permute(halves, (1, 2, 0)))
+
+
+@triton.jit
 def _prefetch_l2(ptrs):
     """Ask L2 for the lines holding ptrs (a hint: no result to wait for; PTX prefetch, so not interpretable)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
@@ -265,6 +282,30 @@ def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr
         tl.store(block_expert_ptr + slot // BM, e, mask=p < P)
 
 
+@triton.jit
+def _gate_up_stacked(a_rows, w_base, s_base, row_mask, kw, kg, w_cols, s_cols, n_mask, first, end, D, w_row, s_row,
+                     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, DTYPE: tl.constexpr,
+                     EVEN_K: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr):
+    """Gate and up accumulators [BN, BM] each (swapped) over slabs first .. end - 1, from the stacked columns
+    w_cols / s_cols / n_mask [2 BN] (gate then up: `_stack`): one [2 BN, 16] word tile and one dot a group."""
+    acc = _acc_zeros(BM, 2 * BN, True)  # [2 BN, BM]
+    w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, a_rows, kw, kg, w_cols, s_cols, first, w_row, s_row, True)
+    sc = 0  # with AHEAD: the scales [2 BN, 8] of the slab being computed
+    if AHEAD:
+        sc = _load_scales(s_ptrs, n_mask, s_row)
+    for slab in range(first, end):
+        if AHEAD:
+            sc_next = _load_scales(s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols, n_mask, s_row)
+        w0, w1 = _load_slab(w_ptrs, w_row, n_mask[:, None])  # [2 BN, 16] each
+        acc = _slab_dot(acc, a_ptrs, row_mask, k, D, w0, w1, s_ptrs, n_mask, s_row, sc, MAGIC, MAGIC_VALUE, WIDE,
+                        DTYPE, EVEN_K, True, LOP3, AHEAD)
+        if AHEAD:
+            sc = sc_next
+        w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
+    return _unstack(acc)
+
+
 @triton.jit(do_not_specialize=["n_slabs_per_split", "split_k", "stride_part"])
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_ptr, block_expert_ptr,
                     D, I, n_slabs, n_slabs_per_split, split_k, stride_we, stride_se, stride_part,
@@ -272,13 +313,15 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
                     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, LEAN: tl.constexpr,
                     EVEN_N: tl.constexpr, DECODE: tl.constexpr, PANEL: tl.constexpr, PREFETCH: tl.constexpr,
                     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
-                    SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr):
+                    SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, STACK: tl.constexpr = False):
     """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate.
 
     With SPLIT, pid 2 of split_k sums a range of slabs into part; the last split to arrive finishes the tile.
     With SWAP the tiles are transposed ([BN, BM]: the weights are the MMA's M operand, see `_slab_dot`); LOP3
     dequantises with inline PTX (`_unpack_group`); AHEAD loads a slab's scales during the slab before (Triton
-    pipelines only loads that feed a dot: the scales would otherwise wait a global load each slab).
+    pipelines only loads that feed a dot: the scales would otherwise wait a global load each slab). STACK (with
+    SWAP): the gate and up columns as one [2 BN, BM] tile, one dot (wgmma M = 2 BN) and one wait a group instead
+    of two.
     Layout (TritonExperts): w_row / s_row are the row strides of words / scales, stride_wp / stride_sp their
     panel strides (PANEL > 0), up_w / up_s the offsets of the up columns from the gate columns.
     """
@@ -311,34 +354,41 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     acc_u = _acc_zeros(BM, BN, SWAP)
     first = pid_k * n_slabs_per_split
     end = tl.minimum(first + n_slabs_per_split, n_slabs)
-    w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token * D, kw, kg, w_cols, s_cols, first,
-                                           w_row, s_row, SWAP)
-    if PREFETCH:  # slabs first + 1 .. first + PREFETCH - 1; the loop asks for slab + PREFETCH
-        lines = w_base + _tile_cols(pid_n, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]: 128-byte lines
-        for ahead in tl.static_range(1, PREFETCH):
-            _prefetch_slab(lines, tl.minimum(first + ahead, end - 1), w_row, up_w, True)
-    sg, su = 0, 0  # with AHEAD: the gate and up scales [BN, 8] of the slab being computed
-    if AHEAD:
-        sg, su = _load_scales(s_ptrs, n_mask, s_row), _load_scales(s_ptrs + up_s, n_mask, s_row)
-    for slab in range(first, end):
-        if not LEAN:  # recomputed from the slab index (the measured default); LEAN carries them below
-            w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token * D, kw, kg, w_cols, s_cols,
-                                                   slab, w_row, s_row, SWAP)
-        if PREFETCH:
-            _prefetch_slab(lines, tl.minimum(slab + PREFETCH, end - 1), w_row, up_w, True)
+    if STACK:
+        n2_mask = (pid_n * BN + tl.arange(0, 2 * BN) % BN < I) | EVEN_N  # [2 BN]
+        acc_g, acc_u = _gate_up_stacked(x_ptr + token * D, w_base, s_base, pair >= 0, kw, kg,
+                                        _stacked_cols(pid_n, stride_wp, up_w, BN, PANEL),
+                                        _stacked_cols(pid_n, stride_sp, up_s, BN, PANEL), n2_mask, first, end, D,
+                                        w_row, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K, LOP3, AHEAD, BM, BN)
+    else:
+        w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token * D, kw, kg, w_cols, s_cols, first,
+                                               w_row, s_row, SWAP)
+        if PREFETCH:  # slabs first + 1 .. first + PREFETCH - 1; the loop asks for slab + PREFETCH
+            lines = w_base + _tile_cols(pid_n, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]: 128-byte lines
+            for ahead in tl.static_range(1, PREFETCH):
+                _prefetch_slab(lines, tl.minimum(first + ahead, end - 1), w_row, up_w, True)
+        sg, su = 0, 0  # with AHEAD: the gate and up scales [BN, 8] of the slab being computed
         if AHEAD:
-            s_next = s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols  # [BN]
-            sg_next, su_next = _load_scales(s_next, n_mask, s_row), _load_scales(s_next + up_s, n_mask, s_row)
-        g0, g1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
-        u0, u1 = _load_slab(w_ptrs + up_w, w_row, col_mask)
-        acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, g0, g1, s_ptrs, n_mask, s_row, sg, MAGIC, MAGIC_VALUE,
-                          WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD)
-        acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, u0, u1, s_ptrs + up_s, n_mask, s_row, su, MAGIC,
-                          MAGIC_VALUE, WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD)
-        if AHEAD:
-            sg, su = sg_next, su_next
-        if LEAN:
-            w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
+            sg, su = _load_scales(s_ptrs, n_mask, s_row), _load_scales(s_ptrs + up_s, n_mask, s_row)
+        for slab in range(first, end):
+            if not LEAN:  # recomputed from the slab index (the measured default); LEAN carries them below
+                w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token * D, kw, kg, w_cols, s_cols,
+                                                       slab, w_row, s_row, SWAP)
+            if PREFETCH:
+                _prefetch_slab(lines, tl.minimum(slab + PREFETCH, end - 1), w_row, up_w, True)
+            if AHEAD:
+                s_next = s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols  # [BN]
+                sg_next, su_next = _load_scales(s_next, n_mask, s_row), _load_scales(s_next + up_s, n_mask, s_row)
+            g0, g1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
+            u0, u1 = _load_slab(w_ptrs + up_w, w_row, col_mask)
+            acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, g0, g1, s_ptrs, n_mask, s_row, sg, MAGIC, MAGIC_VALUE,
+                              WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD)
+            acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, u0, u1, s_ptrs + up_s, n_mask, s_row, su, MAGIC,
+                              MAGIC_VALUE, WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD)
+            if AHEAD:
+                sg, su = sg_next, su_next
+            if LEAN:
+                w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
     out = R * I + C  # [BM, BN] (SWAP: [BN, BM])
     if SPLIT:
         part = part_ptr + pid_k.to(tl.int64) * stride_part + R * two_i + C
@@ -360,16 +410,58 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
         tl.store(h_ptr + out, h.to(DTYPE), mask=col_mask)
 
 
+@triton.jit
+def _down_slabs(acc, w_base, s_base, h_rows, kw, kg, w_cols, s_cols, w_ptrs, a_ptrs, s_ptrs, k, valid, n_mask,
+                col_mask, tile, first, end, I, w_row, s_row, stride_wp, MAGIC: tl.constexpr,
+                MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, DTYPE: tl.constexpr, EVEN_K: tl.constexpr,
+                SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, LEAN: tl.constexpr,
+                PREFETCH: tl.constexpr, BN: tl.constexpr, PANEL: tl.constexpr):
+    """acc [BM, BN] (SWAP: [BN, BM]) += slabs first .. end - 1 of down N tile `tile` (its K loop; pointers of
+    slab `first` given, as `_slab_ptrs` makes them)."""
+    sc = 0  # with AHEAD: the scales [BN, 8] of the slab being computed (as in _gate_up_kernel)
+    if AHEAD:
+        sc = _load_scales(s_ptrs, n_mask, s_row)
+    if PREFETCH:  # as in _gate_up_kernel (one slab at K2.6's TP8 shape: nothing to prefetch)
+        lines = w_base + _tile_cols(tile, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]
+        for ahead in tl.static_range(1, PREFETCH):
+            _prefetch_slab(lines, tl.minimum(first + ahead, end - 1), w_row, 0, False)
+    for slab in range(first, end):
+        if not LEAN:
+            w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, slab, w_row,
+                                                   s_row, SWAP)
+        if PREFETCH:
+            _prefetch_slab(lines, tl.minimum(slab + PREFETCH, end - 1), w_row, 0, False)
+        if AHEAD:
+            sc_next = _load_scales(s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols, n_mask, s_row)
+        w0, w1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
+        acc = _slab_dot(acc, a_ptrs, valid, k, I, w0, w1, s_ptrs, n_mask, s_row, sc, MAGIC, MAGIC_VALUE, WIDE,
+                        DTYPE, EVEN_K, SWAP, LOP3, AHEAD)
+        if AHEAD:
+            sc = sc_next
+        if LEAN:
+            w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
+    return acc
+
+
+@triton.jit
+def _tile_scales(s_base, tile, stride_sp, s_row, D, BN: tl.constexpr, PANEL: tl.constexpr, EVEN_N: tl.constexpr):
+    """Slab 0's 8 group scales [BN, 8] of down's N tile `tile` (`_load_scales`)."""
+    n = tile * BN + tl.arange(0, BN)  # [BN]
+    return _load_scales(s_base + _tile_cols(tile, stride_sp, BN, PANEL), (n < D) | EVEN_N, s_row)
+
+
 @triton.jit(do_not_specialize=["n_slabs_per_split"])
 def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                  D, I, n_slabs, n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp,
                  TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LEAN: tl.constexpr, EVEN_N: tl.constexpr,
                  DECODE: tl.constexpr, PANEL: tl.constexpr, PREFETCH: tl.constexpr, TILES: tl.constexpr,
                  MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
-                 SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr):
+                 SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, ONE_SLAB: tl.constexpr = False):
     """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tiles TILES * pid 1 ..
     TILES * pid 1 + TILES - 1 (one after the other), K split pid 2 (layout arguments and SWAP as in
-    `_gate_up_kernel`)."""
+    `_gate_up_kernel`). ONE_SLAB (K within one slab, one split): no K loop, so the tile loop is the innermost
+    and Triton's pipeliner stages tile t + 1's words while tile t is computed; with AHEAD the scales of tile
+    t + 1 load during tile t."""
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
     e = tl.load(block_expert_ptr + pid_b)
@@ -393,6 +485,11 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
     h_rows = h_ptr + rows.to(tl.int64) * I
     first = pid_k * n_slabs_per_split
     end = tl.minimum(first + n_slabs_per_split, n_slabs)
+    last = pid_n * TILES + TILES - 1  # this program's last N tile
+    sc_tile = 0  # ONE_SLAB with AHEAD: the scales [BN, 8] of the tile being computed
+    if ONE_SLAB:
+        if AHEAD:
+            sc_tile = _tile_scales(s_base, pid_n * TILES, stride_sp, s_row, D, BN, PANEL, EVEN_N)
     for t in range(TILES):  # one after the other: index loads and activations set up once
         tile = pid_n * TILES + t
         n = tile * BN + tl.arange(0, BN)  # [BN] hidden columns
@@ -404,28 +501,18 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
         acc = _acc_zeros(BM, BN, SWAP)
         w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, first, w_row, s_row,
                                                SWAP)
-        sc = 0  # with AHEAD: the scales [BN, 8] of the slab being computed (as in _gate_up_kernel)
-        if AHEAD:
-            sc = _load_scales(s_ptrs, n_mask, s_row)
-        if PREFETCH:  # as in _gate_up_kernel (one slab at K2.6's TP8 shape: nothing to prefetch)
-            lines = w_base + _tile_cols(tile, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]
-            for ahead in tl.static_range(1, PREFETCH):
-                _prefetch_slab(lines, tl.minimum(first + ahead, end - 1), w_row, 0, False)
-        for slab in range(first, end):
-            if not LEAN:
-                w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, slab, w_row,
-                                                       s_row, SWAP)
-            if PREFETCH:
-                _prefetch_slab(lines, tl.minimum(slab + PREFETCH, end - 1), w_row, 0, False)
+        if ONE_SLAB:  # no K loop: this loop is the innermost, so its loads are pipelined across tiles
             if AHEAD:
-                sc_next = _load_scales(s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols, n_mask, s_row)
+                sc_next = _tile_scales(s_base, tl.minimum(tile + 1, last), stride_sp, s_row, D, BN, PANEL, EVEN_N)
             w0, w1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
-            acc = _slab_dot(acc, a_ptrs, valid, k, I, w0, w1, s_ptrs, n_mask, s_row, sc, MAGIC, MAGIC_VALUE, WIDE,
-                            DTYPE, EVEN_K, SWAP, LOP3, AHEAD)
+            acc = _slab_dot(acc, a_ptrs, valid, k, I, w0, w1, s_ptrs, n_mask, s_row, sc_tile, MAGIC, MAGIC_VALUE,
+                            WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD)
             if AHEAD:
-                sc = sc_next
-            if LEAN:
-                w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
+                sc_tile = sc_next
+        else:
+            acc = _down_slabs(acc, w_base, s_base, h_rows, kw, kg, w_cols, s_cols, w_ptrs, a_ptrs, s_ptrs, k, valid,
+                              n_mask, col_mask, tile, first, end, I, w_row, s_row, stride_wp, MAGIC, MAGIC_VALUE,
+                              WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD, LEAN, PREFETCH, BN, PANEL)
         # relaxed: only atomicity is needed (the cast reads out in a later launch); the default acq_rel fences every
         # atomic (MEMBAR.ALL.GPU + L1 invalidation on sm_90)
         W, _ = _orient(weight, n, SWAP)
@@ -557,6 +644,13 @@ def _flags(kernel_cfg, N, ptx=True):
                 AHEAD=kernel_cfg.get("scales_ahead", False))
 
 
+def _launch(kernel_cfg):
+    """Launch options of a kernel config: num_warps, num_stages and, when the config caps it, maxnreg (registers a
+    thread, so that more CTAs fit an SM)."""
+    cap = {"maxnreg": kernel_cfg["maxnreg"]} if kernel_cfg.get("maxnreg") else {}
+    return dict(num_warps=kernel_cfg["num_warps"], num_stages=kernel_cfg["num_stages"], **cap)
+
+
 def _layout(words, scales, panel, BN, up=0):
     """Layout arguments of a GEMM kernel: row strides w_row / s_row, panel strides stride_wp / stride_sp,
     PANEL, and with `up` (the intermediate size, gate/up only) the offsets up_w / up_s of the up columns."""
@@ -646,13 +740,14 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
         D, I, gu_slabs, gu_per_split, gu_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
         part.stride(0) if gu_split > 1 else 0, **gu_layout,
         TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_flags(g, I, ptx), DECODE=decode,
-        num_warps=g["num_warps"], num_stages=g["num_stages"], **magic)
+        STACK=g.get("stack", False),
+        **_launch(g), **magic)
     d = cfg["down"]
     _down_kernel[(nb_max, dn_tiles, dn_split)](
         h, experts.down, experts.down_scale, out, topk_weights, sorted_pairs, block_expert,
         D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0), **dn_layout,
         TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_flags(d, D, ptx), DECODE=decode, TILES=dn_per_cta,
-        num_warps=d["num_warps"], num_stages=d["num_stages"], **magic)
+        ONE_SLAB=dn_slabs == 1 and dn_per_cta > 1, **_launch(d), **magic)
     return out.to(x.dtype)
 
 
@@ -672,7 +767,8 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
     p_gu, p_dn = cfg.get("panels", (0, 0))
     return [
         (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT=True, EVEN_K=True, **_flags(g, I),
-                                         DECODE=decode, PANEL=p_gu, **magic), arch, g["num_warps"], g["num_stages"])),
+                                         DECODE=decode, PANEL=p_gu, STACK=g.get("stack", False), **magic), arch, g["num_warps"], g["num_stages"])),
         (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], EVEN_K=True, **_flags(d, D), DECODE=decode,
-                                   PANEL=p_dn, TILES=d.get("tiles", 1), **magic), arch, d["num_warps"], d["num_stages"])),
+                                   PANEL=p_dn, TILES=d.get("tiles", 1), ONE_SLAB=I <= SLAB and d.get("tiles", 1) > 1,
+                                   **magic), arch, d["num_warps"], d["num_stages"])),
     ]
