@@ -444,6 +444,8 @@ def main():
     parser.add_argument("--names", help="with --variants: comma-separated VARIANTS to time (default: all; "
                                         "'none': the default alone)")
     parser.add_argument("--shape", default="tp8", choices=list(SHAPES), help="with --variants: the shape")
+    parser.add_argument("--ep8-seconds", type=float, default=0.0,
+                        help="with --variants: then time the default alone at the EP8 shape for up to this long")
     parser.add_argument("--breakdown", default="",
                         help="with --variants: comma-separated configs ('default' or variants) timed per kernel")
     parser.add_argument("--sass", action="store_true", help="CPU only: static SASS counts of the default and variants")
@@ -478,6 +480,14 @@ def main():
         with open(os.path.join(args.out, f"moe_variants_{args.shape}.md"), "w") as f:
             f.write(variants_markdown(meta, rows))
         print(variants_markdown(meta, rows), flush=True)
+        if args.ep8_seconds:
+            ep8 = []
+            compare_variants(bw, gen, time.time() + args.ep8_seconds, ep8, save, shape="ep8", names=[])
+            rows.extend(ep8)
+            save()
+            with open(os.path.join(args.out, "moe_variants_ep8.md"), "w") as f:
+                f.write(variants_markdown(meta, ep8))
+            print(variants_markdown(meta, ep8), flush=True)
         return
     for i, shape in enumerate(SHAPES):
         remaining = args.sweep_budget - (time.time() - start)

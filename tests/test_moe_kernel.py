@@ -240,6 +240,36 @@ def test_moe_k26_shapes_gpu(M, E, I):
     check(x, ids, weights, raw, torch.bfloat16)
 
 
+@requires_gpu
+@pytest.mark.parametrize("variant", ["pdl_ahead_dn4", "decode_pdl_ahead_dn4", "stack_ahead_dn4"])
+def test_moe_round3_variants_in_a_graph_gpu(variant):
+    """Programmatic dependent launch (and the stacked gate/up tile) at the TP8 expert shape on 16 experts, eager
+    and replayed in a CUDA graph (where the launches overlap), against the fp32 reference."""
+    from triton_kernels.moe_configs import config_for, with_variant
+
+    raw = make_experts(16, 7168, 256, seed=7)
+    prepared = moe_w4a16.prepare_moe(*raw)
+    for M in (1, 3, 24):
+        cfg = with_variant(config_for(device(), M), variant)
+        ids, weights = make_routing(M, 16, 8, seed=M)
+        x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16)
+        ref = moe_torch(x.float(), ids, weights, PackedExperts(*raw))
+        assert rel_err(moe_w4a16.moe(x, ids, weights, prepared, config=cfg), ref) < 1e-2
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            moe_w4a16.moe(x, ids, weights, prepared, config=cfg)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe_w4a16.moe(x, ids, weights, prepared, config=cfg)
+        out.fill_(float("nan"))
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref) < 1e-2, (variant, M)
+
+
 AOT_CHECK = """
 import json
 from triton_kernels.aot import compile_for
@@ -264,10 +294,12 @@ print(json.dumps([vars(compile_for(kernel, *launch)) for arch in (90, 120)
 """
 
 
-@pytest.mark.parametrize("variant,M", [("default", 1), ("prefetch", 1), ("swap8_ahead", 1)])
+@pytest.mark.parametrize("variant,M", [("default", 1), ("prefetch", 1), ("swap8_ahead", 1),
+                                       ("decode_pdl_ahead_dn4", 1)])
 def test_inline_ptx_variants_compile(variant, M):
-    """sm_90 entries and variants with inline PTX (lop3, L2 prefetch), which the interpreter cannot run, assemble
-    for sm_90 and sm_120 without spills (the swapped BM 16 entry is wgmma with register weights on sm_90)."""
+    """sm_90 entries and variants with inline PTX (lop3, L2 prefetch, grid dependency control), which the
+    interpreter cannot run, assemble for sm_90 and sm_120 without spills (the swapped BM 16 entry is wgmma with
+    register weights on sm_90)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", PTX_COMPILE, variant, str(M)], env=env, capture_output=True,
                           text=True, timeout=300)

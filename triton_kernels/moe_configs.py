@@ -70,7 +70,6 @@ VARIANTS = {
     # stages: 2 tiles, 16 KB of words, in flight a CTA), with `scales_ahead` its scales too
     "dn4": dict(down=dict(tiles=4, num_stages=3)),
     "ahead_dn4": dict(gate_up=dict(scales_ahead=True), down=dict(scales_ahead=True, tiles=4, num_stages=3)),
-    "ahead_dn8": dict(gate_up=dict(scales_ahead=True), down=dict(scales_ahead=True, tiles=8, num_stages=4)),
     # `stack` (gate/up, with swap): the gate and up columns of a tile as one [2 BN, BM] tile, one dot (wgmma M =
     # 2 BN) and one wgmma wait a group instead of two (8 a slab, not 16). BN 64 with scales ahead: 255 registers,
     # 3.23 loop instructions a weight; BN 32 with scales ahead: 138 registers, 3 CTAs an SM
@@ -82,9 +81,14 @@ VARIANTS = {
     # registers: 3 CTAs an SM)
     "swap8_ahead_dn4": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True, num_stages=3, scales_ahead=True, waves=3),
                             down=dict(BN=64, swap=True, lop3=True, scales_ahead=True, tiles=4, num_stages=3)),
-    # the decode path (no routing pass) on ahead_dn4, for M <= 16
+    # `pdl` (top level): programmatic dependent launch of the two GEMMs (the down kernel's programs start while the
+    # gate/up kernel's last ones run, and ask L2 for their words before waiting for h); and the decode path (no
+    # routing pass: with pdl the gate/up kernel waits for the memset only before its epilogue), for M <= 16
+    "pdl_ahead_dn4": dict(pdl=True, gate_up=dict(scales_ahead=True), down=dict(scales_ahead=True, tiles=4, num_stages=3)),
     "decode_ahead_dn4": dict(decode=True, gate_up=dict(scales_ahead=True),
                              down=dict(scales_ahead=True, tiles=4, num_stages=3)),
+    "decode_pdl_ahead_dn4": dict(decode=True, pdl=True, gate_up=dict(scales_ahead=True),
+                                 down=dict(scales_ahead=True, tiles=4, num_stages=3)),
 }
 
 

@@ -313,7 +313,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
                     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, LEAN: tl.constexpr,
                     EVEN_N: tl.constexpr, DECODE: tl.constexpr, PANEL: tl.constexpr, PREFETCH: tl.constexpr,
                     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
-                    SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, STACK: tl.constexpr = False):
+                    SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, STACK: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
     """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate.
 
     With SPLIT, pid 2 of split_k sums a range of slabs into part; the last split to arrive finishes the tile.
@@ -321,11 +322,17 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     dequantises with inline PTX (`_unpack_group`); AHEAD loads a slab's scales during the slab before (Triton
     pipelines only loads that feed a dot: the scales would otherwise wait a global load each slab). STACK (with
     SWAP): the gate and up columns as one [2 BN, BM] tile, one dot (wgmma M = 2 BN) and one wait a group instead
-    of two.
+    of two. PDL (programmatic dependent launch): the down kernel may launch once every program has started; this
+    kernel waits for the previous one (the routing pass, or the memset that zeroes the split-K counters) before
+    its first read of that pass's output: at once, or with DECODE (no routing pass) only before the epilogue.
     Layout (TritonExperts): w_row / s_row are the row strides of words / scales, stride_wp / stride_sp their
     panel strides (PANEL > 0), up_w / up_s the offsets of the up columns from the gate columns.
     """
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PDL:
+        if not DECODE:
+            tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # after the wait: the down kernel reads the routing pass's output
     rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
     e = tl.load(block_expert_ptr + pid_b)
     if DECODE:  # block b holds pair b alone, in row 0 (block_expert_ptr is topk_ids; no routing pass)
@@ -390,6 +397,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
             if LEAN:
                 w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
     out = R * I + C  # [BM, BN] (SWAP: [BN, BM])
+    if PDL:
+        if DECODE:  # the memset of the counters (and of the output the down kernel adds into) is complete
+            tl.extra.cuda.gdc_wait()
     if SPLIT:
         part = part_ptr + pid_k.to(tl.int64) * stride_part + R * two_i + C
         tl.store(part, acc_g, mask=col_mask)
@@ -456,12 +466,14 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
                  TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LEAN: tl.constexpr, EVEN_N: tl.constexpr,
                  DECODE: tl.constexpr, PANEL: tl.constexpr, PREFETCH: tl.constexpr, TILES: tl.constexpr,
                  MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
-                 SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, ONE_SLAB: tl.constexpr = False):
+                 SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, ONE_SLAB: tl.constexpr = False,
+                 PDL: tl.constexpr = False):
     """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tiles TILES * pid 1 ..
     TILES * pid 1 + TILES - 1 (one after the other), K split pid 2 (layout arguments and SWAP as in
     `_gate_up_kernel`). ONE_SLAB (K within one slab, one split): no K loop, so the tile loop is the innermost
     and Triton's pipeliner stages tile t + 1's words while tile t is computed; with AHEAD the scales of tile
-    t + 1 load during tile t."""
+    t + 1 load during tile t. PDL: launched while the gate/up kernel runs, a program asks L2 for its first slab's
+    words (they do not depend on h), then waits for the gate/up kernel before reading h."""
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
     e = tl.load(block_expert_ptr + pid_b)
@@ -485,6 +497,11 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
     h_rows = h_ptr + rows.to(tl.int64) * I
     first = pid_k * n_slabs_per_split
     end = tl.minimum(first + n_slabs_per_split, n_slabs)
+    if PDL:
+        for t in tl.static_range(TILES):
+            lines = w_base + _tile_cols(pid_n * TILES + t, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]
+            _prefetch_slab(lines, first, w_row, 0, False)
+        tl.extra.cuda.gdc_wait()
     last = pid_n * TILES + TILES - 1  # this program's last N tile
     sc_tile = 0  # ONE_SLAB with AHEAD: the scales [BN, 8] of the tile being computed
     if ONE_SLAB:
@@ -644,11 +661,10 @@ def _flags(kernel_cfg, N, ptx=True):
                 AHEAD=kernel_cfg.get("scales_ahead", False))
 
 
-def _launch(kernel_cfg):
-    """Launch options of a kernel config: num_warps, num_stages and, when the config caps it, maxnreg (registers a
-    thread, so that more CTAs fit an SM)."""
-    cap = {"maxnreg": kernel_cfg["maxnreg"]} if kernel_cfg.get("maxnreg") else {}
-    return dict(num_warps=kernel_cfg["num_warps"], num_stages=kernel_cfg["num_stages"], **cap)
+def _launch(kernel_cfg, pdl):
+    """Launch options of a kernel config: num_warps, num_stages and, with pdl, programmatic dependent launch."""
+    return dict(num_warps=kernel_cfg["num_warps"], num_stages=kernel_cfg["num_stages"],
+                **({"launch_pdl": True} if pdl else {}))
 
 
 def _layout(words, scales, panel, BN, up=0):
@@ -721,6 +737,7 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
 
     dev = x.device
     ptx = dev.type == "cuda"  # inline PTX (lop3) compiles; the interpreter runs the plain forms
+    pdl = ptx and cfg.get("pdl", False)  # programmatic dependent launch of the two GEMMs (CUDA only)
     n_counters = nb_max * gu_tiles if gu_split > 1 else 0
     if decode:  # one block per pair: a memset instead of the routing pass
         scratch = torch.zeros(M * D + n_counters, dtype=torch.float32, device=dev)
@@ -740,14 +757,13 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
         D, I, gu_slabs, gu_per_split, gu_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
         part.stride(0) if gu_split > 1 else 0, **gu_layout,
         TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_flags(g, I, ptx), DECODE=decode,
-        STACK=g.get("stack", False),
-        **_launch(g), **magic)
+        STACK=g.get("stack", False), PDL=pdl, **_launch(g, pdl), **magic)
     d = cfg["down"]
     _down_kernel[(nb_max, dn_tiles, dn_split)](
         h, experts.down, experts.down_scale, out, topk_weights, sorted_pairs, block_expert,
         D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0), **dn_layout,
         TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_flags(d, D, ptx), DECODE=decode, TILES=dn_per_cta,
-        ONE_SLAB=dn_slabs == 1 and dn_per_cta > 1, **_launch(d), **magic)
+        ONE_SLAB=dn_slabs == 1 and dn_per_cta > 1, PDL=pdl, **_launch(d, pdl), **magic)
     return out.to(x.dtype)
 
 
@@ -767,8 +783,9 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
     p_gu, p_dn = cfg.get("panels", (0, 0))
     return [
         (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT=True, EVEN_K=True, **_flags(g, I),
-                                         DECODE=decode, PANEL=p_gu, STACK=g.get("stack", False), **magic), arch, g["num_warps"], g["num_stages"])),
+                                         DECODE=decode, PANEL=p_gu, STACK=g.get("stack", False),
+                                         PDL=cfg.get("pdl", False), **magic), arch, g["num_warps"], g["num_stages"])),
         (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], EVEN_K=True, **_flags(d, D), DECODE=decode,
                                    PANEL=p_dn, TILES=d.get("tiles", 1), ONE_SLAB=I <= SLAB and d.get("tiles", 1) > 1,
-                                   **magic), arch, d["num_warps"], d["num_stages"])),
+                                   PDL=cfg.get("pdl", False), **magic), arch, d["num_warps"], d["num_stages"])),
     ]
