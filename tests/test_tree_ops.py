@@ -133,17 +133,43 @@ def test_levels_build_matches_heapq(ties, monkeypatch):
         check_against_heapq(tree, lp, tokens, roots, budget)
 
 
+def topk_rows(gen, V):
+    """Rows of random logits, of ties (about V/2 at the K-th value), of equal top values in the last chunk, and
+    of one value (all tie: the K lowest ids)."""
+    logits = torch.randn(4, V, generator=gen) * 3
+    logits[1] = torch.randint(0, 2, (V,), generator=gen).float()
+    logits[2, V - 700:] = 20.0
+    logits[3] = -1.5
+    return logits[None]
+
+
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_draft_topk_triton_ties_and_splits(dtype):
-    """Several vocabulary splits; ties at the K-th value beyond the tie buffer (the in-order rescan)."""
-    gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(1, 2, 5000, generator=gen) * 3
-    logits[0, 1] = torch.randint(0, 2, (5000,), generator=gen).float()  # about 2500 ties at the K-th value
-    logits = logits.to(device=device(), dtype=dtype)
+def test_draft_topk_triton_ties_and_chunks(dtype):
+    """Several chunks per row: ties at the K-th value across chunks, winners all in one chunk."""
+    logits = topk_rows(torch.Generator().manual_seed(3), 5000).to(device=device(), dtype=dtype)
     ref = ops.tree.draft_topk_torch(logits, 70)
     with ops.using(draft_topk="triton"):
         lp, tok = ops.draft_topk(logits, 70)
+    assert torch.equal(tok, ref[1]) and (lp - ref[0]).abs().max() < 1e-5
+
+
+@requires_triton
+@pytest.mark.parametrize("k,chunk,tile,merge", [(5, 1024, 256, 8192), (200, 512, 128, 1024), (300, 1024, 256, 2048),
+                                                (1000, 1024, 1024, 8192)], ids=lambda v: str(v))
+def test_draft_topk_triton_tiles(k, chunk, tile, merge, monkeypatch):
+    """Chunks scanned in several tiles, merges over several tiles, chunks grown to fit the merge, K = V."""
+    from triton_kernels import ddtree as dd
+
+    for cfg in dd.CONFIGS.values():
+        monkeypatch.setitem(cfg, "topk_chunk", chunk)
+    monkeypatch.setattr(dd, "SEL_TILE", tile)
+    monkeypatch.setattr(dd, "MAX_MERGE", merge)
+    V = 1000 if k == 1000 else 3000
+    logits = topk_rows(torch.Generator().manual_seed(k), V).to(device=device(), dtype=torch.float16)
+    ref = ops.tree.draft_topk_torch(logits, k)
+    with ops.using(draft_topk="triton"):
+        lp, tok = ops.draft_topk(logits, k)
     assert torch.equal(tok, ref[1]) and (lp - ref[0]).abs().max() < 1e-5
 
 
@@ -293,31 +319,29 @@ arch = int(sys.argv[1])
 cfg = dd.CONFIGS[arch]
 P, I, L = "*fp32", "*i32", "*i64"
 cases = [
-    (dd._topk_hist_kernel, dict(x_ptr="*bf16", hist_ptr=I, pmax_ptr=P, psum_ptr=P, V="i32", K="i32", CHUNK="i32",
-     SPLIT="i32"), dict(PASS=1, NPASS=2, BLOCK=cfg["block_v"]), cfg["warps_v"]),
-    (dd._topk_collect_kernel, dict(x_ptr="*fp32", hist_ptr=I, cnt_ptr=I, gt_ptr=L, eq_ptr=L, V="i32", K="i32",
-     CHUNK="i32"), dict(NPASS=4, CAP=dd.TIE_CAP, BLOCK=cfg["block_v"]), cfg["warps_v"]),
-    (dd._topk_final_kernel, dict(x_ptr="*bf16", hist_ptr=I, cnt_ptr=I, gt_ptr=L, eq_ptr=L, pmax_ptr=P, psum_ptr=P,
-     lp_ptr=P, tok_ptr=L, V="i32", K="i32", SPLIT="i32"), dict(NPASS=2, CAP=dd.TIE_CAP, KP=512, SP=64,
-     BLOCK=cfg["block_v"]), cfg["warps_v"]),
+    (dd._topk_kernel, dict(x_ptr="*bf16", cval_ptr=I, cid_ptr=I, pmax_ptr=P, psum_ptr=P, count_ptr=I, lp_ptr=P, tok_ptr=L,
+     V="i32", K="i32", CHUNKS="i32"), dict(BITS=16, CHUNK=16384, TILE=4096, MP=8192, MT=4096, KP=512,
+     CP=16), 16),
+    (dd._topk_kernel, dict(x_ptr="*bf16", cval_ptr=I, cid_ptr=I, pmax_ptr=P, psum_ptr=P, count_ptr=I, lp_ptr=P, tok_ptr=L,
+     V="i32", K="i32", CHUNKS="i32"), dict(BITS=16, CHUNK=cfg["topk_chunk"], TILE=cfg["topk_chunk"], MP=4096,
+     MT=4096, KP=64, CP=64), cfg["topk_warps"]),
     (dd._tree_build_kernel, dict(lp_ptr=P, tok_ptr=L, root_ptr=L, o_tok=L, o_par=I, o_dep=I, o_fc=I, o_ns=I, o_mask=I,
      o_num=I, N="i32", K="i32", KS="i32", L="i32", W="i32"), dict(NP=512, NP1=1024, WP=32, ROWS=32), cfg["build_warps"]),
     (dd._tree_levels_kernel, dict(lp_ptr=P, tok_ptr=L, root_ptr=L, o_tok=L, o_par=I, o_dep=I, o_fc=I, o_ns=I,
      o_mask=I, o_num=I, s_int=I, s_flt=P, N="i32", K="i32", KS="i32", L="i32", W="i32"),
      dict(NP=512, NP1=1024, WP=32, ROWS=32, LOG=9), cfg["levels_warps"]),
-    (dd._sample_kernel, dict(x_ptr="*bf16", num_ptr=I, seed_ptr=L, step_ptr=L, floor_ptr=P, pval_ptr=P, pidx_ptr=I,
-     V="i32", N1="i32", CHUNK="i32", SPLIT="i32", inv_t="fp32"), dict(GREEDY=False, HAS_FLOOR=True,
-     BLOCK=cfg["block_v"]), cfg["warps_v"]),
-    (dd._walk_kernel, dict(pval_ptr=P, pidx_ptr=I, tok_ptr=L, par_ptr=I, path_ptr=I, len_ptr=I, next_ptr=L, N1="i32",
-     L="i32", SPLIT="i32"), dict(NP1=1024, SP=4), 4),
+    (dd._accept_kernel, dict(x_ptr="*bf16", num_ptr=I, seed_ptr=L, step_ptr=L, floor_ptr=P, pval_ptr=P, pidx_ptr=I,
+     count_ptr=I, tok_ptr=L, par_ptr=I, path_ptr=I, len_ptr=I, next_ptr=L, V="i32", N1="i32", L="i32", CHUNK="i32",
+     SPLIT="i32", inv_t="fp32"), dict(GREEDY=False, HAS_FLOOR=True, BLOCK=cfg["block_v"], NP1=1024, SP=4),
+     cfg["warps_v"]),
     (dd._compact_kernel, dict(kv_ptr="*bf16", starts_ptr=I, path_ptr=I, len_ptr=I, hid_ptr="*bf16", out_ptr="*bf16",
      layers="i32", L1="i32", D="i32", F="i32", s_layer="i64", s_b="i64", s_pos="i64", h_b="i64", h_n="i64"),
-     dict(LP=16, BD=128, BF=256), 4),
+     dict(LP=16, BD=1024, BF=256), 8),
 ]
 report = {}
 for fn, sig, const, warps in cases:
     res = compile_for(fn, sig, const, arch=arch, num_warps=warps, num_stages=1)
-    report[fn.fn.__name__] = [res.shared, res.registers, res.spill_bytes]
+    report[fn.fn.__name__ + str(const.get("CHUNK", ""))] = [res.shared, res.registers, res.spill_bytes]
 print(json.dumps(report))
 """
 

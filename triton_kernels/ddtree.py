@@ -8,17 +8,23 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_kernels.counters import arrival_counters
+
 MAX_BUDGET = 512  # the build packs slot and rank into 9 bits each
 MAX_DEPTH = 15  # and the depth into 4 bits
-TIE_CAP = 512  # top-k: at most this many keys equal to the K-th are kept by the split pass; more rescan the row
+MAX_MERGE = 8192  # top-k: at most this many candidates (chunks x K) in one row's merge
+MAX_CHUNK = 16384  # and this many lanes a chunk
+SEL_TILE = 4096  # lanes one selection scan covers (it packs two counts into 15-bit fields)
 
-# Configs as data per arch (compute capability major*10+minor): BLOCK over the vocabulary, warps of the
-# vocabulary kernels, target program count of the split vocabulary passes, warps of the one-program-per-tree
-# heap build (its heap lives in registers: one warp keeps every reduction inside shuffles), the budget from
-# which the depth-synchronous build replaces the heap loop, and that build's warps.
+# Configs as data per arch (compute capability major*10+minor): top-k chunk (lanes a program selects from, one
+# load) and its least warps; BLOCK over the vocabulary, warps and target program count of the split sampling pass;
+# warps of the one-program-per-tree heap build (its heap lives in registers: one warp keeps every reduction inside
+# shuffles), the budget from which the depth-synchronous build replaces the heap loop, and that build's warps.
 CONFIGS = {
-    90: dict(block_v=2048, warps_v=8, programs=1056, build_warps=1, levels_from=64, levels_warps=8),
-    120: dict(block_v=1024, warps_v=4, programs=752, build_warps=1, levels_from=64, levels_warps=2),
+    90: dict(topk_chunk=4096, topk_warps=4, block_v=4096, warps_v=8, programs=528, build_warps=1, levels_from=64,
+             levels_warps=8),
+    120: dict(topk_chunk=4096, topk_warps=4, block_v=1024, warps_v=4, programs=752, build_warps=1, levels_from=64,
+              levels_warps=2),
 }
 
 
@@ -72,85 +78,33 @@ def _sort(x, LOGN: tl.constexpr, DESC: tl.constexpr):
     return x
 
 
-# ---- draft top-k: radix select of the K-th largest key (8 bits a pass), collect, sort, decode ----
+# ---- draft top-k: one launch; chunks select their local top K, the last chunk of a row to arrive merges ----
 
 @triton.jit
-def _key(x, offs):
-    """[BLOCK] logits and token ids -> (u: the ordered value as int64 in [0, 2^32), key: u << 32 | ~id)."""
-    u = _ordered(x).to(tl.int64) + 2147483648
-    return u, ((u - 2147483648) << 32) | (2147483647 - offs).to(tl.int64)
+def _threshold(o, K, BITS: tl.constexpr):
+    """(thr, need): the K-th largest of ordered int32 values o (at least K of them; only the top BITS bits vary
+    within a sign for this dtype), found bit by bit as the largest multiple thr of 2^(32-BITS) with
+    count(o >= thr) >= K; and how many of the values equal to thr are among the K (after all those above)."""
+    thr = tl.full([], -2147483648, tl.int32)
+    for i in tl.static_range(BITS):
+        up = thr + ((1 << (31 - i)) - 1) + 1  # (2^k - 1) + 1: each term and the sum stay inside int32
+        thr = tl.where(tl.sum((o >= up).to(tl.int32), 0) >= K, up, thr)
+    return thr, K - tl.sum((o > thr + ((1 << (32 - BITS)) - 1)).to(tl.int32), 0)
 
 
 @triton.jit
-def _radix_state(hist_ptr, row, K, PASSES: tl.constexpr, NPASS: tl.constexpr):
-    """(prefix, k): the top 8 * PASSES bits of the K-th largest u of the row, and its rank among the u with
-    that prefix, from the histograms of the passes before."""
-    bins = tl.arange(0, 256)
-    prefix = tl.zeros([], tl.int64)
-    k = K
-    for p in tl.static_range(PASSES):
-        c = tl.load(hist_ptr + (row * NPASS + p) * 256 + bins)  # [256]
-        at_or_above = tl.sum(c, 0) - tl.cumsum(c, 0) + c  # [256] count in bins >= b
-        d = tl.max(tl.where(at_or_above >= k, bins, 0), 0)
-        k = k - tl.sum(tl.where(bins > d, c, 0), 0)
-        prefix = (prefix << 8) | d
-    return prefix, k
-
-
-@triton.jit(do_not_specialize=["V", "K", "CHUNK", "SPLIT"])
-def _topk_hist_kernel(x_ptr, hist_ptr, pmax_ptr, psum_ptr, V, K, CHUNK, SPLIT, PASS: tl.constexpr,
-                      NPASS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    c = tl.program_id(1)
-    prefix, _rank = _radix_state(hist_ptr, row, K, PASS, NPASS)
-    shift = 24 - 8 * PASS
-    x_row = x_ptr + row.to(tl.int64) * V
-    hist = tl.zeros([256], tl.int32)
-    m_run = tl.full([], float("-inf"), tl.float32)
-    s_run = tl.zeros([], tl.float32)
-    start = c * CHUNK
-    for off in range(start, start + CHUNK, BLOCK):
-        offs = off + tl.arange(0, BLOCK)  # [BLOCK]
-        ok = offs < V
-        x = tl.load(x_row + offs, mask=ok, other=float("-inf")).to(tl.float32)
-        u, _keys = _key(x, offs)
-        hit = ok & ((u >> (shift + 8)) == prefix)
-        hist += tl.histogram(tl.where(hit, (u >> shift) & 255, 0).to(tl.int32), 256)
-        hist -= tl.where(tl.arange(0, 256) == 0, tl.sum((~hit).to(tl.int32), 0), 0)
-        if PASS == 0:
-            m_new = tl.maximum(m_run, tl.max(x, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(tl.exp(x - m_safe), 0)
-            m_run = m_new
-    tl.atomic_add(hist_ptr + (row * NPASS + PASS) * 256 + tl.arange(0, 256), hist)
-    if PASS == 0:
-        tl.store(pmax_ptr + row * SPLIT + c, m_run)
-        tl.store(psum_ptr + row * SPLIT + c, s_run)
-
-
-@triton.jit(do_not_specialize=["V", "K", "CHUNK"])
-def _topk_collect_kernel(x_ptr, hist_ptr, cnt_ptr, gt_ptr, eq_ptr, V, K, CHUNK, NPASS: tl.constexpr,
-                         CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Keys above the threshold go to gt (fewer than K), keys equal to it to eq (the first CAP)."""
-    row = tl.program_id(0)
-    c = tl.program_id(1)
-    prefix, _rank = _radix_state(hist_ptr, row, K, NPASS, NPASS)
-    thr = prefix << (32 - 8 * NPASS)
-    x_row = x_ptr + row.to(tl.int64) * V
-    start = c * CHUNK
-    for off in range(start, start + CHUNK, BLOCK):
-        offs = off + tl.arange(0, BLOCK)  # [BLOCK]
-        ok = offs < V
-        x = tl.load(x_row + offs, mask=ok, other=float("-inf")).to(tl.float32)
-        u, key = _key(x, offs)
-        gt = ok & (u > thr)
-        eq = ok & (u == thr)
-        base = tl.atomic_add(cnt_ptr + row * 2, tl.sum(gt.to(tl.int32), 0))
-        pos = base + tl.cumsum(gt.to(tl.int32), 0) - 1
-        tl.store(gt_ptr + row.to(tl.int64) * K + pos, key, mask=gt)
-        base = tl.atomic_add(cnt_ptr + row * 2 + 1, tl.sum(eq.to(tl.int32), 0))
-        pos = base + tl.cumsum(eq.to(tl.int32), 0) - 1
-        tl.store(eq_ptr + row * CAP + pos, key, mask=eq & (pos < CAP))
+def _pick(o, thr, need, n_gt, n_eq, BITS: tl.constexpr):
+    """The winners among a tile of lanes o that follows n_gt lanes above thr and n_eq equal to it (equal ones win
+    in lane order): (selected, position among the K in lane order, n_gt and n_eq after the tile). One scan counts
+    both kinds (above: low 15 bits; equal: high bits)."""
+    gt = o > thr + ((1 << (32 - BITS)) - 1)
+    eq = (o >= thr) & ~gt
+    packed = gt.to(tl.int32) + (eq.to(tl.int32) << 15)  # a tile holds at most SEL_TILE lanes
+    scan = tl.cumsum(packed, 0)
+    e = n_eq + (scan >> 15)
+    total = tl.sum(packed, 0)
+    return (gt | (eq & (e <= need)), n_gt + (scan & 32767) + tl.minimum(e, need) - 1, n_gt + (total & 32767),
+            n_eq + (total >> 15))
 
 
 @triton.jit
@@ -160,43 +114,73 @@ def _store_topk(lp_ptr, tok_ptr, out, key, lse, mask):
     tl.store(tok_ptr + out, 2147483647 - (key - (hi << 32)), mask=mask)
 
 
-@triton.jit(do_not_specialize=["V", "K", "SPLIT"])
-def _topk_final_kernel(x_ptr, hist_ptr, cnt_ptr, gt_ptr, eq_ptr, pmax_ptr, psum_ptr, lp_ptr, tok_ptr, V, K, SPLIT,
-                       NPASS: tl.constexpr, CAP: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """Sort the keys above the threshold, then the lowest ids equal to it (rescanning the row when more
-    than CAP tie), and write log-probs and token ids."""
-    row = tl.program_id(0)
-    prefix, k_eq = _radix_state(hist_ptr, row, K, NPASS, NPASS)
-    thr = prefix << (32 - 8 * NPASS)
-    n_gt = K - k_eq
-    cs = tl.arange(0, SP)
-    pm = tl.load(pmax_ptr + row * SPLIT + cs, mask=cs < SPLIT, other=float("-inf"))  # [SP]
-    ps = tl.load(psum_ptr + row * SPLIT + cs, mask=cs < SPLIT, other=0.0)
+@triton.jit
+def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, lp_ptr, tok_ptr, row, K, CHUNKS, BITS: tl.constexpr,
+                MP: tl.constexpr, MT: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr):
+    """Row `row`'s top K among its chunks' candidates (chunk-major, each chunk's in id order: lane order is id
+    order), sorted, as log-probs through the log-sum-exp of the chunks' (max, sum exp). The winners are
+    gathered in the row's first K candidate slots, in tiles of MT lanes."""
+    cs = tl.arange(0, CP)  # [CP]
+    pm = tl.load(pmax_ptr + row * CHUNKS + cs, mask=cs < CHUNKS, other=float("-inf"), cache_modifier=".cg")
+    ps = tl.load(psum_ptr + row * CHUNKS + cs, mask=cs < CHUNKS, other=0.0, cache_modifier=".cg")
     m = tl.max(pm, 0)
     lse = m + tl.log(tl.sum(ps * tl.exp(pm - m), 0))
-    out = row.to(tl.int64) * K
-    lowest = tl.full([], -2147483648, tl.int64) << 32
-    ks = tl.arange(0, KP)
-    gt = tl.sort(tl.where(ks < n_gt, tl.load(gt_ptr + out + ks, mask=ks < n_gt, other=0), lowest), descending=True)
-    _store_topk(lp_ptr, tok_ptr, out + ks, gt, lse, ks < n_gt)
-    n_eq = tl.load(cnt_ptr + row * 2 + 1)
-    if n_eq <= CAP:
-        es = tl.arange(0, CAP)
-        eq = tl.load(eq_ptr + row * CAP + es, mask=es < n_eq, other=0)
-        eq = tl.sort(tl.where(es < n_eq, eq, lowest), descending=True)  # equal values: lower id first
-        _store_topk(lp_ptr, tok_ptr, out + n_gt + es, eq, lse, es < k_eq)
-    else:
-        x_row = x_ptr + row.to(tl.int64) * V
-        taken = tl.zeros([], tl.int32)
-        for off in range(0, V, BLOCK):
-            offs = off + tl.arange(0, BLOCK)  # [BLOCK]
+    M = CHUNKS * K
+    base = row.to(tl.int64) * M
+    i = tl.arange(0, MP)  # [MP]
+    o = tl.load(cval_ptr + base + i, mask=i < M, other=-2147483648, cache_modifier=".cg")  # [MP] ordered values
+    thr, need = _threshold(o, K, BITS)
+    n_gt = tl.zeros([], tl.int32)
+    n_eq = tl.zeros([], tl.int32)
+    for j in tl.static_range(MP // MT):
+        t = j * MT + tl.arange(0, MT)  # [MT]
+        if MP != MT:
+            o = tl.load(cval_ptr + base + t, mask=t < M, other=-2147483648, cache_modifier=".cg")
+        sel, pos, n_gt, n_eq = _pick(o, thr, need, n_gt, n_eq, BITS)
+        ids = tl.load(cid_ptr + base + t, mask=sel, cache_modifier=".cg")
+        tl.debug_barrier()  # the tile is read before winners overwrite slots < K (of this tile or an earlier one)
+        tl.store(cval_ptr + base + pos, o, mask=sel)
+        tl.store(cid_ptr + base + pos, ids, mask=sel)
+    tl.debug_barrier()
+    ks = tl.arange(0, KP)  # [KP]
+    top_o = tl.load(cval_ptr + base + ks, mask=ks < K, other=-2147483648)
+    top_id = tl.load(cid_ptr + base + ks, mask=ks < K, other=0)
+    key = tl.sort((top_o.to(tl.int64) << 32) | (2147483647 - top_id).to(tl.int64), descending=True)  # [KP]
+    _store_topk(lp_ptr, tok_ptr, row.to(tl.int64) * K + ks, key, lse, ks < K)
+
+
+@triton.jit(do_not_specialize=["V", "K", "CHUNKS"])
+def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, count_ptr, lp_ptr, tok_ptr, V, K, CHUNKS,
+                 BITS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr, MP: tl.constexpr, MT: tl.constexpr,
+                 KP: tl.constexpr, CP: tl.constexpr):
+    """Program (row, c): chunk c's (max, sum exp) and its K best (ordered value, id), in id order (a chunk holds
+    at least K lanes; padding lanes rank last), picked in tiles of TILE lanes. The row's last program to arrive
+    merges."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    x_row = x_ptr + row.to(tl.int64) * V
+    offs = c * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
+    x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    tl.store(pmax_ptr + row * CHUNKS + c, m)
+    tl.store(psum_ptr + row * CHUNKS + c, tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0))
+    o = tl.where(offs < V, _ordered(x), -2147483648)  # [CHUNK] int32
+    thr, need = _threshold(o, K, BITS)
+    out = (row.to(tl.int64) * CHUNKS + c) * K
+    n_gt = tl.zeros([], tl.int32)
+    n_eq = tl.zeros([], tl.int32)
+    for j in tl.static_range(CHUNK // TILE):
+        if CHUNK != TILE:  # a large chunk: its tiles again (from cache), so the scans stay small
+            offs = c * CHUNK + j * TILE + tl.arange(0, TILE)  # [TILE]
             x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            u, key = _key(x, offs)
-            eq = (offs < V) & (u == thr)
-            pos = taken + tl.cumsum(eq.to(tl.int32), 0) - 1
-            _store_topk(lp_ptr, tok_ptr, out + n_gt + pos, key, lse, eq & (pos < k_eq))
-            taken += tl.sum(eq.to(tl.int32), 0)
+            o = tl.where(offs < V, _ordered(x), -2147483648)
+        sel, pos, n_gt, n_eq = _pick(o, thr, need, n_gt, n_eq, BITS)
+        tl.store(cval_ptr + out + pos, o, mask=sel)
+        tl.store(cid_ptr + out + pos, offs, mask=sel)
+    tl.debug_barrier()  # every candidate is stored before the arrival is counted
+    if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == CHUNKS - 1:
+        _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, lp_ptr, tok_ptr, row, K, CHUNKS, BITS, MP, MT, KP, CP)
+        tl.atomic_xchg(count_ptr + row, 0)
 
 
 # ---- tree build: one program per tree; a heap loop (small budgets) or depth-synchronous rounds (large) ----
@@ -409,62 +393,21 @@ def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_
     _ancestor_mask(o_par, o_mask, base, N + 1, L, W, WP, ROWS)
 
 
-# ---- accept: per-node sampling over vocabulary splits, then one program per tree reduces and walks ----
+# ---- accept: per-node sampling over vocabulary splits; a tree's last split to arrive reduces and walks ----
 
-@triton.jit(do_not_specialize=["V", "N1", "CHUNK", "SPLIT", "inv_t"])
-def _sample_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx_ptr, V, N1, CHUNK, SPLIT, inv_t,
-                   GREEDY: tl.constexpr, HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)  # b * (N+1) + node
-    c = tl.program_id(1)
-    b = row // N1
-    node = row - b * N1
-    limit = tl.where(node < tl.load(num_ptr + b), V, 0)  # padding nodes read nothing
-    seed = tl.load(seed_ptr + b)
-    step = tl.load(step_ptr + b)
-    key = _mix32(seed.to(tl.uint32) ^ 0x243F6A88)
-    key = _mix32(key ^ (seed >> 32).to(tl.uint32))
-    key = _mix32(key ^ step.to(tl.uint32))
-    key = _mix32(key ^ (step >> 32).to(tl.uint32))
-    key = _mix32(key ^ node.to(tl.uint32))
-    floor = float("-inf")
-    if HAS_FLOOR:
-        floor = tl.load(floor_ptr + row)
-    x_row = x_ptr + row.to(tl.int64) * V
-    start = c * CHUNK
-    best = tl.full([], float("-inf"), tl.float32)
-    best_idx = start
-    for off in range(start, start + CHUNK, BLOCK):
-        offs = off + tl.arange(0, BLOCK)  # [BLOCK]
-        ok = offs < limit
-        x = tl.load(x_row + offs, mask=ok, other=float("-inf")).to(tl.float32)
-        if GREEDY:
-            k = x
-        else:
-            xs = x * inv_t
-            h = _mix32(_mix32(key ^ offs.to(tl.uint32)) ^ 0x85A308D3)
-            u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-            k = tl.where(ok & (xs >= floor), xs - tl.log(-tl.log(u)), float("-inf"))
-        m = tl.max(k, 0)
-        i = tl.min(tl.where(k == m, offs, 2147483647), 0)
-        take = m > best
-        best = tl.where(take, m, best)
-        best_idx = tl.where(take, i, best_idx)
-    tl.store(pval_ptr + row * SPLIT + c, best)
-    tl.store(pidx_ptr + row * SPLIT + c, best_idx)
-
-
-@triton.jit(do_not_specialize=["N1", "L", "SPLIT"])
-def _walk_kernel(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, N1, L, SPLIT,
-                 NP1: tl.constexpr, SP: tl.constexpr):
-    b = tl.program_id(0)
+@triton.jit
+def _walk(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, b, N1, L, SPLIT,
+          NP1: tl.constexpr, SP: tl.constexpr):
+    """Tree b: each node's sample from its splits' (max key, lowest id), then the walk from the root."""
     nodes = tl.arange(0, NP1)  # [NP1]
     cs = tl.arange(0, SP)  # [SP]
     part = (b * N1 + nodes) * SPLIT
     ok = (nodes < N1)[:, None] & (cs < SPLIT)[None, :]
-    v = tl.load(pval_ptr + part[:, None] + cs[None, :], mask=ok, other=float("-inf"))  # [NP1, SP] in one load
+    v = tl.load(pval_ptr + part[:, None] + cs[None, :], mask=ok, other=float("-inf"),
+                cache_modifier=".cg")  # [NP1, SP] in one load, at L2 (other programs wrote it)
     m = tl.max(v, 1)
     first = tl.min(tl.where(v == m[:, None], cs[None, :], SP), 1)  # the earlier split (lower token ids) wins ties
-    sampled = tl.load(pidx_ptr + part + first, mask=nodes < N1, other=0)  # [NP1]
+    sampled = tl.load(pidx_ptr + part + first, mask=nodes < N1, other=0, cache_modifier=".cg")  # [NP1]
     toks = tl.load(tok_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
     pars = tl.load(par_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
     path_b = path_ptr + b * (L + 1)
@@ -483,6 +426,53 @@ def _walk_kernel(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_p
     tl.store(next_ptr + b, tl.sum(tl.where(nodes == cur, sampled, 0), 0).to(tl.int64))
 
 
+@triton.jit(do_not_specialize=["V", "N1", "L", "CHUNK", "SPLIT", "inv_t"])
+def _accept_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx_ptr, count_ptr, tok_ptr, par_ptr,
+                   path_ptr, len_ptr, next_ptr, V, N1, L, CHUNK, SPLIT, inv_t, GREEDY: tl.constexpr,
+                   HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr, NP1: tl.constexpr, SP: tl.constexpr):
+    """Program (row = b * (N+1) + node, c): the best key of split c, kept per lane and reduced once."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    b = row // N1
+    node = row - b * N1
+    limit = tl.where(node < tl.load(num_ptr + b), V, 0)  # padding nodes read nothing
+    seed = tl.load(seed_ptr + b)
+    step = tl.load(step_ptr + b)
+    key = _mix32(seed.to(tl.uint32) ^ 0x243F6A88)
+    key = _mix32(key ^ (seed >> 32).to(tl.uint32))
+    key = _mix32(key ^ step.to(tl.uint32))
+    key = _mix32(key ^ (step >> 32).to(tl.uint32))
+    key = _mix32(key ^ node.to(tl.uint32))
+    floor = float("-inf")
+    if HAS_FLOOR:
+        floor = tl.load(floor_ptr + row)
+    x_row = x_ptr + row.to(tl.int64) * V
+    start = c * CHUNK
+    best = tl.full([BLOCK], float("-inf"), tl.float32)  # [BLOCK] per lane: its best key so far
+    best_idx = start + tl.arange(0, BLOCK)  # and its token (the first on ties: later ones must be larger)
+    for off in range(start, start + CHUNK, BLOCK):
+        offs = off + tl.arange(0, BLOCK)  # [BLOCK]
+        ok = offs < limit
+        x = tl.load(x_row + offs, mask=ok, other=float("-inf")).to(tl.float32)
+        if GREEDY:
+            k = x
+        else:
+            xs = x * inv_t
+            h = _mix32(_mix32(key ^ offs.to(tl.uint32)) ^ 0x85A308D3)
+            u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+            k = tl.where(ok & (xs >= floor), xs - tl.log(-tl.log(u)), float("-inf"))
+        take = k > best
+        best = tl.where(take, k, best)
+        best_idx = tl.where(take, offs, best_idx)
+    m = tl.max(best, 0)
+    tl.store(pval_ptr + row * SPLIT + c, m)
+    tl.store(pidx_ptr + row * SPLIT + c, tl.min(tl.where(best == m, best_idx, 2147483647), 0))
+    tl.debug_barrier()  # the split's result is stored before the arrival is counted
+    if tl.atomic_add(count_ptr + b, 1, sem="acq_rel") == N1 * SPLIT - 1:
+        _walk(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, b, N1, L, SPLIT, NP1, SP)
+        tl.atomic_xchg(count_ptr + b, 0)
+
+
 # ---- compaction: programs (layer, b) move cache rows, programs (layers + chunk, b) gather hidden rows ----
 
 @triton.jit(do_not_specialize=["layers", "L1", "D", "F", "s_layer", "s_b", "s_pos", "h_b", "h_n"])
@@ -496,9 +486,10 @@ def _compact_kernel(kv_ptr, starts_ptr, path_ptr, len_ptr, hid_ptr, out_ptr, lay
     if p < layers:
         start = tl.load(starts_ptr + b).to(tl.int64)
         base = kv_ptr + p.to(tl.int64) * s_layer + b.to(tl.int64) * s_b
-        for d0 in range(0, D, BD):
+        move = valid & (src != i)  # a node already in place (the chain's prefix) needs no copy
+        for d0 in range(0, D, BD):  # one round for D <= BD
             cols = d0 + tl.arange(0, BD)  # [BD]
-            m = valid[:, None] & (cols < D)[None, :]
+            m = move[:, None] & (cols < D)[None, :]
             rows = tl.load(base + (start + src)[:, None] * s_pos + cols[None, :], mask=m)  # [LP, BD]
             tl.debug_barrier()  # every source read before any destination (one may be another's source)
             tl.store(base + (start + i)[:, None] * s_pos + cols[None, :], rows, mask=m)
@@ -536,27 +527,26 @@ def draft_topk(logits, k):
     x = logits.contiguous()
     dev = x.device
     cfg = CONFIGS[_arch(dev)]
-    block = min(cfg["block_v"], triton.next_power_of_2(V))
     rows = B * L
-    split, chunk = _split(rows, V, block, cfg["programs"])
-    npass = triton.cdiv(_value_bits(x.dtype), 8)
-    counts = torch.zeros(rows * (npass * 256 + 2), dtype=torch.int32, device=dev)  # one memset: hists, counters
-    hist, cnt = counts[: rows * npass * 256], counts[rows * npass * 256:]
-    pmax = torch.empty(rows, split, dtype=torch.float32, device=dev)
-    psum = torch.empty(rows, split, dtype=torch.float32, device=dev)
-    for p in range(npass):
-        _topk_hist_kernel[(rows, split)](x, hist, pmax, psum, V, k, chunk, split, PASS=p, NPASS=npass, BLOCK=block,
-                                         num_warps=cfg["warps_v"])
-    gt = torch.empty(rows, k, dtype=torch.int64, device=dev)
-    cap = min(TIE_CAP, max(64, triton.next_power_of_2(k)))  # ties kept for the final sort (k of them at most used)
-    eq = torch.empty(rows, cap, dtype=torch.int64, device=dev)
-    _topk_collect_kernel[(rows, split)](x, hist, cnt, gt, eq, V, k, chunk, NPASS=npass, CAP=cap, BLOCK=block,
-                                        num_warps=cfg["warps_v"])
+    kp = triton.next_power_of_2(max(k, 2))
+    # at least K lanes a chunk; chunks x K candidates fit one merge
+    chunk = max(min(cfg["topk_chunk"], triton.next_power_of_2(V)), kp,
+                triton.next_power_of_2(triton.cdiv(V, MAX_MERGE // kp)))
+    if chunk > MAX_CHUNK:
+        raise ValueError(f"draft_topk (triton): V = {V} with k = {k} needs chunks of {chunk} > {MAX_CHUNK}")
+    chunks = triton.cdiv(V, chunk)
+    mp = triton.next_power_of_2(chunks * k)
+    cval = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
+    cid = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
+    pmax = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
+    psum = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
     lp = torch.empty(B, L, k, dtype=torch.float32, device=dev)
     tokens = torch.empty(B, L, k, dtype=torch.int64, device=dev)
-    _topk_final_kernel[(rows,)](x, hist, cnt, gt, eq, pmax, psum, lp, tokens, V, k, split, NPASS=npass, CAP=cap,
-                                KP=triton.next_power_of_2(k), SP=triton.next_power_of_2(split), BLOCK=block,
-                                num_warps=cfg["warps_v"])
+    warps = min(16, max(cfg["topk_warps"], max(chunk, mp) // 1024))
+    _topk_kernel[(rows, chunks)](x, cval, cid, pmax, psum, arrival_counters("ddtree_topk", dev, rows), lp, tokens, V, k,
+                                 chunks, BITS=_value_bits(x.dtype), CHUNK=chunk, TILE=min(chunk, SEL_TILE), MP=mp,
+                                 MT=min(mp, SEL_TILE), KP=kp,
+                                 CP=triton.next_power_of_2(max(chunks, 2)), num_warps=warps)
     return lp, tokens
 
 
@@ -591,23 +581,23 @@ def accept(tree, target_logits, temperature, floor, seeds, step):
     B, N1, V = target_logits.shape
     L = tree.max_depth
     x = target_logits.contiguous()
-    cfg = CONFIGS[_arch(x.device)]
+    dev = x.device
+    cfg = CONFIGS[_arch(dev)]
     block = min(cfg["block_v"], triton.next_power_of_2(V))
     rows = B * N1
     split, chunk = _split(rows, V, block, cfg["programs"])
-    pval = torch.empty(rows, split, dtype=torch.float32, device=x.device)
-    pidx = torch.empty(rows, split, dtype=torch.int32, device=x.device)
+    pval = torch.empty(rows, split, dtype=torch.float32, device=dev)
+    pidx = torch.empty(rows, split, dtype=torch.int32, device=dev)
+    path = torch.empty(B, L + 1, dtype=torch.int32, device=dev)
+    path_len = torch.empty(B, dtype=torch.int32, device=dev)
+    next_token = torch.empty(B, dtype=torch.int64, device=dev)
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
-    _sample_kernel[(rows, split)](
+    _accept_kernel[(rows, split)](
         x, tree.num_nodes, seeds.contiguous(), step.contiguous(), floor if floor is not None else pval, pval, pidx,
-        V, N1, chunk, split, inv_t, GREEDY=temperature == 0, HAS_FLOOR=floor is not None, BLOCK=block,
-        num_warps=cfg["warps_v"], enable_fp_fusion=False)  # x / T and the noise rounded as in torch
-    path = torch.empty(B, L + 1, dtype=torch.int32, device=x.device)
-    path_len = torch.empty(B, dtype=torch.int32, device=x.device)
-    next_token = torch.empty(B, dtype=torch.int64, device=x.device)
-    NP1 = triton.next_power_of_2(max(N1, L + 1))
-    _walk_kernel[(B,)](pval, pidx, tree.tokens, tree.parents, path, path_len, next_token, N1, L, split,
-                       NP1=NP1, SP=triton.next_power_of_2(split), num_warps=4)
+        arrival_counters("ddtree_accept", dev, B), tree.tokens, tree.parents, path, path_len, next_token, V, N1, L,
+        chunk, split, inv_t, GREEDY=temperature == 0, HAS_FLOOR=floor is not None, BLOCK=block,
+        NP1=triton.next_power_of_2(max(N1, L + 1)), SP=triton.next_power_of_2(split), num_warps=cfg["warps_v"],
+        enable_fp_fusion=False)  # x / T and the noise rounded as in torch
     return path, path_len, next_token
 
 
@@ -622,5 +612,5 @@ def compact(kv, starts, path, path_len, hidden):
     grid = (layers + triton.cdiv(F, BF), B)
     _compact_kernel[grid](kv, starts, path.contiguous(), path_len, hidden, out, layers, L1, D, F,
                           kv.stride(0), kv.stride(1), kv.stride(2), hidden.stride(0), hidden.stride(1),
-                          LP=triton.next_power_of_2(L1), BD=min(128, triton.next_power_of_2(D)), BF=BF, num_warps=4)
+                          LP=triton.next_power_of_2(L1), BD=min(1024, triton.next_power_of_2(D)), BF=BF, num_warps=8)
     return out
