@@ -1,12 +1,13 @@
 """DDTree step on the GPU (draft top-K + tree build + accept + compaction) against the host path.
 
-Standalone: `python bench/bench_tree.py --out DIR [--quick]` measures the HBM read ceiling (a sum over 4 GiB),
-checks the Triton ops against the torch references at K2.6 shapes (bf16 logits, V = 163840) and both Triton
-tree builds against the torch build on tie-heavy random trees, times each op alone and the whole step (eager and
-as one CUDA graph replay) for budgets 8..512 at block 8 (8, 64, 512 at block 16; --quick: those at both), times
-the host path (GPU top-k, copy, heapq, Python walk, per-layer index_select compaction over 61 layers), and
-writes tree.json + tree.md (about 2 minutes on an H200). As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU only; host timer around
-a synchronised graph replay).
+Standalone: `python bench/bench_tree.py --out DIR [--quick] [--sweep]` measures the HBM read ceiling (a sum over
+4 GiB), checks the Triton ops against the torch references at K2.6 shapes (bf16 logits, V = 163840) and both
+Triton tree builds against the torch build on tie-heavy random trees, times each op alone and the whole step
+(eager and as one CUDA graph replay) for budgets 8..512 at blocks 8 and 16 (--quick: 8, 64, 512), times the host
+path (GPU top-k, copy, heapq, Python walk, per-layer index_select compaction over 61 layers), with --sweep also
+times config variants of top-k, build and greedy accept at block 8 (checking each against the reference), and
+writes tree.json + tree.md. As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU only; host timer
+around a synchronised graph replay).
 """
 
 import argparse
@@ -175,23 +176,30 @@ def launches(fn):
     return [e.name[:60] for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.device_type == cuda]
 
 
-def build_methods(case, lp, tok):
-    """Both Triton builds at this budget, each in its own CUDA graph, and whether each equals the torch tree."""
+TOPK_SWEEP = {f"chunk{c}_w{w}": dict(topk_chunk=c, topk_warps=w) for c, w in ((2048, 4), (4096, 4), (4096, 8),
+                                                                            (8192, 4))}
+ACCEPT_SWEEP = {f"block{b}_p{p}": dict(block_v=b, programs=p) for b in (2048, 4096) for p in (528, 1056)}
+BUILD_SWEEP = {"heap_w1": dict(levels_from=dd.MAX_BUDGET + 1, build_warps=1),
+               **{f"levels_w{w}": dict(levels_from=1, levels_warps=w) for w in (2, 4, 8)}}
+
+
+def sweep(fn, ref, overrides):
+    """{name: (GPU us of fn alone in a CUDA graph, fn's outputs equal to ref)} under each override of the sm_90
+    config; the config is restored after each."""
     cfg = dd.CONFIGS[90]
     saved = dict(cfg)
-    ref = build_tree_torch(lp, tok, case.root, case.budget)
-    fields = ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "num_nodes")
-    r = {}
-    for method, start in (("heap", dd.MAX_BUDGET + 1), ("levels", 1)):
-        cfg["levels_from"] = start
-        tree = ops.build_tree(lp, tok, case.root, case.budget)
-        r[f"build_{method}_equal"] = all(torch.equal(getattr(tree, f), x) for f, x in zip(fields, ref))
-        r[f"build_{method}_graph_us"] = graph_us(lambda: ops.build_tree(lp, tok, case.root, case.budget))
-    cfg.update(saved)
-    return r
+    out = {}
+    for name, over in overrides.items():
+        cfg.update(over)
+        got = fn()
+        equal = all(torch.equal(a, b) for a, b in zip(got, ref))
+        out[name] = (round(graph_us(fn), 2), equal)
+        cfg.clear()
+        cfg.update(saved)
+    return out
 
 
-def measure(case, read_GBps):
+def measure(case, read_GBps, sweeps):
     r = {"budget": case.budget, "block": case.L + 1}
     with ops.using(**BACKEND):
         lp, tok = ops.draft_topk(case.draft_logits, case.K)
@@ -206,7 +214,16 @@ def measure(case, read_GBps):
         r["step_eager_us"] = 1e3 * bench_ms(case.step)
         r["step_kernels"] = launches(case.step)
         r["step_launches"] = len(r["step_kernels"])
-        r.update(build_methods(case, lp, tok))
+        if sweeps and case.L + 1 == 8:
+            ref_topk = draft_topk_torch(case.draft_logits, case.K)[1:]
+            r["topk_sweep"] = sweep(lambda: ops.draft_topk(case.draft_logits, case.K)[1:], ref_topk, TOPK_SWEEP)
+            fields = ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "num_nodes")
+            ref_tree = build_tree_torch(lp, tok, case.root, case.budget)
+            r["build_sweep"] = sweep(lambda: [getattr(ops.build_tree(lp, tok, case.root, case.budget), f)
+                                              for f in fields], ref_tree, BUILD_SWEEP)
+            ref_acc = accept_torch(tree, case.target_logits, 0.0, None, case.seeds, torch.zeros_like(case.seeds))
+            r["accept_greedy_sweep"] = sweep(lambda: ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds),
+                                             ref_acc, ACCEPT_SWEEP)
         for name, temp in (("greedy", 0.0), ("T1", 1.0)):
             r[f"step_graph_{name}_us"] = graph_us(lambda: case.step(temp))
     logit_bytes = case.target_logits.numel() * 2
@@ -214,7 +231,7 @@ def measure(case, read_GBps):
     r["accept_greedy_frac_hbm"] = r["accept_greedy_GBps"] / read_GBps
     case.host_step()
     times = []
-    for _ in range(10):
+    for _ in range(5):
         t0 = time.perf_counter()
         case.host_step()
         times.append(time.perf_counter() - t0)
@@ -224,8 +241,7 @@ def measure(case, read_GBps):
 
 
 def table(rows):
-    cols = ["budget", "block", "topk_graph_us", "build_graph_us", "build_heap_graph_us", "build_levels_graph_us",
-            "accept_greedy_graph_us", "accept_T1_graph_us", "compact_graph_us", "step_launches", "step_eager_us",
+    cols = ["budget", "block", "topk_graph_us", "build_graph_us", "accept_greedy_graph_us", "accept_T1_graph_us", "compact_graph_us", "step_launches", "step_eager_us",
             "step_graph_greedy_us", "step_graph_T1_us", "host_us", "speedup_vs_host"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -233,10 +249,24 @@ def table(rows):
     return "\n".join(lines)
 
 
+def sweep_table(rows):
+    """One line per budget (block 8): each config's GPU us, '!' where its outputs differed from the reference."""
+    names = [(k, n) for k, sw in (("topk_sweep", TOPK_SWEEP), ("build_sweep", BUILD_SWEEP),
+                                  ("accept_greedy_sweep", ACCEPT_SWEEP)) for n in sw]
+    lines = ["| budget | " + " | ".join(f"{k.split('_')[0]} {n}" for k, n in names) + " |",
+             "|" + "---|" * (len(names) + 1)]
+    for r in rows:
+        if "topk_sweep" in r:
+            cells = [f"{r[k][n][0]:.3g}" + ("" if r[k][n][1] else "!") for k, n in names]
+            lines.append(f"| {r['budget']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -247,11 +277,11 @@ def main():
     rows, checks = [], tie_checks()
     print(checks, flush=True)
     for block in BLOCKS:
-        for budget in BUDGETS if block == 8 and not args.quick else (8, 64, 512):
+        for budget in BUDGETS if not args.quick else (8, 64, 512):
             case = Case(budget, block)
             checks.append({"budget": budget, "block": block, **check(case)})
             print(checks[-1], flush=True)
-            rows.append(measure(case, env["hbm_read_GBps"]))
+            rows.append(measure(case, env["hbm_read_GBps"], args.sweep))
             print(rows[-1], flush=True)
             (out / "tree.json").write_text(json.dumps({"env": env, "checks": checks, "results": rows}, indent=1))
             del case
@@ -259,11 +289,14 @@ def main():
     md = [f"# DDTree step, batch 1, V = {V}, {LAYERS} layers", "",
           ", ".join(f"{k}: {v:.0f}" if isinstance(v, float) else f"{k}: {v}" for k, v in env.items()), "",
           "Times in microseconds (median, CUDA events); `*_graph_us` = that op alone captured in a CUDA graph; "
-          "step = draft top-K + build + accept + compact; build_heap/levels = the two Triton builds at this budget "
-          "(`build_graph_us` is the configured one); host = GPU top-k, copy, heapq, Python walk, 61 index_select "
-          "moves.", "", table(rows), ""]
+          "step = draft top-K + build + accept + compact, with the default configs; host = GPU top-k, copy, heapq, "
+          "Python walk, 61 index_select moves (median of 5).", "", table(rows), ""]
+    if args.sweep:
+        md += ["Config sweeps at block 8 (sm_90 config overrides; GPU us of the op alone in a CUDA graph; '!' = "
+               "outputs differ from the torch reference):", "", sweep_table(rows), ""]
+    sweeps_equal = all(eq for r in rows for k, sw in r.items() if k.endswith("_sweep") for _us, eq in sw.values())
     md += ["Checks (Triton == torch reference, same run): all equal: "
-           f"{all(v for c in checks for k, v in c.items() if k.endswith('_equal'))}", ""]
+           f"{all(v for c in checks for k, v in c.items() if k.endswith('_equal')) and sweeps_equal}", ""]
     (out / "tree.md").write_text("\n".join(md))
     print("\n".join(md))
 
