@@ -445,7 +445,8 @@ def main():
                                         "'none': the default alone)")
     parser.add_argument("--shape", default="tp8", choices=list(SHAPES), help="with --variants: the shape")
     parser.add_argument("--ep8-seconds", type=float, default=0.0,
-                        help="with --variants: then time the default alone at the EP8 shape for up to this long")
+                        help="with --variants: then time the default at the EP8 shape for up to this long")
+    parser.add_argument("--ep8-names", default="", help="with --ep8-seconds: VARIANTS timed beside that default")
     parser.add_argument("--breakdown", default="",
                         help="with --variants: comma-separated configs ('default' or variants) timed per kernel")
     parser.add_argument("--sass", action="store_true", help="CPU only: static SASS counts of the default and variants")
@@ -482,7 +483,8 @@ def main():
         print(variants_markdown(meta, rows), flush=True)
         if args.ep8_seconds:
             ep8 = []
-            compare_variants(bw, gen, time.time() + args.ep8_seconds, ep8, save, shape="ep8", names=[])
+            compare_variants(bw, gen, time.time() + args.ep8_seconds, ep8, save, shape="ep8",
+                             names=[n for n in args.ep8_names.split(",") if n])
             rows.extend(ep8)
             save()
             with open(os.path.join(args.out, "moe_variants_ep8.md"), "w") as f:

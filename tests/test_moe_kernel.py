@@ -144,20 +144,25 @@ def test_moe_panel_layout(panels, bn, extra):
                                                               "D": 608}),
                                              (16, (64, 128), {"stack": True, "scales_ahead": True, "tiles": 2}),
                                              (16, (0, 0), {"stack": True, "waves": 1, "D": 608}),
-                                             (8, (0, 0), {"scales_ahead": True, "tiles": 2, "I": 320})],
+                                             (8, (0, 0), {"scales_ahead": True, "tiles": 2, "I": 320}),
+                                             (16, (0, 0), {"prescale": True, "waves": 1, "D": 608}),
+                                             (8, (64, 128), {"prescale": True, "stack": True, "tiles": 2}),
+                                             (16, (0, 0), {"prescale": True, "swap": False})],
                          ids=["bm8_slab", "bm16_panel_lean_tiles2", "bm8_panel_decode", "bm8_scales_ahead",
                               "unswapped_panel_scales_ahead", "stacked_panel_ahead_tiles2", "stacked_slab",
-                              "tiles2_two_slabs_ahead"])
+                              "tiles2_two_slabs_ahead", "prescaled", "bm8_prescaled_stacked_tiles2",
+                              "unswapped_prescaled"])
 def test_moe_swapped_tiles(BM, panels, extra):
     """`swap` (transposed tiles: weights as the MMA's M operand, tokens its N) on ragged shapes, split over K, a
     repeated expert; with BM 8 (fewer rows than tl.dot's usual 16), panels, lean pointers, two down tiles a
     program (down's K in one slab: the pipelined tile loop, scales a tile ahead; or in two), the decode path,
-    `scales_ahead` (three slabs in one split: scales carried across slabs), also unswapped, and `stack` (gate and
-    up as one tile); `lop3` runs on the GPU (the interpreter runs the plain form)."""
+    `scales_ahead` (three slabs in one split: scales carried across slabs), also unswapped, `stack` (gate and
+    up as one tile) and `prescale` (weights scaled before the MMA); `lop3` runs on the GPU (the interpreter runs
+    the plain form)."""
     E, D, I = 5, extra.get("D", 320), extra.get("I", 96)
     kernel = dict(BN=64, waves=extra.get("waves", 8), num_warps=4, num_stages=2, swap=extra.get("swap", True),
                   lop3=True, lean=extra.get("lean", False), scales_ahead=extra.get("scales_ahead", False),
-                  stack=extra.get("stack", False))
+                  stack=extra.get("stack", False), prescale=extra.get("prescale", False))
     cfg = {"BM": BM, "panels": panels, "decode": extra.get("decode", False), "gate_up": kernel,
            "down": dict(kernel, BN=64 // extra.get("tiles", 1), tiles=extra.get("tiles", 1))}  # tiles x BN | D
     assert_three_tokens_match(cfg, panels, E, D, I, seed=6)
@@ -241,7 +246,7 @@ def test_moe_k26_shapes_gpu(M, E, I):
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", ["pdl_ahead_dn4", "decode_pdl_ahead_dn4", "stack_ahead_dn4"])
+@pytest.mark.parametrize("variant", ["pdl_pre", "decode_pdl_pre", "stack_ahead_dn4", "swap8_pre"])
 def test_moe_round3_variants_in_a_graph_gpu(variant):
     """Programmatic dependent launch (and the stacked gate/up tile) at the TP8 expert shape on 16 experts, eager
     and replayed in a CUDA graph (where the launches overlap), against the fp32 reference."""
@@ -295,7 +300,7 @@ print(json.dumps([vars(compile_for(kernel, *launch)) for arch in (90, 120)
 
 
 @pytest.mark.parametrize("variant,M", [("default", 1), ("prefetch", 1), ("swap8_ahead", 1),
-                                       ("decode_pdl_ahead_dn4", 1)])
+                                       ("decode_pdl_pre", 1)])
 def test_inline_ptx_variants_compile(variant, M):
     """sm_90 entries and variants with inline PTX (lop3, L2 prefetch, grid dependency control), which the
     interpreter cannot run, assemble for sm_90 and sm_120 without spills (the swapped BM 16 entry is wgmma with

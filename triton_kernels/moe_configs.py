@@ -68,27 +68,29 @@ VARIANTS = {
     # round 3 (on the swap16 entries). `tiles` > 1 where down's K is one slab (TP8: I = 256) drops the K loop, so
     # the tile loop is the innermost and pipelined: tile t + 1's words stream in while tile t is computed (3
     # stages: 2 tiles, 16 KB of words, in flight a CTA), with `scales_ahead` its scales too
-    "dn4": dict(down=dict(tiles=4, num_stages=3)),
     "ahead_dn4": dict(gate_up=dict(scales_ahead=True), down=dict(scales_ahead=True, tiles=4, num_stages=3)),
     # `stack` (gate/up, with swap): the gate and up columns of a tile as one [2 BN, BM] tile, one dot (wgmma M =
-    # 2 BN) and one wgmma wait a group instead of two (8 a slab, not 16). BN 64 with scales ahead: 255 registers,
-    # 3.23 loop instructions a weight; BN 32 with scales ahead: 138 registers, 3 CTAs an SM
+    # 2 BN) and one wgmma wait a group instead of two (8 a slab, not 16); with scales ahead: 255 registers, 3.23
+    # loop instructions a weight
     "stack_ahead_dn4": dict(gate_up=dict(stack=True, scales_ahead=True),
                             down=dict(scales_ahead=True, tiles=4, num_stages=3)),
-    "stack32_ahead_dn4": dict(gate_up=dict(BN=32, stack=True, scales_ahead=True, waves=3),
-                              down=dict(scales_ahead=True, tiles=4, num_stages=3)),
-    # swap8_s3 (the fastest at M = 8, 16, 64 in round 2) with scales ahead and the pipelined down tiles (gate/up 164
-    # registers: 3 CTAs an SM)
-    "swap8_ahead_dn4": dict(BM=8, gate_up=dict(BN=64, swap=True, lop3=True, num_stages=3, scales_ahead=True, waves=3),
-                            down=dict(BN=64, swap=True, lop3=True, scales_ahead=True, tiles=4, num_stages=3)),
+    # `prescale` (per kernel): weights times their group scale in bf16 before the MMA, one dot chain a slab (no fp32
+    # FFMA of each group's product). The scales then feed the dot, so Triton's pipeliner stages them with the words
+    # (no plain LDG left in the loop), and registers drop (gate/up 198 -> 119: 3 CTAs an SM at 3 stages, 61 KB;
+    # down 127 -> 64: 8 CTAs an SM). bf16 rounding of q * scale, as a bf16 checkpoint's weight has
+    "pre": dict(gate_up=dict(prescale=True, num_stages=3, waves=3), down=dict(prescale=True)),
+    "pre_dn4": dict(gate_up=dict(prescale=True, num_stages=3, waves=3),
+                    down=dict(prescale=True, tiles=4, num_stages=3)),
+    # stacked gate/up at BN 32 (wgmma M = 64, 8 waits a slab), prescaled: 107 registers, 43 KB, 4 CTAs an SM
+    "pre_stack32": dict(gate_up=dict(BN=32, stack=True, prescale=True, num_stages=3, waves=4), down=dict(prescale=True)),
+    # BM 8 (mma.sync: no wgmma waits) prescaled: gate/up 96 registers, 45 KB, 5 CTAs an SM; down 62 registers
+    "swap8_pre": dict(BM=8, gate_up=dict(prescale=True, num_stages=3, waves=5), down=dict(prescale=True)),
     # `pdl` (top level): programmatic dependent launch of the two GEMMs (the down kernel's programs start while the
-    # gate/up kernel's last ones run, and ask L2 for their words before waiting for h); and the decode path (no
-    # routing pass: with pdl the gate/up kernel waits for the memset only before its epilogue), for M <= 16
-    "pdl_ahead_dn4": dict(pdl=True, gate_up=dict(scales_ahead=True), down=dict(scales_ahead=True, tiles=4, num_stages=3)),
-    "decode_ahead_dn4": dict(decode=True, gate_up=dict(scales_ahead=True),
-                             down=dict(scales_ahead=True, tiles=4, num_stages=3)),
-    "decode_pdl_ahead_dn4": dict(decode=True, pdl=True, gate_up=dict(scales_ahead=True),
-                                 down=dict(scales_ahead=True, tiles=4, num_stages=3)),
+    # gate/up kernel's last ones run, and ask L2 for their words before waiting for h); with the decode path (no
+    # routing pass: the gate/up kernel waits for the memset only before its epilogue) for M <= 16
+    "pdl_pre": dict(pdl=True, gate_up=dict(prescale=True, num_stages=3, waves=3), down=dict(prescale=True)),
+    "decode_pdl_pre": dict(decode=True, pdl=True, gate_up=dict(prescale=True, num_stages=3, waves=3),
+                           down=dict(prescale=True)),
 }
 
 

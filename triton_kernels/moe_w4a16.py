@@ -121,7 +121,8 @@ def _group_scale(tile, g: tl.constexpr):
 @triton.jit
 def _slab_dot(acc, a_ptrs, row_mask, k, K, w0, w1, s_ptrs, s_mask, stride_sg, s_tile,
               MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, DTYPE: tl.constexpr,
-              EVEN_K: tl.constexpr, SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr):
+              EVEN_K: tl.constexpr, SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr,
+              PRESCALE: tl.constexpr = False):
     """acc [BM, BN] += A [BM, 256] @ dequant(slab) [256, BN], scaling each group's partial product; with SWAP
     the transposed product acc [BN, BM] += dequant(slab)^T [BN, 256] @ A^T [256, BM] (the weights are the MMA's
     M operand: BM tokens pad to 8, not 16).
@@ -130,7 +131,9 @@ def _slab_dot(acc, a_ptrs, row_mask, k, K, w0, w1, s_ptrs, s_mask, stride_sg, s_
     [32, BM]) point at the slab's first group (columns k [32]); A's columns at or past K read as 0 (no column
     mask when EVEN_K: K is a multiple of 256). Group 2m + t is nibble pair m of half t. Scales: loaded here from
     s_ptrs [BN] (the first group's; groups stride_sg apart), or with AHEAD taken from s_tile [BN, 8]
-    (`_load_scales`, loaded a slab ahead by the caller).
+    (`_load_scales`, loaded a slab ahead by the caller). PRESCALE: the dequantised weights times their scale in
+    DTYPE (one rounding of q * scale, as a bf16 weight has), then one dot chain into acc: no fp32 multiply-add of
+    each group's product, whose wait for the MMA result it needed.
     """
     for t in tl.static_range(2):
         words = w1 if t else w0
@@ -149,7 +152,12 @@ def _slab_dot(acc, a_ptrs, row_mask, k, K, w0, w1, s_ptrs, s_mask, stride_sg, s_
             if WIDE:
                 if m % 2:
                     scale = scale * 0.0625
-            if SWAP:
+            if PRESCALE:
+                if SWAP:
+                    acc = tl.dot(w * scale.to(DTYPE)[:, None], a, acc)
+                else:
+                    acc = tl.dot(a, w * scale.to(DTYPE)[None, :], acc)
+            elif SWAP:
                 acc += tl.dot(w, a) * scale[:, None]
             else:
                 acc += tl.dot(a, w) * scale[None, :]
@@ -286,7 +294,7 @@ def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr
 def _gate_up_stacked(a_rows, w_base, s_base, row_mask, kw, kg, w_cols, s_cols, n_mask, first, end, D, w_row, s_row,
                      MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, DTYPE: tl.constexpr,
                      EVEN_K: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr):
+                     BN: tl.constexpr, PRESCALE: tl.constexpr):
     """Gate and up accumulators [BN, BM] each (swapped) over slabs first .. end - 1, from the stacked columns
     w_cols / s_cols / n_mask [2 BN] (gate then up: `_stack`): one [2 BN, 16] word tile and one dot a group."""
     acc = _acc_zeros(BM, 2 * BN, True)  # [2 BN, BM]
@@ -299,7 +307,7 @@ def _gate_up_stacked(a_rows, w_base, s_base, row_mask, kw, kg, w_cols, s_cols, n
             sc_next = _load_scales(s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols, n_mask, s_row)
         w0, w1 = _load_slab(w_ptrs, w_row, n_mask[:, None])  # [2 BN, 16] each
         acc = _slab_dot(acc, a_ptrs, row_mask, k, D, w0, w1, s_ptrs, n_mask, s_row, sc, MAGIC, MAGIC_VALUE, WIDE,
-                        DTYPE, EVEN_K, True, LOP3, AHEAD)
+                        DTYPE, EVEN_K, True, LOP3, AHEAD, PRESCALE)
         if AHEAD:
             sc = sc_next
         w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
@@ -314,7 +322,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
                     EVEN_N: tl.constexpr, DECODE: tl.constexpr, PANEL: tl.constexpr, PREFETCH: tl.constexpr,
                     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
                     SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, STACK: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
+                    PDL: tl.constexpr = False, PRESCALE: tl.constexpr = False):
     """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate.
 
     With SPLIT, pid 2 of split_k sums a range of slabs into part; the last split to arrive finishes the tile.
@@ -366,7 +374,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
         acc_g, acc_u = _gate_up_stacked(x_ptr + token * D, w_base, s_base, pair >= 0, kw, kg,
                                         _stacked_cols(pid_n, stride_wp, up_w, BN, PANEL),
                                         _stacked_cols(pid_n, stride_sp, up_s, BN, PANEL), n2_mask, first, end, D,
-                                        w_row, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K, LOP3, AHEAD, BM, BN)
+                                        w_row, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K, LOP3, AHEAD, BM, BN,
+                                        PRESCALE)
     else:
         w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token * D, kw, kg, w_cols, s_cols, first,
                                                w_row, s_row, SWAP)
@@ -389,9 +398,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
             g0, g1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
             u0, u1 = _load_slab(w_ptrs + up_w, w_row, col_mask)
             acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, g0, g1, s_ptrs, n_mask, s_row, sg, MAGIC, MAGIC_VALUE,
-                              WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD)
+                              WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
             acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, u0, u1, s_ptrs + up_s, n_mask, s_row, su, MAGIC,
-                              MAGIC_VALUE, WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD)
+                              MAGIC_VALUE, WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
             if AHEAD:
                 sg, su = sg_next, su_next
             if LEAN:
@@ -425,7 +434,7 @@ def _down_slabs(acc, w_base, s_base, h_rows, kw, kg, w_cols, s_cols, w_ptrs, a_p
                 col_mask, tile, first, end, I, w_row, s_row, stride_wp, MAGIC: tl.constexpr,
                 MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, DTYPE: tl.constexpr, EVEN_K: tl.constexpr,
                 SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, LEAN: tl.constexpr,
-                PREFETCH: tl.constexpr, BN: tl.constexpr, PANEL: tl.constexpr):
+                PREFETCH: tl.constexpr, BN: tl.constexpr, PANEL: tl.constexpr, PRESCALE: tl.constexpr):
     """acc [BM, BN] (SWAP: [BN, BM]) += slabs first .. end - 1 of down N tile `tile` (its K loop; pointers of
     slab `first` given, as `_slab_ptrs` makes them)."""
     sc = 0  # with AHEAD: the scales [BN, 8] of the slab being computed (as in _gate_up_kernel)
@@ -445,7 +454,7 @@ def _down_slabs(acc, w_base, s_base, h_rows, kw, kg, w_cols, s_cols, w_ptrs, a_p
             sc_next = _load_scales(s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols, n_mask, s_row)
         w0, w1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
         acc = _slab_dot(acc, a_ptrs, valid, k, I, w0, w1, s_ptrs, n_mask, s_row, sc, MAGIC, MAGIC_VALUE, WIDE,
-                        DTYPE, EVEN_K, SWAP, LOP3, AHEAD)
+                        DTYPE, EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
         if AHEAD:
             sc = sc_next
         if LEAN:
@@ -467,7 +476,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
                  DECODE: tl.constexpr, PANEL: tl.constexpr, PREFETCH: tl.constexpr, TILES: tl.constexpr,
                  MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
                  SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, ONE_SLAB: tl.constexpr = False,
-                 PDL: tl.constexpr = False):
+                 PDL: tl.constexpr = False, PRESCALE: tl.constexpr = False):
     """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tiles TILES * pid 1 ..
     TILES * pid 1 + TILES - 1 (one after the other), K split pid 2 (layout arguments and SWAP as in
     `_gate_up_kernel`). ONE_SLAB (K within one slab, one split): no K loop, so the tile loop is the innermost
@@ -523,13 +532,13 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
                 sc_next = _tile_scales(s_base, tl.minimum(tile + 1, last), stride_sp, s_row, D, BN, PANEL, EVEN_N)
             w0, w1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
             acc = _slab_dot(acc, a_ptrs, valid, k, I, w0, w1, s_ptrs, n_mask, s_row, sc_tile, MAGIC, MAGIC_VALUE,
-                            WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD)
+                            WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
             if AHEAD:
                 sc_tile = sc_next
         else:
             acc = _down_slabs(acc, w_base, s_base, h_rows, kw, kg, w_cols, s_cols, w_ptrs, a_ptrs, s_ptrs, k, valid,
                               n_mask, col_mask, tile, first, end, I, w_row, s_row, stride_wp, MAGIC, MAGIC_VALUE,
-                              WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD, LEAN, PREFETCH, BN, PANEL)
+                              WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD, LEAN, PREFETCH, BN, PANEL, PRESCALE)
         # relaxed: only atomicity is needed (the cast reads out in a later launch); the default acq_rel fences every
         # atomic (MEMBAR.ALL.GPU + L1 invalidation on sm_90)
         W, _ = _orient(weight, n, SWAP)
@@ -648,17 +657,17 @@ def _expected_experts(E, pairs):
 
 
 def _flags(kernel_cfg, N, ptx=True):
-    """LEAN / EVEN_N / PREFETCH / SWAP / LOP3 / AHEAD constexprs of a kernel config: `lean` carries the slab
+    """LEAN / EVEN_N / PREFETCH / SWAP / LOP3 / AHEAD / PRESCALE constexprs of a kernel config: `lean` carries the slab
     pointers across the K loop, drops the column masks when BN divides N and loads a block's pair ids with its
     expert; `prefetch` (a distance in slabs, 0 off) asks L2 for the words of slab + prefetch while slab is
     dequantised (PTX prefetch: not interpretable); `swap` computes the transposed tile, weights as the MMA's M
     operand (`_slab_dot`); `lop3` dequantises with one PTX lop3 for the mask and the magic exponent
     (`_unpack_group`), the same result as the plain form the interpreter runs (ptx=False); `scales_ahead` loads
-    each slab's group scales one slab early."""
+    each slab's group scales one slab early; `prescale` scales the weights before the MMA (`_slab_dot`)."""
     lean = kernel_cfg.get("lean", False)
     return dict(LEAN=lean, EVEN_N=lean and N % kernel_cfg["BN"] == 0, PREFETCH=kernel_cfg.get("prefetch", 0),
                 SWAP=kernel_cfg.get("swap", False), LOP3=ptx and kernel_cfg.get("lop3", False),
-                AHEAD=kernel_cfg.get("scales_ahead", False))
+                AHEAD=kernel_cfg.get("scales_ahead", False), PRESCALE=kernel_cfg.get("prescale", False))
 
 
 def _launch(kernel_cfg, pdl):
