@@ -5,7 +5,8 @@ Standalone: `python bench/bench_tree.py --out DIR [--quick] [--sweep]` measures 
 Triton tree builds against the torch build on tie-heavy random trees, times each op alone and the whole step
 (eager and as one CUDA graph replay) for budgets 8..512 at blocks 8 and 16 (--quick: 8, 64, 512), times the host
 path (GPU top-k, copy, heapq, Python walk, per-layer index_select compaction over 61 layers), with --sweep also
-times config variants of top-k, build and greedy accept at block 8 (checking each against the reference), and
+times config variants of top-k, build and greedy accept at block 8, budgets SWEEP_BUDGETS (each checked against
+the reference), and
 writes tree.json + tree.md. As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU only; host timer
 around a synchronised graph replay).
 """
@@ -180,7 +181,8 @@ TOPK_SWEEP = {f"chunk{c}_w{w}": dict(topk_chunk=c, topk_warps=w) for c, w in ((2
                                                                             (8192, 4))}
 ACCEPT_SWEEP = {f"block{b}_p{p}": dict(block_v=b, programs=p) for b in (2048, 4096) for p in (528, 1056)}
 BUILD_SWEEP = {"heap_w1": dict(levels_from=dd.MAX_BUDGET + 1, build_warps=1),
-               **{f"levels_w{w}": dict(levels_from=1, levels_warps=w) for w in (2, 4, 8)}}
+               **{f"levels_w{w}": dict(levels_from=1, levels_warps=w) for w in (1, 2, 4, 8)}}
+SWEEP_BUDGETS = (8, 32, 64, 128, 512)
 
 
 def sweep(fn, ref, overrides):
@@ -214,7 +216,7 @@ def measure(case, read_GBps, sweeps):
         r["step_eager_us"] = 1e3 * bench_ms(case.step)
         r["step_kernels"] = launches(case.step)
         r["step_launches"] = len(r["step_kernels"])
-        if sweeps and case.L + 1 == 8:
+        if sweeps and case.L + 1 == 8 and case.budget in SWEEP_BUDGETS:
             ref_topk = draft_topk_torch(case.draft_logits, case.K)[1:]
             r["topk_sweep"] = sweep(lambda: ops.draft_topk(case.draft_logits, case.K)[1:], ref_topk, TOPK_SWEEP)
             fields = ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "num_nodes")

@@ -15,6 +15,7 @@ MAX_DEPTH = 15  # and the depth into 4 bits
 MAX_MERGE = 8192  # top-k: at most this many candidates (chunks x K) in one row's merge
 MAX_CHUNK = 16384  # and this many lanes a chunk
 SEL_TILE = 4096  # lanes one selection scan covers (it packs two counts into 15-bit fields)
+MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few row blocks, few dependent loads
 
 # Configs as data per arch (compute capability major*10+minor): top-k chunk (lanes a program selects from, one
 # load) and its least warps; BLOCK over the vocabulary, warps and target program count of the split sampling pass;
@@ -566,7 +567,8 @@ def build_tree(logprobs, tokens, root_tokens, budget):
     num_nodes = torch.empty(B, dtype=torch.int32, device=dev)
     NP = triton.next_power_of_2(N)
     args = (lp, tok, root_tokens.contiguous(), tokens_out, parents, depths, first_child, next_sibling, mask, num_nodes)
-    sizes = dict(NP=NP, NP1=triton.next_power_of_2(N1), WP=triton.next_power_of_2(W), ROWS=32)
+    NP1, WP = triton.next_power_of_2(N1), triton.next_power_of_2(W)
+    sizes = dict(NP=NP, NP1=NP1, WP=WP, ROWS=min(NP1, max(32, MASK_TILE // WP)))
     if N >= cfg["levels_from"]:
         s_int = torch.empty(B, 4 * NP, dtype=torch.int32, device=dev)
         s_flt = torch.empty(B, NP, dtype=torch.float32, device=dev)
