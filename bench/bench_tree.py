@@ -6,8 +6,7 @@ Triton tree builds against the torch build on tie-heavy random trees, times each
 (eager and as one CUDA graph replay) for budgets 8..512 at blocks 8 and 16 (--quick: 8, 64, 512), times the host
 path (GPU top-k, copy, heapq, Python walk, per-layer index_select compaction over 61 layers), with --sweep also
 times config variants of top-k, build and greedy accept at block 8, budgets SWEEP_BUDGETS (each checked against
-the reference), and
-writes tree.json + tree.md. As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU only; host timer
+the reference), and writes tree.json + tree.md. As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU only; host timer
 around a synchronised graph replay).
 """
 
