@@ -8,7 +8,8 @@ scoring with the target's lm_head shard. Per context {4k, 32k} and bucket it tim
 synchronised back-to-back calls, so host overhead shows): the verify eagerly and as a graph replay, the sum of
 its kernels (profiler, eager run), the whole step (draft, top-k, tree build, verify, accept, compact, drafter
 context append) eagerly and graphed (draft + top-k + build one replay, the verify another) and the
-autoregressive step (root-only verify replay + accept). Each is divided by
+autoregressive step (root-only verify replay + accept), and the draft + top-k + build replay alone with the
+kernels of its eager run (draft_tree_ms, draft_top_kernels). Each is divided by
 its floor: the bytes it must read (`floor_bytes`) over the read bandwidth measured in the same run
 (a sum over 4 GiB). Writes step.json and step.md to --out; prints a short table last.
 
@@ -313,6 +314,9 @@ def measure(bench, budget, context, bw, iters):
         row["step_eager_ms"] = wall_ms(bench.spec_step(budget, graphed=False), max(3, iters // 4))
         row["step_floor_ms"] = step_floor_ms
         row["step_over_floor"] = row["step_ms"] / step_floor_ms
+        row["draft_tree_ms"] = wall_ms(lambda: bench.draft_tree(budget, graphed=True), iters)
+        row["draft_floor_ms"] = sum(draft.values()) / bw / 1e6
+        row["draft_kernels_ms"], row["draft_top_kernels"] = kernel_ms(lambda: bench.draft_tree(budget, False), 12)
     else:
         row["ar_step_ms"] = wall_ms(bench.ar_step(), iters)
         row["ar_step_over_floor"] = row["ar_step_ms"] / floor_ms
@@ -385,10 +389,12 @@ def main():
         bench.set_context(context)
         for budget in buckets if context == contexts[0] else long_buckets:
             rows.append(measure(bench, budget, context, bw, iters))
-            brief = {k: v for k, v in rows[-1].items() if k not in ("floor_parts_MB", "top_kernels")}
+            brief = {k: v for k, v in rows[-1].items() if not k.endswith(("parts_MB", "top_kernels"))}
             print(json.dumps(brief), flush=True)
             for name, calls, us in rows[-1]["top_kernels"][:12]:
                 print(f"  {us:9.1f} us {calls:5d}x  {name}", flush=True)
+            for name, calls, us in rows[-1].get("draft_top_kernels", [])[:8]:
+                print(f"  draft {us:9.1f} us {calls:5d}x  {name}", flush=True)
             (out / "step.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     table = markdown(meta, rows)
     (out / "step.md").write_text(table)
