@@ -82,14 +82,18 @@ def _sort(x, LOGN: tl.constexpr, DESC: tl.constexpr):
 # ---- draft top-k: one launch; chunks select their local top K, the last chunk of a row to arrive merges ----
 
 @triton.jit
-def _threshold(o, K, BITS: tl.constexpr):
-    """(thr, need): the K-th largest of ordered int32 values o (at least K of them; only the top BITS bits vary
-    within a sign for this dtype), found bit by bit as the largest multiple thr of 2^(32-BITS) with
-    count(o >= thr) >= K; and how many of the values equal to thr are among the K (after all those above)."""
-    thr = tl.full([], -2147483648, tl.int32)
-    for i in tl.static_range(BITS):
-        up = thr + ((1 << (31 - i)) - 1) + 1  # (2^k - 1) + 1: each term and the sum stay inside int32
-        thr = tl.where(tl.sum((o >= up).to(tl.int32), 0) >= K, up, thr)
+def _threshold(o, K, lo, hi, BITS: tl.constexpr):
+    """(thr, need): the K-th largest of ordered int32 values o (only their top BITS bits vary within a sign for
+    this dtype), by bisection on those top bits between lo and hi (count(o >= lo << (32 - BITS)) >= K), as the
+    largest thr with count(o >= thr) >= K; and how many of the values equal to thr are among the K."""
+    lo = tl.zeros([], tl.int64) + lo
+    hi = tl.zeros([], tl.int64) + hi
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((o >= (mid << (32 - BITS)).to(tl.int32)).to(tl.int32), 0) >= K
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    thr = (lo << (32 - BITS)).to(tl.int32)
     return thr, K - tl.sum((o > thr + ((1 << (32 - BITS)) - 1)).to(tl.int32), 0)
 
 
@@ -116,11 +120,12 @@ def _store_topk(lp_ptr, tok_ptr, out, key, lse, mask):
 
 
 @triton.jit
-def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, lp_ptr, tok_ptr, row, K, CHUNKS, BITS: tl.constexpr,
-                MP: tl.constexpr, MT: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr):
+def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr, row, K, CHUNKS,
+                BITS: tl.constexpr, MP: tl.constexpr, MT: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr):
     """Row `row`'s top K among its chunks' candidates (chunk-major, each chunk's in id order: lane order is id
-    order), sorted, as log-probs through the log-sum-exp of the chunks' (max, sum exp). The winners are
-    gathered in the row's first K candidate slots, in tiles of MT lanes."""
+    order), sorted, as log-probs through the log-sum-exp of the chunks' (max, sum exp). The row's K-th largest lies
+    between the largest chunk threshold and the largest chunk max. The winners are gathered in the row's first K
+    candidate slots, in tiles of MT lanes."""
     cs = tl.arange(0, CP)  # [CP]
     pm = tl.load(pmax_ptr + row * CHUNKS + cs, mask=cs < CHUNKS, other=float("-inf"), cache_modifier=".cg")
     ps = tl.load(psum_ptr + row * CHUNKS + cs, mask=cs < CHUNKS, other=0.0, cache_modifier=".cg")
@@ -130,7 +135,8 @@ def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, lp_ptr, tok_ptr, row, K, 
     base = row.to(tl.int64) * M
     i = tl.arange(0, MP)  # [MP]
     o = tl.load(cval_ptr + base + i, mask=i < M, other=-2147483648, cache_modifier=".cg")  # [MP] ordered values
-    thr, need = _threshold(o, K, BITS)
+    lo = tl.max(tl.load(pthr_ptr + row * CHUNKS + cs, mask=cs < CHUNKS, other=-2147483648, cache_modifier=".cg"), 0)
+    thr, need = _threshold(o, K, lo >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS)
     n_gt = tl.zeros([], tl.int32)
     n_eq = tl.zeros([], tl.int32)
     for j in tl.static_range(MP // MT):
@@ -151,12 +157,12 @@ def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, lp_ptr, tok_ptr, row, K, 
 
 
 @triton.jit(do_not_specialize=["V", "K", "CHUNKS"])
-def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, count_ptr, lp_ptr, tok_ptr, V, K, CHUNKS,
+def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_ptr, lp_ptr, tok_ptr, V, K, CHUNKS,
                  BITS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr, MP: tl.constexpr, MT: tl.constexpr,
                  KP: tl.constexpr, CP: tl.constexpr):
-    """Program (row, c): chunk c's (max, sum exp) and its K best (ordered value, id), in id order (a chunk holds
-    at least K lanes; padding lanes rank last), picked in tiles of TILE lanes. The row's last program to arrive
-    merges."""
+    """Program (row, c): chunk c's (max, sum exp, K-th largest) and its K best (ordered value, id), in id order (a
+    chunk holds at least K lanes; padding lanes rank last), picked in tiles of TILE lanes. The row's last program
+    to arrive merges."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     x_row = x_ptr + row.to(tl.int64) * V
@@ -166,7 +172,8 @@ def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, count_ptr, lp_ptr
     tl.store(pmax_ptr + row * CHUNKS + c, m)
     tl.store(psum_ptr + row * CHUNKS + c, tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0))
     o = tl.where(offs < V, _ordered(x), -2147483648)  # [CHUNK] int32
-    thr, need = _threshold(o, K, BITS)
+    thr, need = _threshold(o, K, -(1 << (BITS - 1)), tl.max(o, 0) >> (32 - BITS), BITS)
+    tl.store(pthr_ptr + row * CHUNKS + c, thr)
     out = (row.to(tl.int64) * CHUNKS + c) * K
     n_gt = tl.zeros([], tl.int32)
     n_eq = tl.zeros([], tl.int32)
@@ -180,7 +187,8 @@ def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, count_ptr, lp_ptr
         tl.store(cid_ptr + out + pos, offs, mask=sel)
     tl.debug_barrier()  # every candidate is stored before the arrival is counted
     if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == CHUNKS - 1:
-        _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, lp_ptr, tok_ptr, row, K, CHUNKS, BITS, MP, MT, KP, CP)
+        _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr, row, K, CHUNKS, BITS, MP, MT,
+                    KP, CP)
         tl.atomic_xchg(count_ptr + row, 0)
 
 
@@ -541,10 +549,11 @@ def draft_topk(logits, k):
     cid = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
     pmax = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
     psum = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
+    pthr = torch.empty(rows, chunks, dtype=torch.int32, device=dev)
     lp = torch.empty(B, L, k, dtype=torch.float32, device=dev)
     tokens = torch.empty(B, L, k, dtype=torch.int64, device=dev)
     warps = min(16, max(cfg["topk_warps"], max(chunk, mp) // 1024))
-    _topk_kernel[(rows, chunks)](x, cval, cid, pmax, psum, arrival_counters("ddtree_topk", dev, rows), lp, tokens, V, k,
+    _topk_kernel[(rows, chunks)](x, cval, cid, pmax, psum, pthr, arrival_counters("ddtree_topk", dev, rows), lp, tokens, V, k,
                                  chunks, BITS=_value_bits(x.dtype), CHUNK=chunk, TILE=min(chunk, SEL_TILE), MP=mp,
                                  MT=min(mp, SEL_TILE), KP=kp,
                                  CP=triton.next_power_of_2(max(chunks, 2)), num_warps=warps)
