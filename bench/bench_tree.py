@@ -279,10 +279,12 @@ def main():
     print(checks, flush=True)
     for block in BLOCKS:
         for budget in BUDGETS if not args.quick else (8, 64, 512):
+            t0 = time.perf_counter()
             case = Case(budget, block)
             checks.append({"budget": budget, "block": block, **check(case)})
             print(checks[-1], flush=True)
             rows.append(measure(case, env["hbm_read_GBps"], args.sweep))
+            rows[-1]["wall_s"] = round(time.perf_counter() - t0, 1)  # this case's checks and timings, compiles included
             print(rows[-1], flush=True)
             (out / "tree.json").write_text(json.dumps({"env": env, "checks": checks, "results": rows}, indent=1))
             del case

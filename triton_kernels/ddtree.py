@@ -13,7 +13,7 @@ from triton_kernels.counters import arrival_counters
 MAX_BUDGET = 512  # the build packs slot and rank into 9 bits each
 MAX_DEPTH = 15  # and the depth into 4 bits
 MAX_MERGE = 8192  # top-k: at most this many candidates (chunks x K) in one row's merge
-MAX_CHUNK = 16384  # and this many lanes a chunk
+MAX_CHUNK = 16384  # and this many lanes a chunk (in registers at 16 warps; the sm_120 check compiles this size)
 SEL_TILE = 4096  # lanes one selection scan covers (it packs two counts into 15-bit fields)
 MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few row blocks, few dependent loads
 
