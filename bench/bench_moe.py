@@ -90,7 +90,7 @@ def random_triton_layer(E, D, I, gen, panels=None):
         kp = -(-k // SLAB) * SLAB
         w = torch.randint(-2**31, 2**31, (E, kp // 8, n), generator=gen, device=DEV, dtype=torch.int32)
         s = (torch.rand(E, kp // 32, n, generator=gen, device=DEV) * 0.01 + 0.001).to(torch.bfloat16)
-        return (to_panels(w, panel, parts), to_panels(s, panel, parts)) if panel else (w, s)
+        return (to_panels(w, panel, parts), to_panels(s, panel, parts) if panel > 1 else s) if panel else (w, s)
 
     return TritonExperts(*words(D, 2 * I, panels[0], 2), *words(I, D, panels[1], 1), hidden=D, intermediate=I,
                          panel_gate_up=panels[0], panel_down=panels[1])
@@ -163,8 +163,8 @@ H200_ISSUE = dict(sms=132, clock_hz=1.98e9, read_gbs=4317.0)  # read bandwidth: 
 
 def _cubin_sass(kernel, signature, constexprs, num_warps, num_stages, arch=90):
     """(nvdisasm text, registers, spill bytes, shared bytes) of `kernel` compiled on the CPU with the
-    specialisations the JIT gives the TP8 call: 16-byte aligned pointers, D/I/strides divisible by 16, and the
-    down kernel's n_slabs == 1 (I = 256)."""
+    specialisations the JIT gives the TP8 call: 16-byte aligned pointers, D/I/strides divisible by 16, the down
+    kernel's n_slabs == 1 (I = 256), and w_row == 1 for K-major words (PANEL 1)."""
     import tempfile
 
     import triton
@@ -178,6 +178,9 @@ def _cubin_sass(kernel, signature, constexprs, num_warps, num_stages, arch=90):
     if kernel is _down_kernel:
         del signature["n_slabs"]
         constexprs["n_slabs"] = 1
+    if constexprs.get("PANEL") == 1:  # K-major words: the row stride is 1
+        del signature["w_row"]
+        constexprs["w_row"] = 1
     full = {**signature, **{k: "constexpr" for k in constexprs}}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in full.items()
              if ty.startswith("*") or name in ("D", "I", "stride_we", "stride_se", "w_row", "s_row", "stride_wp",

@@ -1,6 +1,6 @@
 python -m pip install --no-deps --no-build-isolation -e . -q
 # Session 3's MoE device call (issue #5 round 3): the round-3 variants beside the default over the TP8 sweep (per-kernel
-# device times of three of them at M = 1, 16, 256), the default and `pre` at the EP8 shape, then the GPU tests of
+# device times of three of them at M = 1, 16, 256), the default and `k_stack_pre` at the EP8 shape, then the GPU tests of
 # tests/test_moe_kernel.py. Usage (device): bash bench/moe_s3_device.sh [tp8-budget-s] [ep8-s] [tests-s]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -8,8 +8,8 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 timeout $(( ${1:-125} + ${2:-30} + 20 )) python bench/bench_moe.py --out "$OUT" --variants --budget "${1:-125}" \
-  --ep8-seconds "${2:-30}" --ep8-names pre --breakdown default,pre,decode_pdl_pre \
-  --names ahead_dn4,stack_ahead_dn4,pre,pre_dn4,pre_stack32,swap8_pre,pdl_pre,decode_pdl_pre \
+  --ep8-seconds "${2:-30}" --ep8-names k_stack_pre --breakdown default,k_stack_pre,decode_pdl_k_stack_pre \
+  --names ahead_dn4,pre,k_ahead,k_pre_ahead,k_stack_pre,k_swap8_pre,pdl_k_stack_pre,decode_pdl_k_stack_pre \
   2>&1 | grep -v -i warn | tail -40
 timeout "${3:-35}" python -m pytest -q -n 8 -p no:cacheprovider tests/test_moe_kernel.py >"$OUT/moe_gpu_tests.log" 2>&1
 echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/moe_gpu_tests.log" | tail -8

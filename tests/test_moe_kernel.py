@@ -47,7 +47,7 @@ def check(x, ids, weights, raw, dtype):
     assert rel_err(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("panels", [(0, 0), (64, 128)], ids=["slab", "panel"])
+@pytest.mark.parametrize("panels", [(0, 0), (64, 128), (1, 1)], ids=["slab", "panel", "kmajor"])
 @pytest.mark.parametrize("E,D,I", [(8, 512, 64), (6, 320, 96)], ids=lambda v: str(v))
 def test_repack_round_trip_is_exact(E, D, I, panels):
     raw = make_experts(E, D, I)
@@ -56,6 +56,9 @@ def test_repack_round_trip_is_exact(E, D, I, panels):
     KP8 = -(-D // 256) * 32  # K padded to whole 256-wide slabs
     if panels == (0, 0):
         assert prepared.gate_up.shape == (E, KP8, 2 * I)
+    elif panels == (1, 1):  # a column's words contiguous; scales in the slab layout
+        assert prepared.gate_up.shape == (E, 2 * I, KP8, 1) and prepared.down.shape == (E, D, -(-I // 256) * 32, 1)
+        assert prepared.gate_up_scale.shape == (E, KP8 // 4, 2 * I)
     else:  # gate and up each padded to whole 64-wide panels, down's D to 128-wide ones
         assert prepared.gate_up.shape == (E, 2 * -(-I // 64), KP8, 64)
         assert prepared.down.shape == (E, -(-D // 128), -(-I // 256) * 32, 128)
@@ -147,15 +150,20 @@ def test_moe_panel_layout(panels, bn, extra):
                                              (8, (0, 0), {"scales_ahead": True, "tiles": 2, "I": 320}),
                                              (16, (0, 0), {"prescale": True, "waves": 1, "D": 608}),
                                              (8, (64, 128), {"prescale": True, "stack": True, "tiles": 2}),
-                                             (16, (0, 0), {"prescale": True, "swap": False})],
+                                             (16, (0, 0), {"prescale": True, "swap": False}),
+                                             (16, (1, 1), {"prescale": True, "stack": True, "waves": 1, "D": 608}),
+                                             (8, (1, 1), {"scales_ahead": True, "tiles": 2}),
+                                             (16, (1, 1), {"scales_ahead": True, "tiles": 2, "I": 320})],
                          ids=["bm8_slab", "bm16_panel_lean_tiles2", "bm8_panel_decode", "bm8_scales_ahead",
                               "unswapped_panel_scales_ahead", "stacked_panel_ahead_tiles2", "stacked_slab",
                               "tiles2_two_slabs_ahead", "prescaled", "bm8_prescaled_stacked_tiles2",
-                              "unswapped_prescaled"])
+                              "unswapped_prescaled", "kmajor_prescaled_stacked", "kmajor_bm8_ahead_tiles2",
+                              "kmajor_two_slabs_ahead_tiles2"])
 def test_moe_swapped_tiles(BM, panels, extra):
     """`swap` (transposed tiles: weights as the MMA's M operand, tokens its N) on ragged shapes, split over K, a
     repeated expert; with BM 8 (fewer rows than tl.dot's usual 16), panels, lean pointers, two down tiles a
-    program (down's K in one slab: the pipelined tile loop, scales a tile ahead; or in two), the decode path,
+    program (down's K in one slab: the pipelined tile loop, scales a tile ahead; or in two), K-major words
+    (panel 1), the decode path,
     `scales_ahead` (three slabs in one split: scales carried across slabs), also unswapped, `stack` (gate and
     up as one tile) and `prescale` (weights scaled before the MMA); `lop3` runs on the GPU (the interpreter runs
     the plain form)."""
@@ -246,16 +254,17 @@ def test_moe_k26_shapes_gpu(M, E, I):
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", ["pdl_pre", "decode_pdl_pre", "stack_ahead_dn4", "swap8_pre"])
+@pytest.mark.parametrize("variant", ["pre", "k_swap8_pre", "pdl_k_stack_pre", "decode_pdl_k_stack_pre"])
 def test_moe_round3_variants_in_a_graph_gpu(variant):
-    """Programmatic dependent launch (and the stacked gate/up tile) at the TP8 expert shape on 16 experts, eager
-    and replayed in a CUDA graph (where the launches overlap), against the fp32 reference."""
+    """Round 3's variants (prescaled weights, K-major words, stacked gate/up, BM 8, programmatic dependent launch)
+    at the TP8 expert shape on 16 experts, eager and replayed in a CUDA graph (where launches overlap), against
+    the fp32 reference."""
     from triton_kernels.moe_configs import config_for, with_variant
 
     raw = make_experts(16, 7168, 256, seed=7)
-    prepared = moe_w4a16.prepare_moe(*raw)
     for M in (1, 3, 24):
         cfg = with_variant(config_for(device(), M), variant)
+        prepared = moe_w4a16.prepare_moe(*raw, panels=cfg.get("panels", (0, 0)))
         ids, weights = make_routing(M, 16, 8, seed=M)
         x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16)
         ref = moe_torch(x.float(), ids, weights, PackedExperts(*raw))
@@ -300,7 +309,7 @@ print(json.dumps([vars(compile_for(kernel, *launch)) for arch in (90, 120)
 
 
 @pytest.mark.parametrize("variant,M", [("default", 1), ("prefetch", 1), ("swap8_ahead", 1),
-                                       ("decode_pdl_pre", 1)])
+                                       ("decode_pdl_k_stack_pre", 1)])
 def test_inline_ptx_variants_compile(variant, M):
     """sm_90 entries and variants with inline PTX (lop3, L2 prefetch, grid dependency control), which the
     interpreter cannot run, assemble for sm_90 and sm_120 without spills (the swapped BM 16 entry is wgmma with

@@ -69,28 +69,38 @@ VARIANTS = {
     # the tile loop is the innermost and pipelined: tile t + 1's words stream in while tile t is computed (3
     # stages: 2 tiles, 16 KB of words, in flight a CTA), with `scales_ahead` its scales too
     "ahead_dn4": dict(gate_up=dict(scales_ahead=True), down=dict(scales_ahead=True, tiles=4, num_stages=3)),
-    # `stack` (gate/up, with swap): the gate and up columns of a tile as one [2 BN, BM] tile, one dot (wgmma M =
-    # 2 BN) and one wgmma wait a group instead of two (8 a slab, not 16); with scales ahead: 255 registers, 3.23
-    # loop instructions a weight
-    "stack_ahead_dn4": dict(gate_up=dict(stack=True, scales_ahead=True),
-                            down=dict(scales_ahead=True, tiles=4, num_stages=3)),
     # `prescale` (per kernel): weights times their group scale in bf16 before the MMA, one dot chain a slab (no fp32
     # FFMA of each group's product). The scales then feed the dot, so Triton's pipeliner stages them with the words
     # (no plain LDG left in the loop), and registers drop (gate/up 198 -> 119: 3 CTAs an SM at 3 stages, 61 KB;
     # down 127 -> 64: 8 CTAs an SM). bf16 rounding of q * scale, as a bf16 checkpoint's weight has
     "pre": dict(gate_up=dict(prescale=True, num_stages=3, waves=3), down=dict(prescale=True)),
-    "pre_dn4": dict(gate_up=dict(prescale=True, num_stages=3, waves=3),
-                    down=dict(prescale=True, tiles=4, num_stages=3)),
-    # stacked gate/up at BN 32 (wgmma M = 64, 8 waits a slab), prescaled: 107 registers, 43 KB, 4 CTAs an SM
-    "pre_stack32": dict(gate_up=dict(BN=32, stack=True, prescale=True, num_stages=3, waves=4), down=dict(prescale=True)),
-    # BM 8 (mma.sync: no wgmma waits) prescaled: gate/up 96 registers, 45 KB, 5 CTAs an SM; down 62 registers
-    "swap8_pre": dict(BM=8, gate_up=dict(prescale=True, num_stages=3, waves=5), down=dict(prescale=True)),
+    # K-major words (`panels` (1, 1)): a column's slab words contiguous, the order the swapped tiles' shared-memory
+    # copy wants, so the words load by 16-byte cp.async (4-byte before: one copy and its address arithmetic per
+    # word); loop 3.87 -> 3.35 instructions a weight on the default's kernel
+    "k_ahead": dict(panels=(1, 1), gate_up=dict(scales_ahead=True),
+                    down=dict(scales_ahead=True, tiles=4, num_stages=3)),
+    # K-major, prescaled, scales a slab ahead (a prescaled group's scale vector no longer stages by itself there):
+    # gate/up 2.96 instructions a weight, 126 registers, 58 KB (3 CTAs an SM); down 3.82, 91 registers
+    "k_pre_ahead": dict(panels=(1, 1), gate_up=dict(prescale=True, scales_ahead=True, num_stages=3, waves=3),
+                        down=dict(prescale=True, scales_ahead=True, tiles=4, num_stages=3)),
+    # the same with `stack` (gate and up columns as one [2 BN, BM] tile: one dot and one wgmma wait a group, 8 a
+    # slab instead of 16): gate/up 2.72 instructions a weight, 163 registers, 59 KB (3 CTAs an SM)
+    "k_stack_pre": dict(panels=(1, 1), gate_up=dict(stack=True, prescale=True, scales_ahead=True, num_stages=3,
+                                                    waves=3),
+                        down=dict(prescale=True, scales_ahead=True, tiles=4, num_stages=3)),
+    # BM 8 (mma.sync, no wgmma waits), K-major, prescaled: gate/up 2.89 instructions a weight, 118 registers, 42 KB
+    # (4 CTAs an SM); at M = 512 an expert's tokens need two blocks (round 2: 0.75x there)
+    "k_swap8_pre": dict(panels=(1, 1), BM=8, gate_up=dict(prescale=True, scales_ahead=True, num_stages=3, waves=4),
+                        down=dict(prescale=True, scales_ahead=True, tiles=4, num_stages=3)),
     # `pdl` (top level): programmatic dependent launch of the two GEMMs (the down kernel's programs start while the
     # gate/up kernel's last ones run, and ask L2 for their words before waiting for h); with the decode path (no
     # routing pass: the gate/up kernel waits for the memset only before its epilogue) for M <= 16
-    "pdl_pre": dict(pdl=True, gate_up=dict(prescale=True, num_stages=3, waves=3), down=dict(prescale=True)),
-    "decode_pdl_pre": dict(decode=True, pdl=True, gate_up=dict(prescale=True, num_stages=3, waves=3),
-                           down=dict(prescale=True)),
+    "pdl_k_stack_pre": dict(pdl=True, panels=(1, 1),
+                            gate_up=dict(stack=True, prescale=True, scales_ahead=True, num_stages=3, waves=3),
+                            down=dict(prescale=True, scales_ahead=True, tiles=4, num_stages=3)),
+    "decode_pdl_k_stack_pre": dict(decode=True, pdl=True, panels=(1, 1),
+                                   gate_up=dict(stack=True, prescale=True, scales_ahead=True, num_stages=3, waves=3),
+                                   down=dict(prescale=True, scales_ahead=True, tiles=4, num_stages=3)),
 }
 
 

@@ -40,6 +40,8 @@ class TritonExperts:
     padding scales 0). Panel layout (panel P > 0): columns cut into panels of P, each panel's K rows
     contiguous: gate_up [E, 2 IP/P, KD/8, P] (gate panels, then up panels; IP = I rounded up to P), scales
     [E, 2 IP/P, KD/32, P]; down [E, DP/P, KI/8, P], scales [E, DP/P, KI/32, P] (DP = D rounded up to P).
+    P = 1 is the K-major layout: words [E, N, KP/8, 1] (a column's slab words contiguous, as the swapped tiles'
+    shared-memory copy orders them: 16-byte cp.async), scales in the slab layout.
     """
 
     gate_up: torch.Tensor
@@ -189,12 +191,21 @@ def _acc_zeros(BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
 def _tile_cols(pid_n, stride_p, BN: tl.constexpr, PANEL: tl.constexpr, STEP: tl.constexpr = 1):
     """Offsets [BN / STEP] of N tile pid_n's columns (every STEP-th) within a row of words or scales: the columns
     themselves in the slab layout (PANEL 0), else panel (column // PANEL) times the panel stride plus
-    column % PANEL."""
+    column % PANEL (PANEL 1, the K-major layout: the column times the panel stride)."""
     cols = pid_n * BN + tl.arange(0, BN // STEP) * STEP  # [BN / STEP]
-    if PANEL:
+    if PANEL == 1:
+        cols = cols.to(tl.int64) * stride_p
+    elif PANEL:
         c0 = pid_n * BN  # PANEL % BN == 0: the tile lies in one panel
         cols = (c0 // PANEL).to(tl.int64) * stride_p + (c0 % PANEL) + tl.arange(0, BN // STEP) * STEP
     return cols
+
+
+@triton.constexpr_function
+def _scale_panel(PANEL):
+    """The panel width of the scales: the words' (PANEL), but 0 (the slab layout) under K-major words (PANEL 1),
+    so that a group's scales stay contiguous along N (4-byte and wider copies: Triton's pipeliner stages them)."""
+    return PANEL if PANEL > 1 else 0
 
 
 @triton.jit
@@ -203,8 +214,12 @@ def _stacked_cols(pid_n, stride_p, up, BN: tl.constexpr, PANEL: tl.constexpr):
     arithmetic on one arange (a join would give the vector a layout of its own, converted at every use)."""
     j = tl.arange(0, 2 * BN)
     c0 = pid_n * BN  # PANEL % BN == 0: the tile lies in one panel
-    base = (c0 // PANEL).to(tl.int64) * stride_p + c0 % PANEL if PANEL else c0
-    return base + j % BN + (j // BN) * up
+    if PANEL == 1:
+        cols = (c0 + j % BN).to(tl.int64) * stride_p + (j // BN) * up
+    else:
+        base = (c0 // PANEL).to(tl.int64) * stride_p + c0 % PANEL if PANEL else c0
+        cols = base + j % BN + (j // BN) * up
+    return cols
 
 
 @triton.jit
@@ -361,7 +376,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     w_base = w_ptr + e.to(tl.int64) * stride_we
     s_base = s_ptr + e.to(tl.int64) * stride_se
     w_cols = _tile_cols(pid_n, stride_wp, BN, PANEL)  # [BN]
-    s_cols = _tile_cols(pid_n, stride_sp, BN, PANEL)
+    s_cols = _tile_cols(pid_n, stride_sp, BN, _scale_panel(PANEL))
     two_i = 2 * I
     R, C = _orient(rows.to(tl.int64), n, SWAP)  # tile indices: [BM, 1], [1, BN] (SWAP: [1, BM], [BN, 1])
     _, col_mask = _orient(rows, n_mask, SWAP)
@@ -373,7 +388,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
         n2_mask = (pid_n * BN + tl.arange(0, 2 * BN) % BN < I) | EVEN_N  # [2 BN]
         acc_g, acc_u = _gate_up_stacked(x_ptr + token * D, w_base, s_base, pair >= 0, kw, kg,
                                         _stacked_cols(pid_n, stride_wp, up_w, BN, PANEL),
-                                        _stacked_cols(pid_n, stride_sp, up_s, BN, PANEL), n2_mask, first, end, D,
+                                        _stacked_cols(pid_n, stride_sp, up_s, BN, _scale_panel(PANEL)), n2_mask,
+                                        first, end, D,
                                         w_row, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K, LOP3, AHEAD, BM, BN,
                                         PRESCALE)
     else:
@@ -508,20 +524,23 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
     end = tl.minimum(first + n_slabs_per_split, n_slabs)
     if PDL:
         for t in tl.static_range(TILES):
-            lines = w_base + _tile_cols(pid_n * TILES + t, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]
-            _prefetch_slab(lines, first, w_row, 0, False)
+            if PANEL == 1:  # a column's slab: 32 words, one 128-byte line
+                _prefetch_l2(w_base + _tile_cols(pid_n * TILES + t, stride_wp, BN, PANEL) + first * _SLAB_WORDS)
+            else:
+                lines = w_base + _tile_cols(pid_n * TILES + t, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]
+                _prefetch_slab(lines, first, w_row, 0, False)
         tl.extra.cuda.gdc_wait()
     last = pid_n * TILES + TILES - 1  # this program's last N tile
     sc_tile = 0  # ONE_SLAB with AHEAD: the scales [BN, 8] of the tile being computed
     if ONE_SLAB:
         if AHEAD:
-            sc_tile = _tile_scales(s_base, pid_n * TILES, stride_sp, s_row, D, BN, PANEL, EVEN_N)
+            sc_tile = _tile_scales(s_base, pid_n * TILES, stride_sp, s_row, D, BN, _scale_panel(PANEL), EVEN_N)
     for t in range(TILES):  # one after the other: index loads and activations set up once
         tile = pid_n * TILES + t
         n = tile * BN + tl.arange(0, BN)  # [BN] hidden columns
         n_mask = (n < D) | EVEN_N
         w_cols = _tile_cols(tile, stride_wp, BN, PANEL)  # [BN]
-        s_cols = _tile_cols(tile, stride_sp, BN, PANEL)
+        s_cols = _tile_cols(tile, stride_sp, BN, _scale_panel(PANEL))
         T, C = _orient(token, n, SWAP)
         valid_r, col_mask = _orient(valid, n_mask, SWAP)
         acc = _acc_zeros(BM, BN, SWAP)
@@ -529,7 +548,8 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
                                                SWAP)
         if ONE_SLAB:  # no K loop: this loop is the innermost, so its loads are pipelined across tiles
             if AHEAD:
-                sc_next = _tile_scales(s_base, tl.minimum(tile + 1, last), stride_sp, s_row, D, BN, PANEL, EVEN_N)
+                sc_next = _tile_scales(s_base, tl.minimum(tile + 1, last), stride_sp, s_row, D, BN,
+                                       _scale_panel(PANEL), EVEN_N)
             w0, w1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
             acc = _slab_dot(acc, a_ptrs, valid, k, I, w0, w1, s_ptrs, n_mask, s_row, sc_tile, MAGIC, MAGIC_VALUE,
                             WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
@@ -620,10 +640,10 @@ def prepare_moe(gate_up_packed, gate_up_scale, down_packed, down_scale, panels=N
     p_gu, p_dn = panels if panels is not None else layout_for(gate_up_packed.device)
     gate_up, gate_up_s = repack_int4(gate_up_packed, gate_up_scale)
     down, down_s = repack_int4(down_packed, down_scale)
-    if p_gu:
-        gate_up, gate_up_s = to_panels(gate_up, p_gu, 2), to_panels(gate_up_s, p_gu, 2)
+    if p_gu:  # panel 1 (K-major words): the scales keep the slab layout
+        gate_up, gate_up_s = to_panels(gate_up, p_gu, 2), to_panels(gate_up_s, p_gu, 2) if p_gu > 1 else gate_up_s
     if p_dn:
-        down, down_s = to_panels(down, p_dn, 1), to_panels(down_s, p_dn, 1)
+        down, down_s = to_panels(down, p_dn, 1), to_panels(down_s, p_dn, 1) if p_dn > 1 else down_s
     return TritonExperts(gate_up, gate_up_s, down, down_s, hidden=D, intermediate=I, panel_gate_up=p_gu,
                          panel_down=p_dn)
 
@@ -633,9 +653,11 @@ def unprepare_moe(experts):
     D, I = experts.hidden, experts.intermediate
     gate_up, gate_up_s, down, down_s = experts.gate_up, experts.gate_up_scale, experts.down, experts.down_scale
     if experts.panel_gate_up:
-        gate_up, gate_up_s = from_panels(gate_up, 2 * I, 2), from_panels(gate_up_s, 2 * I, 2)
+        gate_up = from_panels(gate_up, 2 * I, 2)
+        gate_up_s = from_panels(gate_up_s, 2 * I, 2) if experts.panel_gate_up > 1 else gate_up_s
     if experts.panel_down:
-        down, down_s = from_panels(down, D, 1), from_panels(down_s, D, 1)
+        down = from_panels(down, D, 1)
+        down_s = from_panels(down_s, D, 1) if experts.panel_down > 1 else down_s
     return (*unpack_int4(gate_up, gate_up_s, D), *unpack_int4(down, down_s, I))
 
 
@@ -679,11 +701,14 @@ def _launch(kernel_cfg, pdl):
 def _layout(words, scales, panel, BN, up=0):
     """Layout arguments of a GEMM kernel: row strides w_row / s_row, panel strides stride_wp / stride_sp,
     PANEL, and with `up` (the intermediate size, gate/up only) the offsets up_w / up_s of the up columns."""
-    if panel and panel % BN:
+    if panel > 1 and panel % BN:
         raise ValueError(f"moe (triton): BN {BN} must divide the layout's panel width {panel}")
     if not panel:
         args = dict(w_row=words.stride(1), s_row=scales.stride(1), stride_wp=0, stride_sp=0, PANEL=0)
         return {**args, **(dict(up_w=up, up_s=up) if up else {})}
+    if panel == 1:  # K-major words [E, N, KP/8], scales in the slab layout
+        args = dict(w_row=1, s_row=scales.stride(1), stride_wp=words.stride(1), stride_sp=0, PANEL=1)
+        return {**args, **(dict(up_w=up * words.stride(1), up_s=up) if up else {})}
     args = dict(w_row=panel, s_row=panel, stride_wp=words.stride(1), stride_sp=scales.stride(1), PANEL=panel)
     first_up = triton.cdiv(up, panel)  # the first up panel: gate panels are padded to whole panels
     return {**args, **(dict(up_w=first_up * words.stride(1), up_s=first_up * scales.stride(1)) if up else {})}
@@ -724,6 +749,8 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
         raise ValueError(f"moe (triton): config for panels {cfg['panels']}, experts laid out with "
                          f"{(experts.panel_gate_up, experts.panel_down)}")
     BM, decode = cfg["BM"], cfg.get("decode", False)
+    if 1 in (experts.panel_gate_up, experts.panel_down) and (cfg["gate_up"].get("prefetch") or cfg["down"].get("prefetch")):
+        raise ValueError("moe (triton): L2 prefetch does not support K-major words (panel 1)")
     nb_max = P if decode else triton.cdiv(P, BM) + min(E, P)
     capacity = nb_max * BM
     sms = _sm_count(x.device)
