@@ -343,7 +343,7 @@ def run_shape(shape, bw, gen, deadline, sweep, out_rows, save):
     return rows
 
 
-def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None, breakdown=()):
+def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None, breakdown=(), ms=MS):
     """The measured default against moe_configs.VARIANTS (or those in `names`) at one shape, per M: each config
     checked against the fp32 reference on experts prepared in its layout, timed cold under a CUDA graph on
     random layers in that layout; keeps the fastest correct one per M (`best`). For the configs named in
@@ -368,7 +368,7 @@ def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None,
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}; moe_configs.VARIANTS has {list(VARIANTS)}")
     chosen = [n for n in VARIANTS if names is None or n in names]
-    for M in MS:
+    for M in ms:
         calls = routings(M, E, CALLS, gen)
         touched = sum(ids.unique().numel() for _, ids, _ in calls) / len(calls)
         nbytes = touched * expert_bytes(D, I)
@@ -408,7 +408,7 @@ def variants_markdown(meta, rows):
              f"{shape} shape, cold L2, CUDA graph; HBM read {meta['hbm_read_gbs']:.0f} GB/s measured in this run. "
              "Cells: us (% of HBM read); '-' not run, 'x' failed or wrong.", "",
              "| M | experts | " + " | ".join(names) + " | best |", "|---|---|" + "---|" * len(names) + "---|"]
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r["M"]):
         cells = []
         for n in names:
             v = r["variants"].get(n)
@@ -447,6 +447,7 @@ def main():
     parser.add_argument("--names", help="with --variants: comma-separated VARIANTS to time (default: all; "
                                         "'none': the default alone)")
     parser.add_argument("--shape", default="tp8", choices=list(SHAPES), help="with --variants: the shape")
+    parser.add_argument("--ms", help="with --variants: comma-separated M, in the order to time them (default: all)")
     parser.add_argument("--ep8-seconds", type=float, default=0.0,
                         help="with --variants: then time the default at the EP8 shape for up to this long")
     parser.add_argument("--ep8-names", default="", help="with --ep8-seconds: VARIANTS timed beside that default")
@@ -480,7 +481,7 @@ def main():
     if args.variants:
         names = None if not args.names else [] if args.names == "none" else args.names.split(",")
         compare_variants(bw, gen, start + args.budget - 10, rows, save, shape=args.shape, names=names,
-                         breakdown=args.breakdown.split(","))
+                         breakdown=args.breakdown.split(","), ms=[int(m) for m in args.ms.split(",")] if args.ms else MS)
         with open(os.path.join(args.out, f"moe_variants_{args.shape}.md"), "w") as f:
             f.write(variants_markdown(meta, rows))
         print(variants_markdown(meta, rows), flush=True)

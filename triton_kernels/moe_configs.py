@@ -32,7 +32,7 @@ CONFIGS = {
 
 
 # Weight layout per architecture, chosen once at load by prepare_moe: (gate/up panel, down panel) widths, 0 for the
-# slab layout (README.md). A config runs on a panel layout when its BN divides the panel width.
+# slab layout, 1 for K-major words (README.md). A config runs on a panel layout when its BN divides the panel width.
 LAYOUTS = {"sm_90": (0, 0), "sm_120": (0, 0)}
 
 
@@ -44,7 +44,8 @@ LAYOUTS = {"sm_90": (0, 0), "sm_120": (0, 0)}
 # triton_kernels/README.md; `python bench/bench_moe.py --variants` times the variants (TP8 shape).
 VARIANTS = {
     # `tiles` (down): N tiles a program computes one after the other, so the index loads, pointers and activations
-    # of a block are set up once per `tiles` tiles (+1-3% at M >= 16 on the unswapped entries, H200 02:52 UTC)
+    # of a block are set up once per `tiles` tiles (+1-3% at M >= 16 on the unswapped entries, H200 02:52 UTC;
+    # where down's K is one slab the tile loop is now pipelined, see round 3 below)
     "dn_tiles2": dict(down=dict(tiles=2)),
     # `prefetch` (distance in slabs): ask L2 for slab + prefetch's words (one PTX prefetch per 128-byte line) while
     # slab is dequantised (0-7% slower on the unswapped entries, kept for the compile test of inline PTX)
