@@ -93,9 +93,10 @@ VARIANTS = {
     # (4 CTAs an SM); at M = 512 an expert's tokens need two blocks (round 2: 0.75x there)
     "k_swap8_pre": dict(panels=(1, 1), BM=8, gate_up=dict(prescale=True, scales_ahead=True, num_stages=3, waves=4),
                         down=dict(prescale=True, scales_ahead=True, tiles=4, num_stages=3)),
-    # `pdl` (top level): programmatic dependent launch of the two GEMMs (the down kernel's programs start while the
-    # gate/up kernel's last ones run, and ask L2 for their words before waiting for h); with the decode path (no
-    # routing pass: the gate/up kernel waits for the memset only before its epilogue) for M <= 16
+    # `pdl` (top level): programmatic dependent launch of the two GEMMs and of the cast to x's dtype (the down
+    # kernel's programs start while the gate/up kernel's last ones run, and ask L2 for their words before waiting
+    # for h; the cast starts while down runs); with the decode path (no routing pass: the gate/up kernel waits for
+    # the memset only before its epilogue) for M <= 16
     "pdl_k_stack_pre": dict(pdl=True, panels=(1, 1),
                             gate_up=dict(stack=True, prescale=True, scales_ahead=True, num_stages=3, waves=3),
                             down=dict(prescale=True, scales_ahead=True, tiles=4, num_stages=3)),

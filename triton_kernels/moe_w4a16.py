@@ -1,12 +1,13 @@
 """Triton W4A16 grouped MoE: INT4 group-32 routed experts, bf16/fp16 activations (layout in README.md).
 
-Three launches per `moe` call, no host synchronisation:
+Three launches per `moe` call and a cast, no host synchronisation:
 1. `_route_kernel`: program 0 groups the (token, slot) pairs by expert into blocks of BM rows, padded per expert;
    the other programs zero the fp32 output and the split-K arrival counters.
 2. `_gate_up_kernel`: per (block, N tile, K split) gate and up partial GEMMs; the last split to arrive sums the
    partials and writes h = silu(gate) * up for its tile.
 3. `_down_kernel`: per (block, N tile, K split) h @ W_down^T, scaled by the top-k weight and atomically added
-   into the token's fp32 output row (the reduction over k).
+   into the token's fp32 output row (the reduction over k); then the cast to x's dtype (`_cast_kernel` with
+   programmatic dependent launch, else torch's).
 With a `decode` config, 1 is a memset and block b of the GEMMs holds pair b alone (see moe_configs.VARIANTS).
 """
 
@@ -530,6 +531,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
                 lines = w_base + _tile_cols(pid_n * TILES + t, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]
                 _prefetch_slab(lines, first, w_row, 0, False)
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the cast to x's dtype may launch (it waits for this kernel)
     last = pid_n * TILES + TILES - 1  # this program's last N tile
     sc_tile = 0  # ONE_SLAB with AHEAD: the scales [BN, 8] of the tile being computed
     if ONE_SLAB:
@@ -563,6 +565,16 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
         # atomic (MEMBAR.ALL.GPU + L1 invalidation on sm_90)
         W, _ = _orient(weight, n, SWAP)
         tl.atomic_add(out_ptr + T * D + C, acc * W, mask=valid_r & col_mask, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["n"])
+def _cast_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """dst[i] = src[i] in dst's dtype for i < n (the fp32 output to x's dtype); PDL: launched while the down
+    kernel runs, it waits for it first."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    tl.store(dst_ptr + i, tl.load(src_ptr + i, mask=i < n).to(dst_ptr.dtype.element_ty), mask=i < n)
 
 
 # ----------------------------------------------------------------------------------------------- repack
@@ -773,7 +785,7 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
 
     dev = x.device
     ptx = dev.type == "cuda"  # inline PTX (lop3) compiles; the interpreter runs the plain forms
-    pdl = ptx and cfg.get("pdl", False)  # programmatic dependent launch of the two GEMMs (CUDA only)
+    pdl = ptx and cfg.get("pdl", False)  # programmatic dependent launch of the GEMMs and the cast (CUDA only)
     n_counters = nb_max * gu_tiles if gu_split > 1 else 0
     if decode:  # one block per pair: a memset instead of the routing pass
         scratch = torch.zeros(M * D + n_counters, dtype=torch.float32, device=dev)
@@ -800,7 +812,11 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
         D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0), **dn_layout,
         TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_flags(d, D, ptx), DECODE=decode, TILES=dn_per_cta,
         ONE_SLAB=dn_slabs == 1 and dn_per_cta > 1, PDL=pdl, **_launch(d, pdl), **magic)
-    return out.to(x.dtype)
+    if not pdl:
+        return out.to(x.dtype)
+    cast = torch.empty((M, D), dtype=x.dtype, device=dev)
+    _cast_kernel[(triton.cdiv(M * D, 2048),)](out, cast, M * D, BLOCK=2048, PDL=True, launch_pdl=True)
+    return cast
 
 
 def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
