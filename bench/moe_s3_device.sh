@@ -9,7 +9,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 timeout $(( ${1:-125} + ${2:-30} + 20 )) python bench/bench_moe.py --out "$OUT" --variants --budget "${1:-125}" --ms 1,16,256,4,64,512,8,128,2,32 \
   --ep8-seconds "${2:-30}" --ep8-names k_stack_pre --breakdown default,k_stack_pre,decode_pdl_k_stack_pre \
-  --names ahead_dn4,pre,k_ahead,k_pre_ahead,k_stack_pre,k_swap8_pre,pdl_k_stack_pre,decode_pdl_k_stack_pre \
+  --names ahead_dn4,k_ahead,k_pre_ahead,k_stack_pre,k_swap8_pre,pdl_k_stack_pre,decode_pdl_k_stack_pre \
   2>&1 | grep -v -i warn | tail -40
 timeout "${3:-35}" python -m pytest -q -n 8 -p no:cacheprovider tests/test_moe_kernel.py >"$OUT/moe_gpu_tests.log" 2>&1
 echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/moe_gpu_tests.log" | tail -8
