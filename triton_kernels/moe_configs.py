@@ -96,13 +96,14 @@ VARIANTS = {
     # `pdl` (top level): programmatic dependent launch of the two GEMMs and of the cast to x's dtype (the down
     # kernel's programs start while the gate/up kernel's last ones run, and ask L2 for their words before waiting
     # for h; the cast starts while down runs); with the decode path (no routing pass: the gate/up kernel waits for
-    # the memset only before its epilogue) for M <= 16
+    # the memset only before its epilogue) and 2 down tiles a program (twice the programs at M = 1: 8 blocks of
+    # 112 tiles) for M <= 16
     "pdl_k_stack_pre": dict(pdl=True, panels=(1, 1),
                             gate_up=dict(stack=True, prescale=True, scales_ahead=True, num_stages=3, waves=3),
                             down=dict(prescale=True, scales_ahead=True, tiles=4, num_stages=3)),
     "decode_pdl_k_stack_pre": dict(decode=True, pdl=True, panels=(1, 1),
                                    gate_up=dict(stack=True, prescale=True, scales_ahead=True, num_stages=3, waves=3),
-                                   down=dict(prescale=True, scales_ahead=True, tiles=4, num_stages=3)),
+                                   down=dict(prescale=True, scales_ahead=True, tiles=2, num_stages=3)),
 }
 
 
