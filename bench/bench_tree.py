@@ -6,8 +6,8 @@ Triton tree builds against the torch build on tie-heavy random trees, times each
 (eager and as one CUDA graph replay) for budgets 8..512 at blocks 8 and 16 (--quick: 8, 64, 512), times the host
 path (GPU top-k, copy, heapq, Python walk, per-layer index_select compaction over 61 layers), with --sweep also
 times config variants of top-k, build and greedy accept at block 8, budgets SWEEP_BUDGETS (each checked against
-the reference), and writes tree.json + tree.md. As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU only; host timer
-around a synchronised graph replay).
+the reference), and writes tree.json + tree.md. As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU
+only; host timer around a synchronised graph replay).
 """
 
 import argparse
@@ -56,6 +56,7 @@ class Case:
         self.hidden = torch.randn(1, budget + 1, FEATURES, generator=g, device=DEVICE).bfloat16()
         self.starts = torch.tensor([START], dtype=torch.int32, device=DEVICE)
         self.seeds = torch.tensor([1234], device=DEVICE)
+        self.step0 = torch.zeros(1, dtype=torch.int64, device=DEVICE)  # a tensor, as in the engine's graphs: no fill
         with ops.using(**BACKEND):
             lp, tok = ops.draft_topk(self.draft_logits, self.K)
             tree = ops.build_tree(lp, tok, self.root, budget)
@@ -68,7 +69,8 @@ class Case:
     def step(self, temperature=0.0):
         lp, tok = ops.draft_topk(self.draft_logits, self.K)
         tree = ops.build_tree(lp, tok, self.root, self.budget)
-        path, path_len, next_token = ops.accept(tree, self.target_logits, temperature, seeds=self.seeds, step=0)
+        path, path_len, next_token = ops.accept(tree, self.target_logits, temperature, seeds=self.seeds,
+                                                step=self.step0)
         return ops.compact(self.kv, self.starts, path, path_len, self.hidden), path_len, next_token
 
     def host_step(self):
@@ -205,12 +207,13 @@ def measure(case, read_GBps, sweeps):
     with ops.using(**BACKEND):
         lp, tok = ops.draft_topk(case.draft_logits, case.K)
         tree = ops.build_tree(lp, tok, case.root, case.budget)
-        path, path_len, _ = ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds, step=0)
+        path, path_len, _ = ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds, step=case.step0)
         r["topk_graph_us"] = graph_us(lambda: ops.draft_topk(case.draft_logits, case.K))
         r["torch_topk_us"] = 1e3 * bench_ms(lambda: torch.log_softmax(case.draft_logits.float(), -1).topk(case.K))
         r["build_graph_us"] = graph_us(lambda: ops.build_tree(lp, tok, case.root, case.budget))
-        r["accept_greedy_graph_us"] = graph_us(lambda: ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds))
-        r["accept_T1_graph_us"] = graph_us(lambda: ops.accept(tree, case.target_logits, 1.0, seeds=case.seeds))
+        for name, temp in (("greedy", 0.0), ("T1", 1.0)):
+            r[f"accept_{name}_graph_us"] = graph_us(
+                lambda: ops.accept(tree, case.target_logits, temp, seeds=case.seeds, step=case.step0))
         r["compact_graph_us"] = graph_us(lambda: ops.compact(case.kv, case.starts, path, path_len, case.hidden))
         r["step_eager_us"] = 1e3 * bench_ms(case.step)
         r["step_kernels"] = launches(case.step)
@@ -223,8 +226,9 @@ def measure(case, read_GBps, sweeps):
             r["build_sweep"] = sweep(lambda: [getattr(ops.build_tree(lp, tok, case.root, case.budget), f)
                                               for f in fields], ref_tree, BUILD_SWEEP)
             ref_acc = accept_torch(tree, case.target_logits, 0.0, None, case.seeds, torch.zeros_like(case.seeds))
-            r["accept_greedy_sweep"] = sweep(lambda: ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds),
-                                             ref_acc, ACCEPT_SWEEP)
+            r["accept_greedy_sweep"] = sweep(
+                lambda: ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds, step=case.step0), ref_acc,
+                ACCEPT_SWEEP)
         for name, temp in (("greedy", 0.0), ("T1", 1.0)):
             r[f"step_graph_{name}_us"] = graph_us(lambda: case.step(temp))
     logit_bytes = case.target_logits.numel() * 2
@@ -242,7 +246,8 @@ def measure(case, read_GBps, sweeps):
 
 
 def table(rows):
-    cols = ["budget", "block", "topk_graph_us", "build_graph_us", "accept_greedy_graph_us", "accept_T1_graph_us", "compact_graph_us", "step_launches", "step_eager_us",
+    cols = ["budget", "block", "topk_graph_us", "build_graph_us", "accept_greedy_graph_us", "accept_T1_graph_us",
+            "compact_graph_us", "step_launches", "step_eager_us",
             "step_graph_greedy_us", "step_graph_T1_us", "host_us", "speedup_vs_host"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:

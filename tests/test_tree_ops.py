@@ -318,15 +318,15 @@ from triton_kernels import ddtree as dd
 arch = int(sys.argv[1])
 cfg = dd.CONFIGS[arch]
 P, I, L = "*fp32", "*i32", "*i64"
+TOPK_SIG = dict(x_ptr="*bf16", cval_ptr=I, cid_ptr=I, pmax_ptr=P, psum_ptr=P, pthr_ptr=I, count_ptr=I, lp_ptr=P,
+                tok_ptr=L, V="i32", K="i32", CHUNKS="i32")
 cases = [
-    (dd._topk_kernel, dict(x_ptr="*bf16", cval_ptr=I, cid_ptr=I, pmax_ptr=P, psum_ptr=P, pthr_ptr=I, count_ptr=I, lp_ptr=P, tok_ptr=L,
-     V="i32", K="i32", CHUNKS="i32"), dict(BITS=16, CHUNK=16384, TILE=4096, MP=8192, MT=4096, KP=512,
-     CP=16), 16),
-    (dd._topk_kernel, dict(x_ptr="*bf16", cval_ptr=I, cid_ptr=I, pmax_ptr=P, psum_ptr=P, pthr_ptr=I, count_ptr=I, lp_ptr=P, tok_ptr=L,
-     V="i32", K="i32", CHUNKS="i32"), dict(BITS=16, CHUNK=cfg["topk_chunk"], TILE=cfg["topk_chunk"], MP=4096,
-     MT=4096, KP=64, CP=64), cfg["topk_warps"]),
+    (dd._topk_kernel, TOPK_SIG, dict(BITS=16, CHUNK=16384, TILE=4096, MP=8192, MT=4096, KP=512, CP=16), 16),
+    (dd._topk_kernel, TOPK_SIG, dict(BITS=16, CHUNK=cfg["topk_chunk"], TILE=cfg["topk_chunk"], MP=4096, MT=4096,
+     KP=64, CP=64), cfg["topk_warps"]),
     (dd._tree_build_kernel, dict(lp_ptr=P, tok_ptr=L, root_ptr=L, o_tok=L, o_par=I, o_dep=I, o_fc=I, o_ns=I, o_mask=I,
-     o_num=I, N="i32", K="i32", KS="i32", L="i32", W="i32"), dict(NP=512, NP1=1024, WP=32, ROWS=64), cfg["build_warps"]),
+     o_num=I, N="i32", K="i32", KS="i32", L="i32", W="i32"), dict(NP=512, NP1=1024, WP=32, ROWS=64),
+     cfg["build_warps"]),
     (dd._tree_levels_kernel, dict(lp_ptr=P, tok_ptr=L, root_ptr=L, o_tok=L, o_par=I, o_dep=I, o_fc=I, o_ns=I,
      o_mask=I, o_num=I, s_int=I, s_flt=P, N="i32", K="i32", KS="i32", L="i32", W="i32"),
      dict(NP=512, NP1=1024, WP=32, ROWS=64, LOG=9), cfg["levels_warps"]),

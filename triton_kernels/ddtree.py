@@ -553,10 +553,11 @@ def draft_topk(logits, k):
     lp = torch.empty(B, L, k, dtype=torch.float32, device=dev)
     tokens = torch.empty(B, L, k, dtype=torch.int64, device=dev)
     warps = min(16, max(cfg["topk_warps"], max(chunk, mp) // 1024))
-    _topk_kernel[(rows, chunks)](x, cval, cid, pmax, psum, pthr, arrival_counters("ddtree_topk", dev, rows), lp, tokens, V, k,
-                                 chunks, BITS=_value_bits(x.dtype), CHUNK=chunk, TILE=min(chunk, SEL_TILE), MP=mp,
-                                 MT=min(mp, SEL_TILE), KP=kp,
-                                 CP=triton.next_power_of_2(max(chunks, 2)), num_warps=warps)
+    counters = arrival_counters("ddtree_topk", dev, rows)
+    _topk_kernel[(rows, chunks)](x, cval, cid, pmax, psum, pthr, counters, lp, tokens, V, k, chunks,
+                                 BITS=_value_bits(x.dtype), CHUNK=chunk, TILE=min(chunk, SEL_TILE), MP=mp,
+                                 MT=min(mp, SEL_TILE), KP=kp, CP=triton.next_power_of_2(max(chunks, 2)),
+                                 num_warps=warps)
     return lp, tokens
 
 
