@@ -178,12 +178,17 @@ def launches(fn):
     return [e.name[:60] for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.device_type == cuda]
 
 
-TOPK_SWEEP = {f"chunk{c}_w{w}": dict(topk_chunk=c, topk_warps=w) for c, w in ((2048, 4), (4096, 4), (4096, 8),
+TOPK_SWEEP = {f"chunk{c}_w{w}": dict(topk=((dd.MAX_BUDGET, c, w),)) for c, w in ((2048, 4), (4096, 4), (4096, 8),
                                                                             (8192, 4))}
 ACCEPT_SWEEP = {f"block{b}_p{p}": dict(block_v=b, programs=p) for b in (2048, 4096) for p in (528, 1056)}
 BUILD_SWEEP = {"heap_w1": dict(levels_from=dd.MAX_BUDGET + 1, build_warps=1),
                **{f"levels_w{w}": dict(levels_from=1, levels_warps=w) for w in (1, 2, 4, 8)}}
 SWEEP_BUDGETS = (8, 32, 64, 128, 512)
+
+
+def tree_fields(tree):
+    return [getattr(tree, f) for f in ("tokens", "parents", "depths", "mask", "first_child", "next_sibling",
+                                       "num_nodes")]
 
 
 def sweep(fn, ref, overrides):
@@ -223,8 +228,8 @@ def measure(case, read_GBps, sweeps):
             r["topk_sweep"] = sweep(lambda: ops.draft_topk(case.draft_logits, case.K)[1:], ref_topk, TOPK_SWEEP)
             fields = ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "num_nodes")
             ref_tree = build_tree_torch(lp, tok, case.root, case.budget)
-            r["build_sweep"] = sweep(lambda: [getattr(ops.build_tree(lp, tok, case.root, case.budget), f)
-                                              for f in fields], ref_tree, BUILD_SWEEP)
+            r["build_sweep"] = sweep(lambda: tree_fields(ops.build_tree(lp, tok, case.root, case.budget)), ref_tree,
+                                     BUILD_SWEEP)
             ref_acc = accept_torch(tree, case.target_logits, 0.0, None, case.seeds, torch.zeros_like(case.seeds))
             r["accept_greedy_sweep"] = sweep(
                 lambda: ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds, step=case.step0), ref_acc,

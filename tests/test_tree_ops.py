@@ -162,7 +162,7 @@ def test_draft_topk_triton_tiles(k, chunk, tile, merge, monkeypatch):
     from triton_kernels import ddtree as dd
 
     for cfg in dd.CONFIGS.values():
-        monkeypatch.setitem(cfg, "topk_chunk", chunk)
+        monkeypatch.setitem(cfg, "topk", ((dd.MAX_BUDGET, chunk, 4),))
     monkeypatch.setattr(dd, "SEL_TILE", tile)
     monkeypatch.setattr(dd, "MAX_MERGE", merge)
     V = 1000 if k == 1000 else 3000
@@ -314,6 +314,7 @@ def test_bad_inputs():
 SM_CHECK = """
 import json, sys
 from triton_kernels.aot import compile_for
+import triton
 from triton_kernels import ddtree as dd
 arch = int(sys.argv[1])
 cfg = dd.CONFIGS[arch]
@@ -322,18 +323,19 @@ TOPK_SIG = dict(x_ptr="*bf16", cval_ptr=I, cid_ptr=I, pmax_ptr=P, psum_ptr=P, pt
                 tok_ptr=L, V="i32", K="i32", CHUNKS="i32")
 cases = [
     (dd._topk_kernel, TOPK_SIG, dict(BITS=16, CHUNK=16384, TILE=4096, MP=8192, MT=4096, KP=512, CP=16), 16),
-    (dd._topk_kernel, TOPK_SIG, dict(BITS=16, CHUNK=cfg["topk_chunk"], TILE=cfg["topk_chunk"], MP=4096, MT=4096,
-     KP=64, CP=64), cfg["topk_warps"]),
+    *[(dd._topk_kernel, TOPK_SIG, dict(BITS=16, CHUNK=chunk, TILE=min(chunk, dd.SEL_TILE), MP=8192,
+       MT=min(8192, dd.SEL_TILE), KP=triton.next_power_of_2(k), CP=128), warps) for k, chunk, warps in cfg["topk"]],
     (dd._tree_build_kernel, dict(lp_ptr=P, tok_ptr=L, root_ptr=L, o_tok=L, o_par=I, o_dep=I, o_fc=I, o_ns=I, o_mask=I,
      o_num=I, N="i32", K="i32", KS="i32", L="i32", W="i32"), dict(NP=512, NP1=1024, WP=32, ROWS=64),
      cfg["build_warps"]),
     (dd._tree_levels_kernel, dict(lp_ptr=P, tok_ptr=L, root_ptr=L, o_tok=L, o_par=I, o_dep=I, o_fc=I, o_ns=I,
      o_mask=I, o_num=I, s_int=I, s_flt=P, N="i32", K="i32", KS="i32", L="i32", W="i32"),
      dict(NP=512, NP1=1024, WP=32, ROWS=64, LOG=9), cfg["levels_warps"]),
-    (dd._accept_kernel, dict(x_ptr="*bf16", num_ptr=I, seed_ptr=L, step_ptr=L, floor_ptr=P, pval_ptr=P, pidx_ptr=I,
-     count_ptr=I, tok_ptr=L, par_ptr=I, path_ptr=I, len_ptr=I, next_ptr=L, V="i32", N1="i32", L="i32", CHUNK="i32",
-     SPLIT="i32", inv_t="fp32"), dict(GREEDY=False, HAS_FLOOR=True, BLOCK=cfg["block_v"], NP1=1024, SP=4),
-     cfg["warps_v"]),
+    (dd._sample_kernel, dict(x_ptr="*bf16", num_ptr=I, seed_ptr=L, step_ptr=L, floor_ptr=P, pval_ptr=P, pidx_ptr=I,
+     V="i32", N1="i32", CHUNK="i32", SPLIT="i32", inv_t="fp32"), dict(GREEDY=False, HAS_FLOOR=True,
+     BLOCK=cfg["block_v"]), cfg["warps_v"]),
+    (dd._walk_kernel, dict(pval_ptr=P, pidx_ptr=I, tok_ptr=L, par_ptr=I, path_ptr=I, len_ptr=I, next_ptr=L, N1="i32",
+     L="i32", SPLIT="i32"), dict(NP1=1024, SP=4), 4),
     (dd._compact_kernel, dict(kv_ptr="*bf16", starts_ptr=I, path_ptr=I, len_ptr=I, hid_ptr="*bf16", out_ptr="*bf16",
      layers="i32", L1="i32", D="i32", F="i32", s_layer="i64", s_b="i64", s_pos="i64", h_b="i64", h_n="i64"),
      dict(LP=16, BD=1024, BF=256), 8),
@@ -341,7 +343,7 @@ cases = [
 report = {}
 for fn, sig, const, warps in cases:
     res = compile_for(fn, sig, const, arch=arch, num_warps=warps, num_stages=1)
-    report[fn.fn.__name__ + str(const.get("CHUNK", ""))] = [res.shared, res.registers, res.spill_bytes]
+    report[f"{fn.fn.__name__}{const.get('CHUNK', '')}_{const.get('KP', '')}"] = [res.shared, res.registers, res.spill_bytes]
 print(json.dumps(report))
 """
 

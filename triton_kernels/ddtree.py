@@ -17,14 +17,15 @@ MAX_CHUNK = 16384  # and this many lanes a chunk (in registers at 16 warps; the 
 SEL_TILE = 4096  # lanes one selection scan covers (it packs two counts into 15-bit fields)
 MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few row blocks, few dependent loads
 
-# Configs as data per arch (compute capability major*10+minor): top-k chunk (lanes a program selects from, one
-# load) and its least warps; BLOCK over the vocabulary, warps and target program count of the split sampling pass;
-# warps of the one-program-per-tree heap build (its heap lives in registers: one warp keeps every reduction inside
-# shuffles), the budget from which the depth-synchronous build replaces the heap loop, and that build's warps.
+# Configs as data per arch (compute capability major*10+minor): top-k (K up to, chunk: lanes a program selects
+# from in one load, least warps) rows, the last also for larger K; BLOCK over the vocabulary, warps and target program count of the sampling
+# pass; warps of the one-program-per-tree heap build (its heap lives in registers: one warp keeps every reduction
+# inside shuffles), the budget from which the depth-synchronous build replaces the heap loop, and that build's
+# warps. sm_90 top-k rows and levels_from 8: measured on the H200 (bench/results/tree_h200.md, 2026-11-30 05:36).
 CONFIGS = {
-    90: dict(topk_chunk=4096, topk_warps=4, block_v=4096, warps_v=8, programs=528, build_warps=1, levels_from=64,
-             levels_warps=8),
-    120: dict(topk_chunk=4096, topk_warps=4, block_v=1024, warps_v=4, programs=752, build_warps=1, levels_from=64,
+    90: dict(topk=((16, 2048, 4), (MAX_BUDGET, 4096, 8)), block_v=2048, warps_v=8, programs=1056, build_warps=1,
+             levels_from=8, levels_warps=8),
+    120: dict(topk=((MAX_BUDGET, 4096, 4),), block_v=1024, warps_v=4, programs=752, build_warps=1, levels_from=64,
               levels_warps=2),
 }
 
@@ -402,45 +403,12 @@ def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_
     _ancestor_mask(o_par, o_mask, base, N + 1, L, W, WP, ROWS)
 
 
-# ---- accept: per-node sampling over vocabulary splits; a tree's last split to arrive reduces and walks ----
+# ---- accept: per-node sampling over vocabulary splits, then one program per tree reduces and walks ----
 
-@triton.jit
-def _walk(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, b, N1, L, SPLIT,
-          NP1: tl.constexpr, SP: tl.constexpr):
-    """Tree b: each node's sample from its splits' (max key, lowest id), then the walk from the root."""
-    nodes = tl.arange(0, NP1)  # [NP1]
-    cs = tl.arange(0, SP)  # [SP]
-    part = (b * N1 + nodes) * SPLIT
-    ok = (nodes < N1)[:, None] & (cs < SPLIT)[None, :]
-    v = tl.load(pval_ptr + part[:, None] + cs[None, :], mask=ok, other=float("-inf"),
-                cache_modifier=".cg")  # [NP1, SP] in one load, at L2 (other programs wrote it)
-    m = tl.max(v, 1)
-    first = tl.min(tl.where(v == m[:, None], cs[None, :], SP), 1)  # the earlier split (lower token ids) wins ties
-    sampled = tl.load(pidx_ptr + part + first, mask=nodes < N1, other=0, cache_modifier=".cg")  # [NP1]
-    toks = tl.load(tok_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
-    pars = tl.load(par_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
-    path_b = path_ptr + b * (L + 1)
-    tl.store(path_b, 0)
-    cur = tl.zeros([], tl.int32)
-    walking = tl.full([], 1, tl.int32)
-    length = tl.full([], 1, tl.int32)
-    for d in range(1, L + 1):
-        t = tl.sum(tl.where(nodes == cur, sampled, 0), 0)
-        child = tl.min(tl.where((pars == cur) & (toks == t), nodes, NP1), 0)
-        walking = walking & (child < NP1).to(tl.int32)
-        tl.store(path_b + d, tl.where(walking != 0, child, -1))
-        cur = tl.where(walking != 0, child, cur)
-        length += walking
-    tl.store(len_ptr + b, length)
-    tl.store(next_ptr + b, tl.sum(tl.where(nodes == cur, sampled, 0), 0).to(tl.int64))
-
-
-@triton.jit(do_not_specialize=["V", "N1", "L", "CHUNK", "SPLIT", "inv_t"])
-def _accept_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx_ptr, count_ptr, tok_ptr, par_ptr,
-                   path_ptr, len_ptr, next_ptr, V, N1, L, CHUNK, SPLIT, inv_t, GREEDY: tl.constexpr,
-                   HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr, NP1: tl.constexpr, SP: tl.constexpr):
-    """Program (row = b * (N+1) + node, c): the best key of split c, kept per lane and reduced once."""
-    row = tl.program_id(0)
+@triton.jit(do_not_specialize=["V", "N1", "CHUNK", "SPLIT", "inv_t"])
+def _sample_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx_ptr, V, N1, CHUNK, SPLIT, inv_t,
+                   GREEDY: tl.constexpr, HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)  # b * (N+1) + node
     c = tl.program_id(1)
     b = row // N1
     node = row - b * N1
@@ -457,8 +425,8 @@ def _accept_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx
         floor = tl.load(floor_ptr + row)
     x_row = x_ptr + row.to(tl.int64) * V
     start = c * CHUNK
-    best = tl.full([BLOCK], float("-inf"), tl.float32)  # [BLOCK] per lane: its best key so far
-    best_idx = start + tl.arange(0, BLOCK)  # and its token (the first on ties: later ones must be larger)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_idx = start
     for off in range(start, start + CHUNK, BLOCK):
         offs = off + tl.arange(0, BLOCK)  # [BLOCK]
         ok = offs < limit
@@ -470,16 +438,43 @@ def _accept_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx
             h = _mix32(_mix32(key ^ offs.to(tl.uint32)) ^ 0x85A308D3)
             u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
             k = tl.where(ok & (xs >= floor), xs - tl.log(-tl.log(u)), float("-inf"))
-        take = k > best
-        best = tl.where(take, k, best)
-        best_idx = tl.where(take, offs, best_idx)
-    m = tl.max(best, 0)
-    tl.store(pval_ptr + row * SPLIT + c, m)
-    tl.store(pidx_ptr + row * SPLIT + c, tl.min(tl.where(best == m, best_idx, 2147483647), 0))
-    tl.debug_barrier()  # the split's result is stored before the arrival is counted
-    if tl.atomic_add(count_ptr + b, 1, sem="acq_rel") == N1 * SPLIT - 1:
-        _walk(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, b, N1, L, SPLIT, NP1, SP)
-        tl.atomic_xchg(count_ptr + b, 0)
+        m = tl.max(k, 0)
+        i = tl.min(tl.where(k == m, offs, 2147483647), 0)
+        take = m > best
+        best = tl.where(take, m, best)
+        best_idx = tl.where(take, i, best_idx)
+    tl.store(pval_ptr + row * SPLIT + c, best)
+    tl.store(pidx_ptr + row * SPLIT + c, best_idx)
+
+
+@triton.jit(do_not_specialize=["N1", "L", "SPLIT"])
+def _walk_kernel(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, N1, L, SPLIT,
+                 NP1: tl.constexpr, SP: tl.constexpr):
+    b = tl.program_id(0)
+    nodes = tl.arange(0, NP1)  # [NP1]
+    cs = tl.arange(0, SP)  # [SP]
+    part = (b * N1 + nodes) * SPLIT
+    ok = (nodes < N1)[:, None] & (cs < SPLIT)[None, :]
+    v = tl.load(pval_ptr + part[:, None] + cs[None, :], mask=ok, other=float("-inf"))  # [NP1, SP] in one load
+    m = tl.max(v, 1)
+    first = tl.min(tl.where(v == m[:, None], cs[None, :], SP), 1)  # the earlier split (lower token ids) wins ties
+    sampled = tl.load(pidx_ptr + part + first, mask=nodes < N1, other=0)  # [NP1]
+    toks = tl.load(tok_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
+    pars = tl.load(par_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
+    path_b = path_ptr + b * (L + 1)
+    tl.store(path_b, 0)
+    cur = tl.zeros([], tl.int32)
+    walking = tl.full([], 1, tl.int32)
+    length = tl.full([], 1, tl.int32)
+    for d in range(1, L + 1):
+        t = tl.sum(tl.where(nodes == cur, sampled, 0), 0)
+        child = tl.min(tl.where((pars == cur) & (toks == t), nodes, NP1), 0)
+        walking = walking & (child < NP1).to(tl.int32)
+        tl.store(path_b + d, tl.where(walking != 0, child, -1))
+        cur = tl.where(walking != 0, child, cur)
+        length += walking
+    tl.store(len_ptr + b, length)
+    tl.store(next_ptr + b, tl.sum(tl.where(nodes == cur, sampled, 0), 0).to(tl.int64))
 
 
 # ---- compaction: programs (layer, b) move cache rows, programs (layers + chunk, b) gather hidden rows ----
@@ -538,8 +533,9 @@ def draft_topk(logits, k):
     cfg = CONFIGS[_arch(dev)]
     rows = B * L
     kp = triton.next_power_of_2(max(k, 2))
+    chunk, least_warps = next(((c, w) for k_max, c, w in cfg["topk"] if k <= k_max), cfg["topk"][-1][1:])
     # at least K lanes a chunk; chunks x K candidates fit one merge
-    chunk = max(min(cfg["topk_chunk"], triton.next_power_of_2(V)), kp,
+    chunk = max(min(chunk, triton.next_power_of_2(V)), kp,
                 triton.next_power_of_2(triton.cdiv(V, MAX_MERGE // kp)))
     if chunk > MAX_CHUNK:
         raise ValueError(f"draft_topk (triton): V = {V} with k = {k} needs chunks of {chunk} > {MAX_CHUNK}")
@@ -552,7 +548,7 @@ def draft_topk(logits, k):
     pthr = torch.empty(rows, chunks, dtype=torch.int32, device=dev)
     lp = torch.empty(B, L, k, dtype=torch.float32, device=dev)
     tokens = torch.empty(B, L, k, dtype=torch.int64, device=dev)
-    warps = min(16, max(cfg["topk_warps"], max(chunk, mp) // 1024))
+    warps = min(16, max(least_warps, max(chunk, mp) // 1024))
     counters = arrival_counters("ddtree_topk", dev, rows)
     _topk_kernel[(rows, chunks)](x, cval, cid, pmax, psum, pthr, counters, lp, tokens, V, k, chunks,
                                  BITS=_value_bits(x.dtype), CHUNK=chunk, TILE=min(chunk, SEL_TILE), MP=mp,
@@ -593,23 +589,23 @@ def accept(tree, target_logits, temperature, floor, seeds, step):
     B, N1, V = target_logits.shape
     L = tree.max_depth
     x = target_logits.contiguous()
-    dev = x.device
-    cfg = CONFIGS[_arch(dev)]
+    cfg = CONFIGS[_arch(x.device)]
     block = min(cfg["block_v"], triton.next_power_of_2(V))
     rows = B * N1
     split, chunk = _split(rows, V, block, cfg["programs"])
-    pval = torch.empty(rows, split, dtype=torch.float32, device=dev)
-    pidx = torch.empty(rows, split, dtype=torch.int32, device=dev)
-    path = torch.empty(B, L + 1, dtype=torch.int32, device=dev)
-    path_len = torch.empty(B, dtype=torch.int32, device=dev)
-    next_token = torch.empty(B, dtype=torch.int64, device=dev)
+    pval = torch.empty(rows, split, dtype=torch.float32, device=x.device)
+    pidx = torch.empty(rows, split, dtype=torch.int32, device=x.device)
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
-    _accept_kernel[(rows, split)](
+    _sample_kernel[(rows, split)](
         x, tree.num_nodes, seeds.contiguous(), step.contiguous(), floor if floor is not None else pval, pval, pidx,
-        arrival_counters("ddtree_accept", dev, B), tree.tokens, tree.parents, path, path_len, next_token, V, N1, L,
-        chunk, split, inv_t, GREEDY=temperature == 0, HAS_FLOOR=floor is not None, BLOCK=block,
-        NP1=triton.next_power_of_2(max(N1, L + 1)), SP=triton.next_power_of_2(split), num_warps=cfg["warps_v"],
-        enable_fp_fusion=False)  # x / T and the noise rounded as in torch
+        V, N1, chunk, split, inv_t, GREEDY=temperature == 0, HAS_FLOOR=floor is not None, BLOCK=block,
+        num_warps=cfg["warps_v"], enable_fp_fusion=False)  # x / T and the noise rounded as in torch
+    path = torch.empty(B, L + 1, dtype=torch.int32, device=x.device)
+    path_len = torch.empty(B, dtype=torch.int32, device=x.device)
+    next_token = torch.empty(B, dtype=torch.int64, device=x.device)
+    NP1 = triton.next_power_of_2(max(N1, L + 1))
+    _walk_kernel[(B,)](pval, pidx, tree.tokens, tree.parents, path, path_len, next_token, N1, L, split,
+                       NP1=NP1, SP=triton.next_power_of_2(split), num_warps=4)
     return path, path_len, next_token
 
 
