@@ -1,7 +1,7 @@
 """DDTree step on the GPU (draft top-K + tree build + accept + compaction) against the host path.
 
-Standalone: `python bench/bench_tree.py --out DIR [--quick] [--sweep]` measures the HBM read ceiling (a sum over
-4 GiB), checks the Triton ops against the torch references at K2.6 shapes (bf16 logits, V = 163840) and both
+Standalone: `python bench/bench_tree.py --out DIR [--quick | --budgets 8,64] [--sweep] [--no-tie-checks]`
+measures the HBM read ceiling (a sum over 4 GiB), checks the Triton ops against the torch references at K2.6 shapes (bf16 logits, V = 163840) and both
 Triton tree builds against the torch build on tie-heavy random trees, times each op alone and the whole step
 (eager and as one CUDA graph replay) for budgets 8..512 at blocks 8 and 16 (--quick: 8, 64, 512), times the host
 path (GPU top-k, copy, heapq, Python walk, per-layer index_select compaction over 61 layers), with --sweep also
@@ -278,6 +278,8 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--budgets", help="comma-separated budgets (default: all, or 8,64,512 with --quick)")
+    parser.add_argument("--no-tie-checks", action="store_true", help="skip the tie-heavy build checks (compiles)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -285,10 +287,11 @@ def main():
            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     env["hbm_read_GBps"] = hbm_read_GBps()
     print(env, flush=True)
-    rows, checks = [], tie_checks()
+    rows, checks = [], [] if args.no_tie_checks else tie_checks()
+    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else BUDGETS if not args.quick else (8, 64, 512)
     print(checks, flush=True)
     for block in BLOCKS:  # budget 64 first at block 16: the target's budget, in case the time runs out
-        for budget in sorted(BUDGETS if not args.quick else (8, 64, 512), key=lambda b: (block != 8 and b != 64, b)):
+        for budget in sorted(budgets, key=lambda b: (block != 8 and b != 64, b)):
             t0 = time.perf_counter()
             case = Case(budget, block)
             checks.append({"budget": budget, "block": block, **check(case)})
