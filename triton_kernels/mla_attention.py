@@ -54,7 +54,7 @@ SPLIT_PER_SLOT = {90: (0.5, 1, 2, 4), 120: (1,)}
 # (window of them): the kernel splits the actual length, which a padded cache (the model's, sized for the largest
 # context) puts below max_len, and where the last split is empty at max_len it is not a tile lower. whole: the
 # counts that fill whole waves (floor) are candidates beside the ceil ones.
-SPLIT_RULE = {90: (1, False), 120: (1, False)}
+SPLIT_RULE = {90: (8, True), 120: (8, True)}
 MERGE_COST = {90: (4.0, 0.5), 120: (4.0, 0.5)}  # merge: us per launch, us per MB of partials (written + read)
 # Lazy rescale threshold per arch (log2 units; 0: rescale the accumulator at every tile, as measured so far).
 RESCALE_TAU = {90: 0.0, 120: 0.0}
