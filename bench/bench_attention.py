@@ -5,7 +5,9 @@ bandwidth: a sum over 4 GiB; bf16 matmul rate: 8192^3) and the sweep T x context
 case against the fp32 reference, and writes attention.json + attention.md. --tune also times candidate
 configs and split counts per case; --focus a short tune at 32k/128k; --round2 the round-2 options (lazy rescale,
 all split counts, bf16 partials, small configs, programmatic dependent launch, the whole-wave split rule) beside
-the default, also at the verify step's shapes (STEP_CASES: T = budget + 1, cache padded past the length). As a pytest-benchmark sweep: `pytest bench/bench_attention.py` (GPU only).
+the default, also at the verify step's shapes (STEP_CASES: T = budget + 1, cache padded past the length);
+--defaults the committed defaults alone at 32k/128k and STEP_CASES (the short re-measure). As a pytest-benchmark
+sweep: `pytest bench/bench_attention.py` (GPU only).
 
 Each case captures one CUDA graph of R launches over R different caches (R * cache >= 256 MiB, so every
 launch finds its cache cold in L2, as the model's layers would) and reports graph time / R.
