@@ -21,7 +21,7 @@ import torch
 import triton
 
 import ops
-from ops.tree import accept_torch, build_tree_torch, compact_torch, draft_topk_torch
+from ops.tree import accept_torch, build_tree_torch, compact_torch, draft_topk_torch, ordered
 from spec.tree_ref import build_tree_heapq, walk
 from triton_kernels import ddtree as dd
 
@@ -178,6 +178,99 @@ def launches(fn):
     return [e.name[:60] for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.device_type == cuda]
 
 
+TOPK_METHODS = ("bisect", "bound")
+TOPK_KS = (8, 64, 512)
+
+
+def draft_logits(dist, L, g):
+    """[1, L, V] bf16 drafter-like logits. normal: N(0, 3^2). realistic (synthetic, no drafter here): a N(0, 2^2)
+    bulk and a head of 256 tokens at random ids lifted by 14 exp(-r / 12) + U(0, 2) nats, a few clear favourites
+    then a long tail. clustered (adversarial for the bound): the head 10 nats higher, on 256 consecutive ids, so
+    a few segments hold the whole top K and every head token passes the bound (past capacity: the slow path)."""
+    x = torch.randn(1, L, V, generator=g, device=DEVICE) * (3 if dist == "normal" else 2)
+    if dist != "normal":
+        lift = 14 * torch.exp(-torch.arange(256, device=DEVICE) / 12) + 2 * torch.rand(
+            L, 256, generator=g, device=DEVICE) + (10 if dist == "clustered" else 0)
+        for d in range(L):
+            ids = (torch.randperm(V, generator=g, device=DEVICE)[:256] if dist == "realistic"
+                   else (V // 8) * d + torch.randperm(256, generator=g, device=DEVICE))
+            x[0, d, ids] += lift[d]
+    return x.bfloat16()
+
+
+def bound_path(x, k):
+    """Per row, the "bound" method's candidate count and whether it fits the capacity (sorted) or not (the slow
+    exact row scan), computed on the host from the kernel's sizes."""
+    chunk, chunks, seg, cap = dd.bound_plan(V, k, dd.CONFIGS[90]["bound"])
+    o = ordered(x[0])  # [L, V]
+    pad = torch.full((o.shape[0], chunks * chunk - V), -2**31, dtype=o.dtype, device=o.device)
+    segs = torch.cat([o, pad], 1).view(o.shape[0], -1, seg).amax(-1)
+    t = segs.sort(-1, descending=True).values[:, k - 1:k] if segs.shape[1] >= k else -2**31
+    n = (o >= t).sum(-1).tolist()
+    return {"cap": cap, "candidates": n, "slow_rows": sum(c > cap for c in n)}
+
+
+def set_topk_method(method):
+    for cfg in dd.CONFIGS.values():
+        cfg["topk_method"] = method
+
+
+def topk_methods(out, env, budgets):
+    """Each top-k method alone in a CUDA graph at K in TOPK_KS (block 8) on each logit distribution, checked
+    against the torch reference; then the whole step (greedy) at `budgets`, block 8, with each method."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    result = {"env": env, "topk": [], "step": []}
+    default = dd.CONFIGS[90]["topk_method"]
+    for dist in ("realistic", "normal", "clustered"):
+        x = draft_logits(dist, 7, g)
+        for k in TOPK_KS:
+            ref_lp, ref_tok = draft_topk_torch(x, k)
+            row = {"dist": dist, "K": k, "torch_topk_us": 1e3 * bench_ms(lambda: torch.log_softmax(x.float(), -1).topk(k))}
+            for method in TOPK_METHODS:
+                set_topk_method(method)
+                t0 = time.perf_counter()
+                with ops.using(draft_topk="triton"):
+                    lp, tok = ops.draft_topk(x, k)
+                    row[f"{method}_equal"] = torch.equal(tok, ref_tok) and (lp - ref_lp).abs().max().item() < 1e-4
+                    row[f"{method}_us"] = graph_us(lambda: ops.draft_topk(x, k))
+                row[f"{method}_wall_s"] = round(time.perf_counter() - t0, 1)
+            row["bound_plan"] = bound_path(x, k)
+            result["topk"].append(row)
+            print(row, flush=True)
+            (out / "topk.json").write_text(json.dumps(result, indent=1))
+    for budget in budgets:
+        set_topk_method(default)
+        case = Case(budget, 8)
+        row = {"budget": budget, "block": 8}
+        for method in TOPK_METHODS:
+            set_topk_method(method)
+            with ops.using(**BACKEND):
+                row[f"{method}_step_graph_greedy_us"] = graph_us(lambda: case.step(0.0))
+        result["step"].append(row)
+        print(row, flush=True)
+        (out / "topk.json").write_text(json.dumps(result, indent=1))
+        del case
+    set_topk_method(default)
+    md = [f"# DDTree draft top-k methods, block 8 (7 rows), V = {V}, bf16 logits", "",
+          ", ".join(f"{k}: {v:.0f}" if isinstance(v, float) else f"{k}: {v}" for k, v in env.items()), "",
+          "GPU us of draft_topk alone in a CUDA graph (median); equal = tokens equal to the torch reference and "
+          "log-probs within 1e-4; wall = first call (compiles) + checks + timing.", "",
+          "| dist | K | torch log_softmax+topk | " + " | ".join(f"{m} us | {m} equal | {m} wall s" for m in TOPK_METHODS)
+          + " | bound cap | bound max candidates | bound slow rows |", "|" + "---|" * (6 + 3 * len(TOPK_METHODS))]
+    for r in result["topk"]:
+        md.append(f"| {r['dist']} | {r['K']} | {r['torch_topk_us']:.3g} | " + " | ".join(
+            f"{r[m + '_us']:.3g} | {r[m + '_equal']} | {r[m + '_wall_s']}" for m in TOPK_METHODS)
+            + f" | {r['bound_plan']['cap']} | {max(r['bound_plan']['candidates'])} | {r['bound_plan']['slow_rows']} |")
+    md += ["", "Whole step (top-k + build + accept greedy + compact) in one CUDA graph, block 8, normal logits (the "
+           "bench's Case):", "", "| budget | " + " | ".join(f"{m} step us" for m in TOPK_METHODS) + " |",
+           "|" + "---|" * (1 + len(TOPK_METHODS))]
+    for r in result["step"]:
+        md.append(f"| {r['budget']} | " + " | ".join(f"{r[m + '_step_graph_greedy_us']:.3g}" for m in TOPK_METHODS)
+                  + " |")
+    (out / "topk.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
 TOPK_SWEEP = {f"chunk{c}_w{w}": dict(topk=((dd.MAX_BUDGET, c, w),)) for c, w in ((2048, 4), (4096, 4), (4096, 8),
                                                                             (8192, 4))}
 ACCEPT_SWEEP = {f"block{b}_p{p}": dict(block_v=b, programs=p) for b in (2048, 4096) for p in (528, 1056)}
@@ -280,11 +373,16 @@ def main():
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--budgets", help="comma-separated budgets (default: all, or 8,64,512 with --quick)")
     parser.add_argument("--no-tie-checks", action="store_true", help="skip the tie-heavy build checks (compiles)")
+    parser.add_argument("--topk-methods", action="store_true",
+                        help="only compare the top-k methods (and the step at --budgets, default 8,64, with each)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if args.topk_methods:
+        budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else (8, 64)
+        return topk_methods(out, env, budgets)
     env["hbm_read_GBps"] = hbm_read_GBps()
     print(env, flush=True)
     rows, checks = [], [] if args.no_tie_checks else tie_checks()

@@ -143,10 +143,24 @@ def topk_rows(gen, V):
     return logits[None]
 
 
+def force_topk(monkeypatch, method, **bound):
+    """Make the Triton top-k use `method` ("bisect" or "bound"), with these overrides of the bound config."""
+    from triton_kernels import ddtree as dd
+
+    for cfg in dd.CONFIGS.values():
+        monkeypatch.setitem(cfg, "topk_method", method)
+        monkeypatch.setitem(cfg, "bound", {**cfg["bound"], **bound})
+
+
+TOPK_METHODS = ["bisect", "bound"]
+
+
 @requires_triton
+@pytest.mark.parametrize("method", TOPK_METHODS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_draft_topk_triton_ties_and_chunks(dtype):
+def test_draft_topk_triton_ties_and_chunks(dtype, method, monkeypatch):
     """Several chunks per row: ties at the K-th value across chunks, winners all in one chunk."""
+    force_topk(monkeypatch, method)
     logits = topk_rows(torch.Generator().manual_seed(3), 5000).to(device=device(), dtype=dtype)
     ref = ops.tree.draft_topk_torch(logits, 70)
     with ops.using(draft_topk="triton"):
@@ -173,10 +187,37 @@ def test_draft_topk_triton_tiles(k, chunk, tile, merge, monkeypatch):
     assert torch.equal(tok, ref[1]) and (lp - ref[0]).abs().max() < 1e-5
 
 
+@requires_triton
+@pytest.mark.parametrize("k,V,chunk,segs_per_k,cap_per_k,tile", [
+    (70, 3000, 1024, 4, 64, 4096),  # every row sorted from its candidates (all-equal rows included)
+    (70, 3000, 256, 0, 3, 256),  # fewer segments than K: every row by the exact row scan, in several tiles
+    (5, 5000, 512, 4, 3, 4096),  # defaults at small K: random rows sorted, tie rows by the row scan
+    (1000, 1000, 4096, 4, 3, 4096),  # K = V, one chunk, one-lane segments
+], ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])
-def test_draft_topk(dtype, backend):
+def test_draft_topk_bound_paths(k, V, chunk, segs_per_k, cap_per_k, tile, dtype, monkeypatch):
+    """The "bound" top-k on both of its paths: the candidates above the bound sorted, or the slow exact row scan
+    when they overflow their capacity."""
+    from triton_kernels import ddtree as dd
+
+    force_topk(monkeypatch, "bound", chunk=chunk, segs_per_k=segs_per_k, cap_per_k=cap_per_k)
+    monkeypatch.setattr(dd, "SEL_TILE", tile)
+    logits = topk_rows(torch.Generator().manual_seed(k + V), V).to(device=device(), dtype=dtype)
+    logits[0, 0, 1::2] = logits[0, 0, 0::2]  # random values, each twice
+    ref = ops.tree.draft_topk_torch(logits, k)
+    with ops.using(draft_topk="triton"):
+        lp, tok = ops.draft_topk(logits, k)
+    assert torch.equal(tok, ref[1]) and (lp - ref[0]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton),
+                                     pytest.param("bound", marks=requires_triton)])
+def test_draft_topk(dtype, backend, monkeypatch):
     """Integer logits: many ties, broken by lower token id; log-probs of log_softmax."""
+    if backend == "bound":
+        force_topk(monkeypatch, "bound")
+        backend = "triton"
     gen = torch.Generator().manual_seed(2)
     logits = torch.randint(-4, 4, (2, 3, 300), generator=gen).to(device=device(), dtype=dtype)
     logits[0, 0] = 0.0

@@ -15,6 +15,8 @@ MAX_DEPTH = 15  # and the depth into 4 bits
 MAX_MERGE = 8192  # top-k: at most this many candidates (chunks x K) in one row's merge
 MAX_CHUNK = 16384  # and this many lanes a chunk (in registers at 16 warps; the sm_120 check compiles this size)
 SEL_TILE = 4096  # lanes one selection scan covers (it packs two counts into 15-bit fields)
+MAX_SEGS = 2048  # top-k "bound": at most this many segment maxima a row (each program sorts them)
+MAX_CAP = 4096  # and this many candidates a row (its last program sorts them)
 MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few row blocks, few dependent loads
 
 # Configs as data per arch (compute capability major*10+minor): top-k (K up to, chunk: lanes a program selects
@@ -22,11 +24,14 @@ MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few
 # pass; warps of the one-program-per-tree heap build (its heap lives in registers: one warp keeps every reduction
 # inside shuffles), the budget from which the depth-synchronous build replaces the heap loop, and that build's
 # warps. sm_90 top-k rows and levels_from 8: measured on the H200 (bench/results/tree_h200.md, 2026-11-30 05:36).
+# topk_method: "bisect" (one launch, the rows above) or "bound" (two launches: chunk lanes, warps, segments per K
+# for the lower bound, candidate capacity per K; not yet timed, see README.md).
 CONFIGS = {
     90: dict(topk=((16, 2048, 4), (MAX_BUDGET, 4096, 8)), block_v=2048, warps_v=8, programs=1056, build_warps=1,
-             levels_from=8, levels_warps=8),
+             levels_from=8, levels_warps=8, topk_method="bisect",
+             bound=dict(chunk=4096, warps=8, segs_per_k=4, cap_per_k=3)),
     120: dict(topk=((MAX_BUDGET, 4096, 4),), block_v=1024, warps_v=4, programs=752, build_warps=1, levels_from=64,
-              levels_warps=2),
+              levels_warps=2, topk_method="bisect", bound=dict(chunk=4096, warps=8, segs_per_k=4, cap_per_k=3)),
 }
 
 
@@ -190,6 +195,110 @@ def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_p
     if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == CHUNKS - 1:
         _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr, row, K, CHUNKS, BITS, MP, MT,
                     KP, CP)
+        tl.atomic_xchg(count_ptr + row, 0)
+
+
+# ---- draft top-k, method "bound": a lower bound from segment maxima, candidates above it, one sort a row ----
+
+@triton.jit(do_not_specialize=["V", "CHUNKS"])
+def _bound_stats_kernel(x_ptr, pmax_ptr, psum_ptr, smax_ptr, V, CHUNKS, CHUNK: tl.constexpr, SEG: tl.constexpr):
+    """Program (row, c): chunk c's (max, sum exp) and the ordered maxima of its CHUNK // SEG segments."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    offs = c * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
+    x = tl.load(x_ptr + row.to(tl.int64) * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    tl.store(pmax_ptr + row * CHUNKS + c, m)
+    tl.store(psum_ptr + row * CHUNKS + c, tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0))
+    o = tl.where(offs < V, _ordered(x), -2147483648)  # [CHUNK] int32
+    s = tl.max(tl.reshape(o, [CHUNK // SEG, SEG]), 1)  # [CHUNK // SEG]
+    segs = c * (CHUNK // SEG) + tl.arange(0, CHUNK // SEG)
+    tl.store(smax_ptr + row.to(tl.int64) * CHUNKS * (CHUNK // SEG) + segs, s)
+
+
+@triton.jit
+def _row_count(x_row, V, thr, ABOVE: tl.constexpr, TILE: tl.constexpr):
+    """How many of the row's V values have ordered keys > thr (ABOVE) or >= thr, in tiles of TILE lanes."""
+    n = tl.zeros([], tl.int32)
+    for start in range(0, V, TILE):
+        offs = start + tl.arange(0, TILE)  # [TILE]
+        x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        o = tl.where(offs < V, _ordered(x), -2147483648)
+        n += tl.sum(((o > thr) if ABOVE else (o >= thr)).to(tl.int32), 0)
+    return n
+
+
+@triton.jit
+def _row_select(x_row, key_row, V, K, lo, hi, BITS: tl.constexpr, TILE: tl.constexpr):
+    """The slow exact path: the row's K winners as packed keys in key_row[0:K], in id order. The K-th largest by
+    bisection on the top BITS bits between lo and hi (count(o >= lo << (32 - BITS)) >= K), each step a pass over
+    the row; then one pass picks the winners as _pick does."""
+    lo = tl.zeros([], tl.int64) + lo
+    hi = tl.zeros([], tl.int64) + hi
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        enough = _row_count(x_row, V, (mid << (32 - BITS)).to(tl.int32), False, TILE) >= K
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    thr = (lo << (32 - BITS)).to(tl.int32)
+    need = K - _row_count(x_row, V, thr + ((1 << (32 - BITS)) - 1), True, TILE)
+    n_gt = tl.zeros([], tl.int32)
+    n_eq = tl.zeros([], tl.int32)
+    for start in range(0, V, TILE):
+        offs = start + tl.arange(0, TILE)  # [TILE]
+        x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        o = tl.where(offs < V, _ordered(x), -2147483648)
+        sel, pos, n_gt, n_eq = _pick(o, thr, need, n_gt, n_eq, BITS)
+        tl.store(key_row + pos, (o.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64), mask=sel)
+
+
+@triton.jit(do_not_specialize=["V", "K", "CHUNKS"])
+def _bound_select_kernel(x_ptr, pmax_ptr, psum_ptr, smax_ptr, key_ptr, slot_ptr, count_ptr, lp_ptr, tok_ptr, V, K,
+                         CHUNKS, BITS: tl.constexpr, CHUNK: tl.constexpr, SEG: tl.constexpr, LOG_SP: tl.constexpr,
+                         LOG_CAP: tl.constexpr, LOG_KP: tl.constexpr, CP: tl.constexpr, TILE: tl.constexpr):
+    """Program (row, c): t = the K-th largest segment maximum of the row (K segments each hold a value >= t, so
+    t <= the row's K-th largest); chunk c's values >= t are appended to the row's CAP candidate keys. The last
+    program of the row to arrive sorts the candidates (or, past CAP, selects exactly over the whole row). Sorts
+    are _sort's bitonic networks (tl.sort is as fast on the GPU but far slower under the interpreter)."""
+    SP: tl.constexpr = 1 << LOG_SP
+    CAP: tl.constexpr = 1 << LOG_CAP
+    KP: tl.constexpr = 1 << LOG_KP
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    n_seg = CHUNKS * (CHUNK // SEG)
+    s = tl.arange(0, SP)  # [SP]
+    sm = tl.load(smax_ptr + row.to(tl.int64) * n_seg + s, mask=s < n_seg, other=-2147483648)
+    t = tl.max(tl.where(s == K - 1, _sort(sm, LOG_SP, 1), -2147483648), 0)  # lowest key if n_seg < K
+    x_row = x_ptr + row.to(tl.int64) * V
+    offs = c * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
+    x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    o = tl.where(offs < V, _ordered(x), -2147483648)  # [CHUNK] int32
+    sel = (offs < V) & (o >= t)
+    n = tl.sum(sel.to(tl.int32), 0)
+    base = tl.atomic_add(slot_ptr + row, n, sem="relaxed", mask=n > 0)
+    pos = base + tl.cumsum(sel.to(tl.int32), 0) - 1  # [CHUNK]
+    key_row = key_ptr + row.to(tl.int64) * CAP
+    tl.store(key_row + pos, (o.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64), mask=sel & (pos < CAP))
+    tl.debug_barrier()  # every candidate is stored before the arrival is counted
+    if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == CHUNKS - 1:
+        total = tl.atomic_xchg(slot_ptr + row, 0)
+        cs = tl.arange(0, CP)  # [CP]
+        pm = tl.load(pmax_ptr + row * CHUNKS + cs, mask=cs < CHUNKS, other=float("-inf"), cache_modifier=".cg")
+        ps = tl.load(psum_ptr + row * CHUNKS + cs, mask=cs < CHUNKS, other=0.0, cache_modifier=".cg")
+        m = tl.max(pm, 0)
+        lse = m + tl.log(tl.sum(ps * tl.exp(pm - m), 0))
+        if total <= CAP:
+            i = tl.arange(0, CAP)  # [CAP]
+            key = tl.load(key_row + i, mask=i < total, other=0, cache_modifier=".cg")
+            key = _sort(tl.where(i < total, key, _dead_key()), LOG_CAP, 1)
+            _store_topk(lp_ptr, tok_ptr, row.to(tl.int64) * K + i, key, lse, i < K)
+        else:
+            _row_select(x_row, key_row, V, K, t >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS, TILE)
+            tl.debug_barrier()  # the winners are stored before they are read back
+            ks = tl.arange(0, KP)  # [KP]
+            top = tl.load(key_row + ks, mask=ks < K, other=0)
+            top = _sort(tl.where(ks < K, top, _dead_key()), LOG_KP, 1)
+            _store_topk(lp_ptr, tok_ptr, row.to(tl.int64) * K + ks, top, lse, ks < K)
         tl.atomic_xchg(count_ptr + row, 0)
 
 
@@ -521,16 +630,64 @@ def _split(rows, V, block, programs):
     return triton.cdiv(V, chunk), chunk
 
 
+def _log2(n):
+    """log2 of n rounded up to a power of 2."""
+    return (triton.next_power_of_2(n)).bit_length() - 1
+
+
 def _value_bits(dtype):
     """Bits of the ordered fp32 key that can differ for this input dtype (sign, exponent, mantissa)."""
     return {torch.bfloat16: 16, torch.float16: 19}.get(dtype, 32)
 
 
 def draft_topk(logits, k):
-    B, L, V = logits.shape
-    x = logits.contiguous()
+    cfg = CONFIGS[_arch(logits.device)]
+    return (_topk_bound if cfg["topk_method"] == "bound" else _topk_bisect)(logits.contiguous(), k, cfg)
+
+
+def bound_plan(V, k, bcfg):
+    """The "bound" top-k's sizes: (chunk lanes, chunks a row, segment lanes, candidate capacity a row)."""
+    chunk = min(bcfg["chunk"], triton.next_power_of_2(V))
+    chunks = triton.cdiv(V, chunk)
+    seg = min(chunk, 1 << max(0, (V // max(1, bcfg["segs_per_k"] * k)).bit_length() - 1))
+    while seg < chunk and chunks * (chunk // seg) > MAX_SEGS:
+        seg *= 2
+    kp = triton.next_power_of_2(max(k, 2))
+    cap = max(kp, min(MAX_CAP, triton.next_power_of_2(V), triton.next_power_of_2(max(bcfg["cap_per_k"] * k, 64))))
+    if chunks * (chunk // seg) > MAX_SEGS or cap > MAX_CAP:
+        raise ValueError(f"draft_topk (triton, bound): V = {V} with k = {k} needs more than {MAX_SEGS} segments "
+                         f"or {MAX_CAP} candidates")
+    return chunk, chunks, seg, cap
+
+
+def _topk_bound(x, k, cfg):
+    B, L, V = x.shape
     dev = x.device
-    cfg = CONFIGS[_arch(dev)]
+    rows = B * L
+    bcfg = cfg["bound"]
+    chunk, chunks, seg, cap = bound_plan(V, k, bcfg)
+    kp = triton.next_power_of_2(max(k, 2))
+    pmax = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
+    psum = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
+    smax = torch.empty(rows, chunks * (chunk // seg), dtype=torch.int32, device=dev)
+    keys = torch.empty(rows, cap, dtype=torch.int64, device=dev)
+    lp = torch.empty(B, L, k, dtype=torch.float32, device=dev)
+    tokens = torch.empty(B, L, k, dtype=torch.int64, device=dev)
+    counters = arrival_counters("ddtree_topk_bound", dev, 2 * rows)  # candidate slots, then arrivals
+    _bound_stats_kernel[(rows, chunks)](x, pmax, psum, smax, V, chunks, CHUNK=chunk, SEG=seg,
+                                        num_warps=bcfg["warps"])
+    _bound_select_kernel[(rows, chunks)](x, pmax, psum, smax, keys, counters, counters[rows:], lp, tokens, V, k,
+                                         chunks, BITS=_value_bits(x.dtype), CHUNK=chunk, SEG=seg,
+                                         LOG_SP=_log2(max(chunks * (chunk // seg), 2)), LOG_CAP=_log2(cap),
+                                         LOG_KP=_log2(kp),
+                                         CP=triton.next_power_of_2(max(chunks, 2)),
+                                         TILE=min(SEL_TILE, triton.next_power_of_2(V)), num_warps=bcfg["warps"])
+    return lp, tokens
+
+
+def _topk_bisect(x, k, cfg):
+    B, L, V = x.shape
+    dev = x.device
     rows = B * L
     kp = triton.next_power_of_2(max(k, 2))
     chunk, least_warps = next(((c, w) for k_max, c, w in cfg["topk"] if k <= k_max), cfg["topk"][-1][1:])
