@@ -188,19 +188,20 @@ def test_draft_topk_triton_tiles(k, chunk, tile, merge, monkeypatch):
 
 
 @requires_triton
-@pytest.mark.parametrize("k,V,chunk,segs_per_k,cap_per_k,tile", [
-    (70, 3000, 1024, 4, 64, 4096),  # every row sorted from its candidates (all-equal rows included)
-    (70, 3000, 256, 0, 3, 256),  # fewer segments than K: every row by the exact row scan, in several tiles
-    (5, 5000, 512, 4, 3, 4096),  # defaults at small K: random rows sorted, tie rows by the row scan
-    (1000, 1000, 4096, 4, 3, 4096),  # K = V, one chunk, one-lane segments
+@pytest.mark.parametrize("k,V,chunk,segs_per_k,cap_per_k,tile,tl_sort", [
+    (70, 3000, 1024, 4, 64, 4096, False),  # every row sorted from its candidates (all-equal rows included)
+    (70, 3000, 256, 0, 3, 256, False),  # fewer segments than K: every row by the exact row scan, in several tiles
+    (5, 5000, 512, 4, 3, 4096, False),  # defaults at small K: random rows sorted, tie rows by the row scan
+    (5, 5000, 512, 4, 3, 4096, True),  # the same with tl.sort
+    (1000, 1000, 4096, 4, 3, 4096, False),  # K = V, one chunk, one-lane segments
 ], ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_draft_topk_bound_paths(k, V, chunk, segs_per_k, cap_per_k, tile, dtype, monkeypatch):
+def test_draft_topk_bound_paths(k, V, chunk, segs_per_k, cap_per_k, tile, tl_sort, dtype, monkeypatch):
     """The "bound" top-k on both of its paths: the candidates above the bound sorted, or the slow exact row scan
     when they overflow their capacity."""
     from triton_kernels import ddtree as dd
 
-    force_topk(monkeypatch, "bound", chunk=chunk, segs_per_k=segs_per_k, cap_per_k=cap_per_k)
+    force_topk(monkeypatch, "bound", chunk=chunk, segs_per_k=segs_per_k, cap_per_k=cap_per_k, tl_sort=tl_sort)
     monkeypatch.setattr(dd, "SEL_TILE", tile)
     logits = topk_rows(torch.Generator().manual_seed(k + V), V).to(device=device(), dtype=dtype)
     logits[0, 0, 1::2] = logits[0, 0, 0::2]  # random values, each twice
@@ -366,6 +367,13 @@ cases = [
     (dd._topk_kernel, TOPK_SIG, dict(BITS=16, CHUNK=16384, TILE=4096, MP=8192, MT=4096, KP=512, CP=16), 16),
     *[(dd._topk_kernel, TOPK_SIG, dict(BITS=16, CHUNK=chunk, TILE=min(chunk, dd.SEL_TILE), MP=8192,
        MT=min(8192, dd.SEL_TILE), KP=triton.next_power_of_2(k), CP=128), warps) for k, chunk, warps in cfg["topk"]],
+    (dd._bound_stats_kernel, dict(x_ptr="*bf16", pmax_ptr=P, psum_ptr=P, smax_ptr=I, V="i32", CHUNKS="i32"),
+     dict(CHUNK=cfg["bound"]["chunk"], SEG=cfg["bound"]["chunk"] // dd.MAX_SEGS), cfg["bound"]["warps"]),
+    (dd._bound_select_kernel, dict(x_ptr="*bf16", pmax_ptr=P, psum_ptr=P, smax_ptr=I, key_ptr=L, slot_ptr=I,
+     count_ptr=I, lp_ptr=P, tok_ptr=L, V="i32", K="i32", CHUNKS="i32"),
+     dict(BITS=16, CHUNK=cfg["bound"]["chunk"], SEG=cfg["bound"]["chunk"] // dd.MAX_SEGS, LOG_SP=11,
+          LOG_CAP=dd.MAX_CAP.bit_length() - 1, LOG_KP=9, CP=64, TILE=dd.SEL_TILE,
+          TL_SORT=cfg["bound"]["tl_sort"]), cfg["bound"]["warps"]),
     (dd._tree_build_kernel, dict(lp_ptr=P, tok_ptr=L, root_ptr=L, o_tok=L, o_par=I, o_dep=I, o_fc=I, o_ns=I, o_mask=I,
      o_num=I, N="i32", K="i32", KS="i32", L="i32", W="i32"), dict(NP=512, NP1=1024, WP=32, ROWS=64),
      cfg["build_warps"]),

@@ -25,13 +25,14 @@ MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few
 # inside shuffles), the budget from which the depth-synchronous build replaces the heap loop, and that build's
 # warps. sm_90 top-k rows and levels_from 8: measured on the H200 (bench/results/tree_h200.md, 2026-11-30 05:36).
 # topk_method: "bisect" (one launch, the rows above) or "bound" (two launches: chunk lanes, warps, segments per K
-# for the lower bound, candidate capacity per K; not yet timed, see README.md).
+# for the lower bound, candidate capacity per K, tl.sort or the bitonic _sort; not yet timed, see README.md).
 CONFIGS = {
     90: dict(topk=((16, 2048, 4), (MAX_BUDGET, 4096, 8)), block_v=2048, warps_v=8, programs=1056, build_warps=1,
              levels_from=8, levels_warps=8, topk_method="bisect",
-             bound=dict(chunk=4096, warps=8, segs_per_k=4, cap_per_k=3)),
+             bound=dict(chunk=4096, warps=8, segs_per_k=4, cap_per_k=3, tl_sort=False)),
     120: dict(topk=((MAX_BUDGET, 4096, 4),), block_v=1024, warps_v=4, programs=752, build_warps=1, levels_from=64,
-              levels_warps=2, topk_method="bisect", bound=dict(chunk=4096, warps=8, segs_per_k=4, cap_per_k=3)),
+              levels_warps=2, topk_method="bisect",
+              bound=dict(chunk=4096, warps=8, segs_per_k=4, cap_per_k=3, tl_sort=False)),
 }
 
 
@@ -252,14 +253,25 @@ def _row_select(x_row, key_row, V, K, lo, hi, BITS: tl.constexpr, TILE: tl.const
         tl.store(key_row + pos, (o.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64), mask=sel)
 
 
+@triton.jit
+def _sort_desc(x, LOGN: tl.constexpr, TL_SORT: tl.constexpr):
+    if TL_SORT:
+        x = tl.sort(x, descending=True)
+    else:
+        x = _sort(x, LOGN, 1)
+    return x
+
+
 @triton.jit(do_not_specialize=["V", "K", "CHUNKS"])
 def _bound_select_kernel(x_ptr, pmax_ptr, psum_ptr, smax_ptr, key_ptr, slot_ptr, count_ptr, lp_ptr, tok_ptr, V, K,
                          CHUNKS, BITS: tl.constexpr, CHUNK: tl.constexpr, SEG: tl.constexpr, LOG_SP: tl.constexpr,
-                         LOG_CAP: tl.constexpr, LOG_KP: tl.constexpr, CP: tl.constexpr, TILE: tl.constexpr):
+                         LOG_CAP: tl.constexpr, LOG_KP: tl.constexpr, CP: tl.constexpr, TILE: tl.constexpr,
+                         TL_SORT: tl.constexpr):
     """Program (row, c): t = the K-th largest segment maximum of the row (K segments each hold a value >= t, so
-    t <= the row's K-th largest); chunk c's values >= t are appended to the row's CAP candidate keys. The last
-    program of the row to arrive sorts the candidates (or, past CAP, selects exactly over the whole row). Sorts
-    are _sort's bitonic networks (tl.sort is as fast on the GPU but far slower under the interpreter)."""
+    t <= the row's K-th largest), by _threshold's bisection between the lowest and highest segment maxima; chunk
+    c's values >= t are appended to the row's CAP candidate keys. The last program of the row to arrive sorts the
+    candidates (or, past CAP, selects exactly over the whole row). Sorts: tl.sort (TL_SORT) or _sort's bitonic
+    network (tl.sort is far slower under the interpreter)."""
     SP: tl.constexpr = 1 << LOG_SP
     CAP: tl.constexpr = 1 << LOG_CAP
     KP: tl.constexpr = 1 << LOG_KP
@@ -267,8 +279,9 @@ def _bound_select_kernel(x_ptr, pmax_ptr, psum_ptr, smax_ptr, key_ptr, slot_ptr,
     c = tl.program_id(1)
     n_seg = CHUNKS * (CHUNK // SEG)
     s = tl.arange(0, SP)  # [SP]
-    sm = tl.load(smax_ptr + row.to(tl.int64) * n_seg + s, mask=s < n_seg, other=-2147483648)
-    t = tl.max(tl.where(s == K - 1, _sort(sm, LOG_SP, 1), -2147483648), 0)  # lowest key if n_seg < K
+    sm = tl.load(smax_ptr + row.to(tl.int64) * n_seg + s, mask=s < n_seg, other=-2147483648)  # [SP] ordered
+    lo = tl.where(n_seg >= K, tl.min(tl.where(s < n_seg, sm, 2147483647), 0), -2147483648)  # lowest if n_seg < K
+    t, _ = _threshold(sm, K, lo >> (32 - BITS), tl.max(sm, 0) >> (32 - BITS), BITS)
     x_row = x_ptr + row.to(tl.int64) * V
     offs = c * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
     x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
@@ -290,14 +303,14 @@ def _bound_select_kernel(x_ptr, pmax_ptr, psum_ptr, smax_ptr, key_ptr, slot_ptr,
         if total <= CAP:
             i = tl.arange(0, CAP)  # [CAP]
             key = tl.load(key_row + i, mask=i < total, other=0, cache_modifier=".cg")
-            key = _sort(tl.where(i < total, key, _dead_key()), LOG_CAP, 1)
+            key = _sort_desc(tl.where(i < total, key, _dead_key()), LOG_CAP, TL_SORT)
             _store_topk(lp_ptr, tok_ptr, row.to(tl.int64) * K + i, key, lse, i < K)
         else:
             _row_select(x_row, key_row, V, K, t >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS, TILE)
             tl.debug_barrier()  # the winners are stored before they are read back
             ks = tl.arange(0, KP)  # [KP]
             top = tl.load(key_row + ks, mask=ks < K, other=0)
-            top = _sort(tl.where(ks < K, top, _dead_key()), LOG_KP, 1)
+            top = _sort_desc(tl.where(ks < K, top, _dead_key()), LOG_KP, TL_SORT)
             _store_topk(lp_ptr, tok_ptr, row.to(tl.int64) * K + ks, top, lse, ks < K)
         tl.atomic_xchg(count_ptr + row, 0)
 
@@ -681,7 +694,8 @@ def _topk_bound(x, k, cfg):
                                          LOG_SP=_log2(max(chunks * (chunk // seg), 2)), LOG_CAP=_log2(cap),
                                          LOG_KP=_log2(kp),
                                          CP=triton.next_power_of_2(max(chunks, 2)),
-                                         TILE=min(SEL_TILE, triton.next_power_of_2(V)), num_warps=bcfg["warps"])
+                                         TILE=min(SEL_TILE, triton.next_power_of_2(V)), TL_SORT=bcfg["tl_sort"],
+                                         num_warps=bcfg["warps"])
     return lp, tokens
 
 
