@@ -6,7 +6,9 @@ Triton tree builds against the torch build on tie-heavy random trees, times each
 (eager and as one CUDA graph replay) for budgets 8..512 at blocks 8 and 16 (--quick: 8, 64, 512), times the host
 path (GPU top-k, copy, heapq, Python walk, per-layer index_select compaction over 61 layers), with --sweep also
 times config variants of top-k, build and greedy accept at block 8, budgets SWEEP_BUDGETS (each checked against
-the reference), and writes tree.json + tree.md. As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU
+the reference), and writes tree.json + tree.md. `--topk-methods [--budgets 8,64] [--bound-sweep]` instead compares
+the two top-k methods (alone at K = 8, 64, 512 on three logit distributions, and in the whole step) and writes
+topk.json + topk.md. As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU
 only; host timer around a synchronised graph replay).
 """
 
@@ -215,9 +217,34 @@ def set_topk_method(method):
         cfg["topk_method"] = method
 
 
-def topk_methods(out, env, budgets):
+BOUND_SWEEP = {"chunk2048_w4": dict(chunk=2048, warps=4), "chunk4096_w4": dict(warps=4),
+               "chunk8192_w16": dict(chunk=8192, warps=16), "tl_sort": dict(tl_sort=True), "segs2": dict(segs_per_k=2)}
+
+
+def bound_sweep(x, ks):
+    """{K: {variant: (GPU us of the bound top-k in a CUDA graph, equal to the reference)}} over BOUND_SWEEP (each an
+    override of the sm_90 bound config, restored after)."""
+    cfg = dd.CONFIGS[90]
+    saved = dict(cfg["bound"])
+    set_topk_method("bound")
+    out = {}
+    for k in ks:
+        ref = draft_topk_torch(x, k)[1]
+        out[k] = {}
+        for name, over in BOUND_SWEEP.items():
+            cfg["bound"] = {**saved, **over}
+            with ops.using(draft_topk="triton"):
+                equal = torch.equal(ops.draft_topk(x, k)[1], ref)
+                out[k][name] = (round(graph_us(lambda: ops.draft_topk(x, k)), 2), equal)
+            print(k, name, out[k][name], flush=True)
+    cfg["bound"] = saved
+    return out
+
+
+def topk_methods(out, env, budgets, sweep=False):
     """Each top-k method alone in a CUDA graph at K in TOPK_KS (block 8) on each logit distribution, checked
-    against the torch reference; then the whole step (greedy) at `budgets`, block 8, with each method."""
+    against the torch reference; then the whole step (greedy) at `budgets`, block 8, with each method; with
+    `sweep`, bound config variants at K = 64, 512 on the realistic logits."""
     g = torch.Generator(device=DEVICE).manual_seed(0)
     result = {"env": env, "topk": [], "step": []}
     default = dd.CONFIGS[90]["topk_method"]
@@ -250,6 +277,9 @@ def topk_methods(out, env, budgets):
         print(row, flush=True)
         (out / "topk.json").write_text(json.dumps(result, indent=1))
         del case
+    if sweep:
+        result["bound_sweep"] = bound_sweep(draft_logits("realistic", 7, g), (64, 512))
+        (out / "topk.json").write_text(json.dumps(result, indent=1))
     set_topk_method(default)
     md = [f"# DDTree draft top-k methods, block 8 (7 rows), V = {V}, bf16 logits", "",
           ", ".join(f"{k}: {v:.0f}" if isinstance(v, float) else f"{k}: {v}" for k, v in env.items()), "",
@@ -267,6 +297,11 @@ def topk_methods(out, env, budgets):
     for r in result["step"]:
         md.append(f"| {r['budget']} | " + " | ".join(f"{r[m + '_step_graph_greedy_us']:.3g}" for m in TOPK_METHODS)
                   + " |")
+    if sweep:
+        md += ["", "Bound config variants (realistic logits; GPU us in a CUDA graph, '!' = tokens differ from the "
+               "reference):", "", "| K | " + " | ".join(BOUND_SWEEP) + " |", "|" + "---|" * (1 + len(BOUND_SWEEP))]
+        for k, row in result["bound_sweep"].items():
+            md.append(f"| {k} | " + " | ".join(f"{us:.3g}" + ("" if eq else "!") for us, eq in row.values()) + " |")
     (out / "topk.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
@@ -375,6 +410,7 @@ def main():
     parser.add_argument("--no-tie-checks", action="store_true", help="skip the tie-heavy build checks (compiles)")
     parser.add_argument("--topk-methods", action="store_true",
                         help="only compare the top-k methods (and the step at --budgets, default 8,64, with each)")
+    parser.add_argument("--bound-sweep", action="store_true", help="with --topk-methods: bound config variants")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -382,7 +418,7 @@ def main():
            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.topk_methods:
         budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else (8, 64)
-        return topk_methods(out, env, budgets)
+        return topk_methods(out, env, budgets, args.bound_sweep)
     env["hbm_read_GBps"] = hbm_read_GBps()
     print(env, flush=True)
     rows, checks = [], [] if args.no_tie_checks else tie_checks()

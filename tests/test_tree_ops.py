@@ -189,7 +189,7 @@ def test_draft_topk_triton_tiles(k, chunk, tile, merge, monkeypatch):
 
 @requires_triton
 @pytest.mark.parametrize("k,V,chunk,segs_per_k,cap_per_k,tile,tl_sort", [
-    (70, 3000, 1024, 4, 64, 4096, False),  # every row sorted from its candidates (all-equal rows included)
+    (70, 2000, 1024, 4, 64, 4096, False),  # every row sorted from its candidates (all-equal rows included)
     (70, 3000, 256, 0, 3, 256, False),  # fewer segments than K: every row by the exact row scan, in several tiles
     (5, 5000, 512, 4, 3, 4096, False),  # defaults at small K: random rows sorted, tie rows by the row scan
     (5, 5000, 512, 4, 3, 4096, True),  # the same with tl.sort

@@ -16,7 +16,7 @@ MAX_MERGE = 8192  # top-k: at most this many candidates (chunks x K) in one row'
 MAX_CHUNK = 16384  # and this many lanes a chunk (in registers at 16 warps; the sm_120 check compiles this size)
 SEL_TILE = 4096  # lanes one selection scan covers (it packs two counts into 15-bit fields)
 MAX_SEGS = 2048  # top-k "bound": at most this many segment maxima a row (each program sorts them)
-MAX_CAP = 4096  # and this many candidates a row (its last program sorts them)
+MAX_CAP = 2048  # and this many candidates a row (its last program sorts them)
 MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few row blocks, few dependent loads
 
 # Configs as data per arch (compute capability major*10+minor): top-k (K up to, chunk: lanes a program selects
@@ -213,7 +213,7 @@ def _bound_stats_kernel(x_ptr, pmax_ptr, psum_ptr, smax_ptr, V, CHUNKS, CHUNK: t
     tl.store(psum_ptr + row * CHUNKS + c, tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0))
     o = tl.where(offs < V, _ordered(x), -2147483648)  # [CHUNK] int32
     s = tl.max(tl.reshape(o, [CHUNK // SEG, SEG]), 1)  # [CHUNK // SEG]
-    segs = c * (CHUNK // SEG) + tl.arange(0, CHUNK // SEG)
+    segs = c * (CHUNK // SEG) + tl.arange(0, CHUNK // SEG)  # [CHUNK // SEG] segment ids in the row
     tl.store(smax_ptr + row.to(tl.int64) * CHUNKS * (CHUNK // SEG) + segs, s)
 
 
