@@ -7,7 +7,7 @@ Triton tree builds against the torch build on tie-heavy random trees, times each
 path (GPU top-k, copy, heapq, Python walk, per-layer index_select compaction over 61 layers), with --sweep also
 times config variants of top-k, build and greedy accept at block 8, budgets SWEEP_BUDGETS (each checked against
 the reference), and writes tree.json + tree.md. `--topk-methods [--budgets 8,64] [--bound-sweep]` instead compares
-the two top-k methods (alone at K = 8, 64, 512 on three logit distributions, and in the whole step) and writes
+the two top-k methods (alone at K = 8, 64, 512 on four logit distributions, and in the whole step) and writes
 topk.json + topk.md. As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU
 only; host timer around a synchronised graph replay).
 """
@@ -188,8 +188,14 @@ def draft_logits(dist, L, g):
     """[1, L, V] bf16 drafter-like logits. normal: N(0, 3^2). realistic (synthetic, no drafter here): a N(0, 2^2)
     bulk and a head of 256 tokens at random ids lifted by 14 exp(-r / 12) + U(0, 2) nats, a few clear favourites
     then a long tail. clustered (adversarial for the bound): the head 10 nats higher, on 256 consecutive ids, so
-    a few segments hold the whole top K and every head token passes the bound (past capacity: the slow path)."""
-    x = torch.randn(1, L, V, generator=g, device=DEVICE) * (3 if dist == "normal" else 2)
+    a few segments hold the whole top K and every head token passes the bound (past capacity: the slow path).
+    ties (exactness): rows of 0/1 values, of one value, of 700 equal maxima at the end, of N(0, 3^2) on a 1/4 grid."""
+    x = torch.randn(1, L, V, generator=g, device=DEVICE) * (3 if dist in ("normal", "ties") else 2)
+    if dist == "ties":
+        x = (x * 4).round() / 4
+        x[0, 0::4] = torch.randint(0, 2, (len(range(0, L, 4)), V), generator=g, device=DEVICE).float()
+        x[0, 1::4] = -1.5
+        x[0, 2::4, V - 700:] = 20.0
     if dist != "normal":
         lift = 14 * torch.exp(-torch.arange(256, device=DEVICE) / 12) + 2 * torch.rand(
             L, 256, generator=g, device=DEVICE) + (10 if dist == "clustered" else 0)
@@ -248,7 +254,7 @@ def topk_methods(out, env, budgets, sweep=False):
     g = torch.Generator(device=DEVICE).manual_seed(0)
     result = {"env": env, "topk": [], "step": []}
     default = dd.CONFIGS[90]["topk_method"]
-    for dist in ("realistic", "normal", "clustered"):
+    for dist in ("realistic", "normal", "clustered", "ties"):
         x = draft_logits(dist, 7, g)
         for k in TOPK_KS:
             ref_lp, ref_tok = draft_topk_torch(x, k)
