@@ -258,7 +258,8 @@ def topk_methods(out, env, budgets, sweep=False):
         x = draft_logits(dist, 7, g)
         for k in TOPK_KS:
             ref_lp, ref_tok = draft_topk_torch(x, k)
-            row = {"dist": dist, "K": k, "torch_topk_us": 1e3 * bench_ms(lambda: torch.log_softmax(x.float(), -1).topk(k))}
+            row = {"dist": dist, "K": k,
+                   "torch_topk_us": 1e3 * bench_ms(lambda: torch.log_softmax(x.float(), -1).topk(k))}
             for method in TOPK_METHODS:
                 set_topk_method(method)
                 t0 = time.perf_counter()
@@ -291,7 +292,8 @@ def topk_methods(out, env, budgets, sweep=False):
           ", ".join(f"{k}: {v:.0f}" if isinstance(v, float) else f"{k}: {v}" for k, v in env.items()), "",
           "GPU us of draft_topk alone in a CUDA graph (median); equal = tokens equal to the torch reference and "
           "log-probs within 1e-4; wall = first call (compiles) + checks + timing.", "",
-          "| dist | K | torch log_softmax+topk | " + " | ".join(f"{m} us | {m} equal | {m} wall s" for m in TOPK_METHODS)
+          "| dist | K | torch log_softmax+topk | "
+          + " | ".join(f"{m} us | {m} equal | {m} wall s" for m in TOPK_METHODS)
           + " | bound cap | bound max candidates | bound slow rows |", "|" + "---|" * (6 + 3 * len(TOPK_METHODS))]
     for r in result["topk"]:
         md.append(f"| {r['dist']} | {r['K']} | {r['torch_topk_us']:.3g} | " + " | ".join(
