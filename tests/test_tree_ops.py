@@ -171,10 +171,13 @@ def test_draft_topk_triton_ties_and_chunks(dtype, method, monkeypatch):
 @requires_triton
 @pytest.mark.parametrize("k,chunk,tile,merge", [(5, 1024, 256, 8192), (200, 512, 128, 1024), (300, 1024, 256, 2048),
                                                 (1000, 1024, 1024, 8192)], ids=lambda v: str(v))
-def test_draft_topk_triton_tiles(k, chunk, tile, merge, monkeypatch):
-    """Chunks scanned in several tiles, merges over several tiles, chunks grown to fit the merge, K = V."""
+@pytest.mark.parametrize("method", TOPK_METHODS)
+def test_draft_topk_triton_tiles(k, chunk, tile, merge, method, monkeypatch):
+    """Chunks scanned in several tiles, merges over several tiles, chunks grown to fit the merge, K = V (bound:
+    the same chunk sizes, its row scan in tiles)."""
     from triton_kernels import ddtree as dd
 
+    force_topk(monkeypatch, method, chunk=chunk)
     for cfg in dd.CONFIGS.values():
         monkeypatch.setitem(cfg, "topk", ((dd.MAX_BUDGET, chunk, 4),))
     monkeypatch.setattr(dd, "SEL_TILE", tile)
