@@ -10,17 +10,21 @@ keeps BN=32 (sm_120 entries: unswapped, not re-timed). The sm_90 entries: see th
 import torch
 
 CONFIGS = {
-    # swap16 of bench/results/moe_variants_h200_s2b.md (H200, 2026-11-30 04:01 UTC): transposed tiles (wgmma with
-    # the dequantised weights from registers), lop3, gate/up waves = the 2 CTAs an SM holds; 1.20-1.32x the
-    # previous entries at every M of the TP8 sweep, the fastest measured at 7 of 10 M and within 4% of swap8_s3
-    # at the other 3
+    # round 3 (bench/results/moe_variants_h200_s3.md, H200 2026-11-30 06:15 UTC; K-major words, LAYOUTS below):
+    # k_swap8_pre up to M = 256 (BM 8, prescaled weights, scales a slab ahead, down's 4 pipelined tiles: 54-69% of
+    # the read bandwidth at 8 <= M <= 256, 1.30-2.03x the swap16 entries at every M <= 256), k_ahead above (swap16
+    # with K-major words, scales ahead; 52% at M = 512, where BM 8 reads an expert's words twice). Keyed on M at
+    # the TP8 shape: at EP8 (48 experts) BM 8 passes 8 tokens an expert from M = 48 on (unmeasured there)
     "sm_90": [
-        (16, dict(BM=16, gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=4, swap=True, lop3=True),
-                  down=dict(BN=64, waves=4, num_warps=4, num_stages=2, swap=True, lop3=True))),
-        (128, dict(BM=16, gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=4, swap=True, lop3=True),
-                   down=dict(BN=64, waves=4, num_warps=4, num_stages=2, swap=True, lop3=True))),
-        (None, dict(BM=16, gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=4, swap=True, lop3=True),
-                    down=dict(BN=64, waves=2, num_warps=4, num_stages=2, swap=True, lop3=True))),
+        (256, dict(BM=8, panels=(1, 1),
+                   gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
+                                scales_ahead=True),
+                   down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
+                             scales_ahead=True, tiles=4))),
+        (None, dict(BM=16, panels=(1, 1),
+                    gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=4, swap=True, lop3=True, scales_ahead=True),
+                    down=dict(BN=64, waves=2, num_warps=4, num_stages=3, swap=True, lop3=True, scales_ahead=True,
+                              tiles=4))),
     ],
     "sm_120": [
         (16, dict(BM=16, gate_up=dict(BN=32, waves=4, num_warps=4, num_stages=3),
@@ -33,7 +37,7 @@ CONFIGS = {
 
 # Weight layout per architecture, chosen once at load by prepare_moe: (gate/up panel, down panel) widths, 0 for the
 # slab layout, 1 for K-major words (README.md). A config runs on a panel layout when its BN divides the panel width.
-LAYOUTS = {"sm_90": (0, 0), "sm_120": (0, 0)}
+LAYOUTS = {"sm_90": (1, 1), "sm_120": (0, 0)}
 
 
 # sm_90 variants under test, as overrides of an entry's per-kernel dicts (not used by config_for); those measured

@@ -776,7 +776,9 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
     gu_split = triton.cdiv(gu_slabs, gu_per_split)
     dn_bn, dn_per_cta = cfg["down"]["BN"], cfg["down"].get("tiles", 1)
     if dn_per_cta > 1 and D % (dn_bn * dn_per_cta):
-        raise ValueError(f"moe (triton): down tiles {dn_per_cta} x BN {dn_bn} must divide the hidden size {D}")
+        if config is not None:
+            raise ValueError(f"moe (triton): down tiles {dn_per_cta} x BN {dn_bn} must divide the hidden size {D}")
+        dn_per_cta = 1  # a table entry's tiles on a hidden size they do not divide: one tile a program
     dn_tiles = triton.cdiv(D, dn_bn) // dn_per_cta  # programs along N
     dn_slabs = experts.down.shape[-2] // SLAB_WORDS
     dn_split = _split(dn_slabs, est_blocks * dn_tiles, sms, cfg["down"]["waves"])
