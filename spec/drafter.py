@@ -170,15 +170,21 @@ def drafter_attention(q, k_cache, v_cache, lens, max_len, scale):
 
 
 def drafter_attention_torch(q, k_cache, v_cache, lens, max_len, scale):
-    """Through torch's scaled_dot_product_attention in q's dtype (fp32 math for fp32 inputs; on a GPU its fused
-    kernels, without expanding the key/value heads or the scores to fp32 in memory)."""
-    B = q.shape[0]
-    k = k_cache[:B, :max_len].transpose(1, 2)  # [B, KVH, M, hd]
-    v = v_cache[:B, :max_len].transpose(1, 2)
+    """In fp32, with each key/value head's query heads and block positions folded into one [G*S, hd] matrix: two
+    batched GEMMs over the context, which keep every SM streaming it. (A flash-attention forward, SDPA's fused
+    kernel, parallelises over heads and 64-query tiles only: 4 programs for one TP8 rank's block, 0.66 ms a
+    layer at 32k on an H200.) Temporaries are the context's K/V in fp32 and the [G*S, M] scores per kv head."""
+    B, S, H, hd = q.shape
+    kvh = k_cache.shape[2]
+    group = H // kvh
+    k = k_cache[:B, :max_len].transpose(1, 2).float()  # [B, KVH, M, hd]
+    v = v_cache[:B, :max_len].transpose(1, 2).float()
+    rows = q.view(B, S, kvh, group, hd).permute(0, 2, 3, 1, 4).reshape(B, kvh, group * S, hd).float()
+    scores = torch.matmul(rows, k.transpose(-1, -2)) * scale  # [B, KVH, G*S, M]
     visible = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [B, M]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype),
-                                         attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)
+    probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
+    out = torch.matmul(probs, v).view(B, kvh, group, S, hd)
+    return out.permute(0, 3, 1, 2, 4).reshape(B, S, H, hd).to(q.dtype)
 
 
 register("drafter_attention", drafter_attention_torch)
