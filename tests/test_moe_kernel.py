@@ -121,20 +121,16 @@ def assert_three_tokens_match(cfg, panels, E, D, I, seed):
 @requires_triton
 @pytest.mark.parametrize("panels,bn,extra", [((64, 128), (64, 128), {"lean": True}), ((64, 64), (32, 64), {}),
                                              ((64, 128), (64, 128), {"lean": True, "decode": True}),
-                                             ((64, 64), (32, 32), {"lean": True, "tiles": 2}),
-                                             ((0, 0), (32, 128), {"prefetch": 3}), ((32, 128), (32, 128), {"prefetch": 2})],
-                         ids=["panel_lean", "panel_bn_lt_panel", "panel_decode", "panel_down_tiles2", "slab_prefetch",
-                              "panel_prefetch"])
+                                             ((64, 64), (32, 32), {"lean": True, "tiles": 2})],
+                         ids=["panel_lean", "panel_bn_lt_panel", "panel_decode", "panel_down_tiles2"])
 def test_moe_panel_layout(panels, bn, extra):
     """The panel layout on ragged shapes (I and D not multiples of the panel: padded panels), a repeated expert,
-    split over K; tiles as wide as the panel or narrower; two down tiles a program; L2 prefetch (GPU only)."""
-    if extra.get("prefetch") and not gpu():
-        pytest.skip("PTX prefetch needs a GPU")
+    split over K; tiles as wide as the panel or narrower; two down tiles a program."""
     E, D, I = 5, 320, 96
-    lean, decode, prefetch = extra.get("lean", False), extra.get("decode", False), extra.get("prefetch", 0)
+    lean, decode = extra.get("lean", False), extra.get("decode", False)
     cfg = {"BM": 16, "panels": panels, "decode": decode,
-           "gate_up": dict(BN=bn[0], waves=8, num_warps=4, num_stages=2, lean=lean, prefetch=prefetch),
-           "down": dict(BN=bn[1], waves=8, num_warps=4, num_stages=2, lean=lean, prefetch=prefetch,
+           "gate_up": dict(BN=bn[0], waves=8, num_warps=4, num_stages=2, lean=lean),
+           "down": dict(BN=bn[1], waves=8, num_warps=4, num_stages=2, lean=lean,
                         tiles=extra.get("tiles", 1))}
     assert_three_tokens_match(cfg, panels, E, D, I, seed=5)
 
@@ -308,7 +304,7 @@ print(json.dumps([vars(compile_for(kernel, *launch)) for arch in (90, 120)
 """
 
 
-@pytest.mark.parametrize("variant,M", [("default", 1), ("prefetch", 1), ("swap8_ahead", 1),
+@pytest.mark.parametrize("variant,M", [("default", 1), ("swap8_ahead", 1),
                                        ("decode_pdl_k_stack_pre", 1)])
 def test_inline_ptx_variants_compile(variant, M):
     """sm_90 entries and variants with inline PTX (lop3, L2 prefetch, grid dependency control), which the

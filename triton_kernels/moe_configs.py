@@ -51,9 +51,6 @@ VARIANTS = {
     # of a block are set up once per `tiles` tiles (+1-3% at M >= 16 on the unswapped entries, H200 02:52 UTC;
     # where down's K is one slab the tile loop is now pipelined, see round 3 below)
     "dn_tiles2": dict(down=dict(tiles=2)),
-    # `prefetch` (distance in slabs): ask L2 for slab + prefetch's words (one PTX prefetch per 128-byte line) while
-    # slab is dequantised (0-7% slower on the unswapped entries, kept for the compile test of inline PTX)
-    "prefetch": dict(gate_up=dict(prefetch=2), down=dict(prefetch=2)),
     # BM 8 with swap: tokens pad to mma.sync's N = 8 (Triton keeps mma.sync there; half the HMMAs and scale FFMAs
     # a weight). `waves` = the CTAs an SM holds: 3 at 4 stages (61 KB), 4 at 3 stages (128 registers). Measured
     # (unswapped BM 16 base, 04:01 UTC): swap8_s3 the fastest at M = 8, 16, 64 (1-4% ahead of swap16), all BM 8

@@ -238,13 +238,11 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _prefetch_slab(lines, slab, w_row, up_w, UP: tl.constexpr):
-    """Prefetch slab `slab`'s 32 rows of words (and the up columns', at up_w, when UP) from the 128-byte line
-    offsets `lines` [1, BN / 32] of its first row."""
+def _prefetch_slab(lines, slab, w_row):
+    """Prefetch slab `slab`'s 32 rows of words from the 128-byte line offsets `lines` [1, BN / 32] of its first
+    row."""
     rows = (slab * _SLAB_WORDS + tl.arange(0, _SLAB_WORDS))[:, None].to(tl.int64) * w_row  # [32, 1]
     _prefetch_l2(lines + rows)  # [32, BN / 32]
-    if UP:
-        _prefetch_l2(lines + rows + up_w)
 
 
 @triton.jit
@@ -335,7 +333,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
                     D, I, n_slabs, n_slabs_per_split, split_k, stride_we, stride_se, stride_part,
                     w_row, s_row, stride_wp, stride_sp, up_w, up_s,
                     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, LEAN: tl.constexpr,
-                    EVEN_N: tl.constexpr, DECODE: tl.constexpr, PANEL: tl.constexpr, PREFETCH: tl.constexpr,
+                    EVEN_N: tl.constexpr, DECODE: tl.constexpr, PANEL: tl.constexpr,
                     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
                     SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, STACK: tl.constexpr = False,
                     PDL: tl.constexpr = False, PRESCALE: tl.constexpr = False):
@@ -396,10 +394,6 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     else:
         w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token * D, kw, kg, w_cols, s_cols, first,
                                                w_row, s_row, SWAP)
-        if PREFETCH:  # slabs first + 1 .. first + PREFETCH - 1; the loop asks for slab + PREFETCH
-            lines = w_base + _tile_cols(pid_n, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]: 128-byte lines
-            for ahead in tl.static_range(1, PREFETCH):
-                _prefetch_slab(lines, tl.minimum(first + ahead, end - 1), w_row, up_w, True)
         sg, su = 0, 0  # with AHEAD: the gate and up scales [BN, 8] of the slab being computed
         if AHEAD:
             sg, su = _load_scales(s_ptrs, n_mask, s_row), _load_scales(s_ptrs + up_s, n_mask, s_row)
@@ -407,8 +401,6 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
             if not LEAN:  # recomputed from the slab index (the measured default); LEAN carries them below
                 w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token * D, kw, kg, w_cols, s_cols,
                                                        slab, w_row, s_row, SWAP)
-            if PREFETCH:
-                _prefetch_slab(lines, tl.minimum(slab + PREFETCH, end - 1), w_row, up_w, True)
             if AHEAD:
                 s_next = s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols  # [BN]
                 sg_next, su_next = _load_scales(s_next, n_mask, s_row), _load_scales(s_next + up_s, n_mask, s_row)
@@ -448,25 +440,19 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
 
 @triton.jit
 def _down_slabs(acc, w_base, s_base, h_rows, kw, kg, w_cols, s_cols, w_ptrs, a_ptrs, s_ptrs, k, valid, n_mask,
-                col_mask, tile, first, end, I, w_row, s_row, stride_wp, MAGIC: tl.constexpr,
+                col_mask, tile, first, end, I, w_row, s_row, MAGIC: tl.constexpr,
                 MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, DTYPE: tl.constexpr, EVEN_K: tl.constexpr,
                 SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, LEAN: tl.constexpr,
-                PREFETCH: tl.constexpr, BN: tl.constexpr, PANEL: tl.constexpr, PRESCALE: tl.constexpr):
+                BN: tl.constexpr, PANEL: tl.constexpr, PRESCALE: tl.constexpr):
     """acc [BM, BN] (SWAP: [BN, BM]) += slabs first .. end - 1 of down N tile `tile` (its K loop; pointers of
     slab `first` given, as `_slab_ptrs` makes them)."""
     sc = 0  # with AHEAD: the scales [BN, 8] of the slab being computed (as in _gate_up_kernel)
     if AHEAD:
         sc = _load_scales(s_ptrs, n_mask, s_row)
-    if PREFETCH:  # as in _gate_up_kernel (one slab at K2.6's TP8 shape: nothing to prefetch)
-        lines = w_base + _tile_cols(tile, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]
-        for ahead in tl.static_range(1, PREFETCH):
-            _prefetch_slab(lines, tl.minimum(first + ahead, end - 1), w_row, 0, False)
     for slab in range(first, end):
         if not LEAN:
             w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, slab, w_row,
                                                    s_row, SWAP)
-        if PREFETCH:
-            _prefetch_slab(lines, tl.minimum(slab + PREFETCH, end - 1), w_row, 0, False)
         if AHEAD:
             sc_next = _load_scales(s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols, n_mask, s_row)
         w0, w1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
@@ -490,7 +476,7 @@ def _tile_scales(s_base, tile, stride_sp, s_row, D, BN: tl.constexpr, PANEL: tl.
 def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                  D, I, n_slabs, n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp,
                  TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LEAN: tl.constexpr, EVEN_N: tl.constexpr,
-                 DECODE: tl.constexpr, PANEL: tl.constexpr, PREFETCH: tl.constexpr, TILES: tl.constexpr,
+                 DECODE: tl.constexpr, PANEL: tl.constexpr, TILES: tl.constexpr,
                  MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
                  SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, ONE_SLAB: tl.constexpr = False,
                  PDL: tl.constexpr = False, PRESCALE: tl.constexpr = False):
@@ -529,7 +515,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
                 _prefetch_l2(w_base + _tile_cols(pid_n * TILES + t, stride_wp, BN, PANEL) + first * _SLAB_WORDS)
             else:
                 lines = w_base + _tile_cols(pid_n * TILES + t, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]
-                _prefetch_slab(lines, first, w_row, 0, False)
+                _prefetch_slab(lines, first, w_row)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the cast to x's dtype may launch (it waits for this kernel)
     last = pid_n * TILES + TILES - 1  # this program's last N tile
@@ -559,8 +545,8 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
                 sc_tile = sc_next
         else:
             acc = _down_slabs(acc, w_base, s_base, h_rows, kw, kg, w_cols, s_cols, w_ptrs, a_ptrs, s_ptrs, k, valid,
-                              n_mask, col_mask, tile, first, end, I, w_row, s_row, stride_wp, MAGIC, MAGIC_VALUE,
-                              WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD, LEAN, PREFETCH, BN, PANEL, PRESCALE)
+                              n_mask, col_mask, tile, first, end, I, w_row, s_row, MAGIC, MAGIC_VALUE,
+                              WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD, LEAN, BN, PANEL, PRESCALE)
         # relaxed: only atomicity is needed (the cast reads out in a later launch); the default acq_rel fences every
         # atomic (MEMBAR.ALL.GPU + L1 invalidation on sm_90)
         W, _ = _orient(weight, n, SWAP)
@@ -691,15 +677,14 @@ def _expected_experts(E, pairs):
 
 
 def _flags(kernel_cfg, N, ptx=True):
-    """LEAN / EVEN_N / PREFETCH / SWAP / LOP3 / AHEAD / PRESCALE constexprs of a kernel config: `lean` carries the slab
+    """LEAN / EVEN_N / SWAP / LOP3 / AHEAD / PRESCALE constexprs of a kernel config: `lean` carries the slab
     pointers across the K loop, drops the column masks when BN divides N and loads a block's pair ids with its
-    expert; `prefetch` (a distance in slabs, 0 off) asks L2 for the words of slab + prefetch while slab is
-    dequantised (PTX prefetch: not interpretable); `swap` computes the transposed tile, weights as the MMA's M
+    expert; `swap` computes the transposed tile, weights as the MMA's M
     operand (`_slab_dot`); `lop3` dequantises with one PTX lop3 for the mask and the magic exponent
     (`_unpack_group`), the same result as the plain form the interpreter runs (ptx=False); `scales_ahead` loads
     each slab's group scales one slab early; `prescale` scales the weights before the MMA (`_slab_dot`)."""
     lean = kernel_cfg.get("lean", False)
-    return dict(LEAN=lean, EVEN_N=lean and N % kernel_cfg["BN"] == 0, PREFETCH=kernel_cfg.get("prefetch", 0),
+    return dict(LEAN=lean, EVEN_N=lean and N % kernel_cfg["BN"] == 0,
                 SWAP=kernel_cfg.get("swap", False), LOP3=ptx and kernel_cfg.get("lop3", False),
                 AHEAD=kernel_cfg.get("scales_ahead", False), PRESCALE=kernel_cfg.get("prescale", False))
 
@@ -761,8 +746,6 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
         raise ValueError(f"moe (triton): config for panels {cfg['panels']}, experts laid out with "
                          f"{(experts.panel_gate_up, experts.panel_down)}")
     BM, decode = cfg["BM"], cfg.get("decode", False)
-    if 1 in (experts.panel_gate_up, experts.panel_down) and (cfg["gate_up"].get("prefetch") or cfg["down"].get("prefetch")):
-        raise ValueError("moe (triton): L2 prefetch does not support K-major words (panel 1)")
     nb_max = P if decode else triton.cdiv(P, BM) + min(E, P)
     capacity = nb_max * BM
     sms = _sm_count(x.device)
