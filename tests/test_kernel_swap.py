@@ -81,7 +81,7 @@ def test_engine_output_with_tree_kernel_swapped_in(names):
     target = KimiModel(CFG, dtype=torch.float32, device=TRITON_DEVICE).init_random_(2).prepare()
     drafter = DFlashDrafter(drafter_config(CFG), dtype=torch.float32, device=TRITON_DEVICE).init_random_(3).bind(target)
     prompts = [[10, 11, 12, 13, 14], [200, 201]]
-    new = 2 if "draft_topk" in names else 6  # its kernel takes ~10 s a call under the interpreter: one step
+    new = 2 if "draft_topk" in names else 6  # its interpreted kernel is the slow part: one step
     greedy = Engine(target).generate(prompts, new, spec=False).output_ids
     oracle = OracleDrafter(drafter, [p + g for p, g in zip(prompts, greedy)])
     engine = Engine(target, oracle, 12)
