@@ -1,12 +1,8 @@
-python -m pip install --no-deps --no-build-isolation -e . -q
 # Session 3's attention device call (issue #6): the round-2 sweep (lazy rescale, all split counts, bf16 partials,
 # small and dv256 configs, programmatic dependent launch, the whole-wave split rule, the verify step's padded shapes),
 # then the GPU attention tests. Usage (device): bash bench/device_attention_s3.sh [sweep-budget-s] [sweep-s] [tests-s]
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-out}; mkdir -p "$OUT/attention"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+source bench/device_env.sh
+mkdir -p "$OUT/attention"
 timeout "${2:-160}" python bench/bench_attention.py --out "$OUT/attention" --round2 --budget "${1:-125}" --workers 14 \
   >"$OUT/attention/sweep.log" 2>&1
 echo "sweep exit $?"; grep -v -i warn "$OUT/attention/sweep.log" | grep -v "^{" | tail -40
