@@ -1,0 +1,106 @@
+"""Launch options of two small verify-step kernels on the GPU: the absorbed query (`absorb_query`, tokens per
+program) and the router (select kernel warps, K splits of the logits), at one TP8 rank's shapes (8 heads,
+E = 384, D = 7168) for 1-129 tree nodes.
+
+`python bench/bench_glue.py --out DIR`: each op is captured 20 times back to back in one CUDA graph and timed as a
+replay (median, CUDA events), so the figure is its in-step cost (kernel plus launch gap) per call; outputs are
+checked against the default launch. Writes glue.json and glue.md.
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from triton_kernels import absorb, router
+
+ROWS = (1, 9, 33, 65, 129)
+REPEAT = 20
+
+
+def per_call_us(fn):
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPEAT):
+            fn()
+    return 1e3 * triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") / REPEAT
+
+
+def absorb_rows(n, block_ns):
+    dev = "cuda"
+    q = torch.randn(n, 8, 192, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(8, 128, 512, device=dev, dtype=torch.bfloat16) / 12
+    pos = torch.arange(n, device=dev) + 4000
+    freq = 1.0 / (10000 ** (torch.arange(32, device=dev).float() / 32))
+    call = lambda: absorb.absorb_query(q[:, :, :128], q[:, :, 128:], w, pos, freq, 1.0)  # noqa: E731
+    base, row = call(), {}
+    default = absorb._block_n
+    try:
+        for bn in block_ns:
+            absorb._block_n = lambda N, bn=bn: bn
+            row[f"block_n {bn}"] = dict(us=per_call_us(call), equal=bool(torch.equal(call(), base)))
+    finally:
+        absorb._block_n = default
+    return row
+
+
+def router_rows(m, warps, splits):
+    dev = "cuda"
+    x = torch.randn(m, 7168, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(384, 7168, device=dev, dtype=torch.bfloat16) / 85
+    bias = 0.01 * torch.randn(384, device=dev)
+    call = lambda: router.route(x, w, bias, 8, 1, 1, 2.827)  # noqa: E731
+    base_w, base_ids = call()
+    row = {}
+    default_warps, default_max = router.SELECT_WARPS, router.MAX_SPLITS
+    try:
+        for wp in warps:
+            for sp in splits:
+                router.SELECT_WARPS, router.MAX_SPLITS = wp, sp
+                got_w, got_ids = call()
+                ok = torch.equal(got_ids, base_ids) and (got_w - base_w).abs().max().item() < 1e-5
+                row[f"warps {wp} splits {sp}"] = dict(us=per_call_us(call), equal=bool(ok))
+    finally:
+        router.SELECT_WARPS, router.MAX_SPLITS = default_warps, default_max
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), repeat=REPEAT)
+    report = dict(meta=meta, absorb_query={}, router={})
+    for n in ROWS:
+        report["absorb_query"][n] = absorb_rows(n, (16, 32, 64))
+        report["router"][n] = router_rows(n, (1, 2, 4), (8, 16, 32))
+        print(n, json.dumps(report["absorb_query"][n]), json.dumps(report["router"][n]), flush=True)
+        (args.out / "glue.json").write_text(json.dumps(report, indent=1))
+    lines = [f"# absorb_query and router launch options ({meta['gpu']}, {meta['date']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}; us per call, {REPEAT} calls in one CUDA graph; "
+             "'!' marks an output different from the default launch's.", ""]
+    for op in ("absorb_query", "router"):
+        labels = list(next(iter(report[op].values())))
+        lines += [f"## {op}", "", "| rows | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+        for n, row in report[op].items():
+            lines.append(f"| {n} | " + " | ".join(f"{row[k]['us']:.2f}{'' if row[k]['equal'] else ' !'}"
+                                                  for k in labels) + " |")
+        lines.append("")
+    (args.out / "glue.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
