@@ -44,13 +44,13 @@ def absorb_rows(n, block_ns):
     freq = 1.0 / (10000 ** (torch.arange(32, device=dev).float() / 32))
     call = lambda: absorb.absorb_query(q[:, :, :128], q[:, :, 128:], w, pos, freq, 1.0)  # noqa: E731
     base, row = call(), {}
-    default = absorb._block_n
+    default = absorb.QUERY_BLOCK_N
     try:
         for bn in block_ns:
-            absorb._block_n = lambda N, bn=bn: bn
+            absorb.QUERY_BLOCK_N = bn
             row[f"block_n {bn}"] = dict(us=per_call_us(call), equal=bool(torch.equal(call(), base)))
     finally:
-        absorb._block_n = default
+        absorb.QUERY_BLOCK_N = default
     return row
 
 

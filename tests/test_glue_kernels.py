@@ -126,7 +126,7 @@ def sm120_resources():
                                                freq_ptr="*fp32", out_ptr="*bf16", N="i32", H="i32", stride_qn="i32",
                                                stride_qnh="i32", stride_qp="i32", stride_qph="i32", stride_wh="i32",
                                                stride_wd="i32", factor="fp32"),
-                    dict(DN=128, R=512, HALF=32, BLOCK_N=64, BLOCK_C=64), aligned=True),
+                    dict(DN=128, R=512, HALF=32, BLOCK_N=16, BLOCK_C=64), aligned=True),
         compile_for(_absorb_output_kernel, dict(o_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", N="i32", H="i32",
                                                 stride_on="i32", stride_oh="i32", stride_wh="i32", stride_wd="i32"),
                     dict(R=512, DV=128, BLOCK_N=64, BLOCK_D=32, BLOCK_K=128), aligned=True),

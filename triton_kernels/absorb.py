@@ -51,6 +51,9 @@ def _absorb_output_kernel(o_ptr, w_ptr, out_ptr, N, H, stride_on, stride_oh, str
     tl.store(out_ptr + rows * H * DV + h * DV + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+QUERY_BLOCK_N = 16  # tokens a program: 2.2x faster than 64 at 33 rows, 2.2x at 129 (bench_glue, H200)
+
+
 def _block_n(N):
     return 16 if N <= 16 else 64
 
@@ -64,11 +67,10 @@ def absorb_query(q_nope, q_pe, w_uk, positions, inv_freq, attention_factor):
         raise ValueError("absorb_query (triton): last dims must be contiguous and R a multiple of 64")
     out = torch.empty(N, H, R + 2 * half, dtype=q_nope.dtype, device=q_nope.device)
     if N:
-        block_n = _block_n(N)
-        _absorb_query_kernel[(H, R // 64, triton.cdiv(N, block_n))](
+        _absorb_query_kernel[(H, R // 64, triton.cdiv(N, QUERY_BLOCK_N))](
             q_nope, q_pe, w_uk, positions, inv_freq.float().contiguous(), out, N, H, q_nope.stride(0),
             q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), w_uk.stride(0), w_uk.stride(1),
-            float(attention_factor), DN=dn, R=R, HALF=half, BLOCK_N=block_n, BLOCK_C=64)
+            float(attention_factor), DN=dn, R=R, HALF=half, BLOCK_N=QUERY_BLOCK_N, BLOCK_C=64)
     return out
 
 
