@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import triton
 
+from bench_tree import graph_of  # bench/ is on sys.path when this file runs as a script
 from triton_kernels import absorb, router
 
 ROWS = (1, 9, 33, 65, 129)
@@ -22,17 +23,7 @@ REPEAT = 20
 
 
 def per_call_us(fn):
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPEAT):
-            fn()
+    graph = graph_of(lambda: [fn() for _ in range(REPEAT)])
     return 1e3 * triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") / REPEAT
 
 
