@@ -1,6 +1,6 @@
-# Sourced first by the device scripts: install the project, strict mode, unbuffered Python, $OUT, and a line
-# naming the GPU, driver, clocks and versions for the results files.
-python -m pip install --no-deps --no-build-isolation -e . -q
+# Sourced first by the device scripts: install the project (or fall back to the source tree on the path), strict
+# mode, unbuffered Python, $OUT, and a line naming the GPU, driver, clocks and versions for the results files.
+python -m pip install --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || export PYTHONPATH="$PWD/src:$PWD"
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"

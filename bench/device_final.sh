@@ -2,10 +2,8 @@
 # The session's closing device call: GPU tests of what changed, the DDTree step bench, the TP8-rank step bench
 # (4k and 32k), and the step again with the Triton skinny GEMM for the dense projections (linear=triton).
 # Usage (device): bash bench/device_final.sh [tests-s] [tree-s] [step-s] [linear-s]
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-out}; mkdir -p "$OUT/step" "$OUT/tree" "$OUT/step_linear"
-python -m pip install --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || export PYTHONPATH="$PWD/src:$PWD"
+source bench/device_env.sh
+mkdir -p "$OUT/step" "$OUT/tree" "$OUT/step_linear"
 timeout "${1:-90}" python -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_glue_kernels.py \
   tests/test_graphs.py tests/test_kernel_swap.py tests/test_tree_ops.py >"$OUT/pytest_final.log" 2>&1
 echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_final.log" | tail -12

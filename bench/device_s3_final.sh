@@ -3,10 +3,8 @@
 # (4k and 32k), the two draft top-k methods, the attention defaults at 32k/128k and the step's shapes, and the
 # step at 4k with the shared expert on the main stream (A/B of the overlap).
 # Usage (device): bash bench/device_s3_final.sh [tests-s] [step-s] [topk-s] [attention-s] [ab-s]
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-out}; mkdir -p "$OUT/step" "$OUT/step_no_overlap" "$OUT/attention" "$OUT/topk"
-python -m pip install --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || export PYTHONPATH="$PWD/src:$PWD"
+source bench/device_env.sh
+mkdir -p "$OUT/step" "$OUT/step_no_overlap" "$OUT/attention" "$OUT/topk"
 timeout "${1:-150}" python -m pytest -q -n 8 -rf --tb=short -p no:cacheprovider tests/test_glue_kernels.py \
   tests/test_graphs.py tests/test_kernel_swap.py tests/test_tree_ops.py tests/test_attention_kernel.py \
   tests/test_moe_kernel.py tests/test_engine.py \

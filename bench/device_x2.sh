@@ -2,12 +2,8 @@
 # A device call on two GPUs (nvidia-h200-x2): the model/engine GPU tests on GPU 0, spec.decode under torchrun
 # with two NCCL ranks (graphs vs eager), then the TP8-rank step bench on GPU 0.
 # Usage (device): bash bench/device_x2.sh [tests-s] [bench-s] [bench_step.py args...]
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-out}; mkdir -p "$OUT"
+source bench/device_env.sh
 tests_s=${1:-150}; bench_s=${2:-150}; shift 2 || true
-python -m pip install --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || export PYTHONPATH="$PWD/src:$PWD"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout "$tests_s" python -m pytest -q -rfs -p no:cacheprovider --durations=8 tests/test_glue_kernels.py \
   tests/test_graphs.py tests/test_engine.py tests/test_decode_cli.py -k "gpu or router or torchrun or glue or on_triton" \
   >"$OUT/pytest_x2.log" 2>&1
