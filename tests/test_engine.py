@@ -234,14 +234,19 @@ def assert_equal_up_to_near_ties(paths, prompts, got, want, tie=0.02):
         if i is None:
             assert len(g) == len(w), f"row {b}: {len(g)} tokens, the reference {len(w)}"
             continue
-        seq = torch.tensor([prompts[b] + w[:i]], device=TRITON_DEVICE)
-        with ops.using(**{n: "torch" for n in ops.op_names()}):
-            logits = target(seq, torch.arange(seq.shape[1], device=seq.device)[None],
-                            target.new_cache(1, seq.shape[1])).logits[0, -1]
+        logits = reference_next_logits(target, prompts[b] + w[:i], TRITON_DEVICE)
         gap = (logits[w[i]] - logits[g[i]]).abs().item()
         span = (logits.max() - logits.min()).item()
         assert gap < tie * span, f"row {b} token {i}: {g[i]} vs the reference {w[i]}, fp32 logit gap {gap:.4g} " \
                                  f"of a {span:.4g} range: not a near-tie"
+
+
+def reference_next_logits(target, tokens, device):
+    """[V] logits after `tokens` (one prefill, every op on its torch reference)."""
+    seq = torch.tensor([tokens], device=device)
+    with ops.using(**{n: "torch" for n in ops.op_names()}):
+        return target(seq, torch.arange(seq.shape[1], device=device)[None],
+                      target.new_cache(1, seq.shape[1])).logits[0, -1]
 
 
 def test_near_tie_check_rejects_a_real_difference(paths):
@@ -249,9 +254,7 @@ def test_near_tie_check_rejects_a_real_difference(paths):
     target, _ = load_pair(paths, torch.float32)
     want = greedy_generate(target, PROMPTS[:1], 3)
     assert_equal_up_to_near_ties(paths, PROMPTS[:1], want, want)
-    seq = torch.tensor([PROMPTS[0]])
-    with ops.using(**{n: "torch" for n in ops.op_names()}):
-        logits = target(seq, torch.arange(seq.shape[1])[None], target.new_cache(1, seq.shape[1])).logits[0, -1]
+    logits = reference_next_logits(target, PROMPTS[0], "cpu")
     worst = [[logits.argmin().item()] + want[0][1:]]
     with pytest.raises(AssertionError, match="not a near-tie"):
         assert_equal_up_to_near_ties(paths, PROMPTS[:1], worst, want)
