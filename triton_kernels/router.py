@@ -106,5 +106,6 @@ def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm
     _select_kernel[(M,)](part, bias.float().contiguous(), weights, ids, M, E, splits, E // n_group, n_group,
                          topk_group, top_k, float(scaling_factor), NORM=bool(norm_topk_prob),
                          BLOCK_E=triton.next_power_of_2(E), BLOCK_G=triton.next_power_of_2(n_group),
-                         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_S=triton.next_power_of_2(splits), num_warps=SELECT_WARPS)
+                         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_S=triton.next_power_of_2(splits),
+                         num_warps=SELECT_WARPS)
     return weights, ids
