@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 from model.config import preset
 from model.model import KimiModel
-from spec.drafter import DFlashDrafter, DrafterConfig, check_drafter_fits, default_target_layer_ids
+from spec.drafter import (DFlashDrafter, DrafterConfig, check_drafter_fits, default_target_layer_ids,
+                          drafter_attention)
 from spec.drafter_checkpoint import checkpoint_tensors, load_drafter, write_drafter_checkpoint
-from tests.conftest import rel_err
+from tests.conftest import gpu, rel_err
 
 TARGET = preset("tiny")
 
@@ -92,6 +93,34 @@ def test_drafter_matches_reference_with_incremental_batched_context(target):
         d.append_context(cache, new, torch.tensor(counts, dtype=torch.int32), counts)
         feats = [torch.cat([feats[b], new[b, : counts[b]]]) for b in range(2)]
     assert cache.lens.tolist() == cache.host_lens == [f.shape[0] for f in feats]
+
+
+def naive_attention(q, k_cache, v_cache, lens):
+    """Per sequence and head, in float64: softmax(q k^T / sqrt(hd)) v over the first lens[b] entries."""
+    B, S, H, hd = q.shape
+    out = torch.empty(B, S, H, hd, dtype=torch.float64)
+    for b in range(B):
+        n = int(lens[b])
+        k = k_cache[b, :n].double().repeat_interleave(H // k_cache.shape[2], 1)  # [n, H, hd]
+        v = v_cache[b, :n].double().repeat_interleave(H // k_cache.shape[2], 1)
+        probs = (torch.einsum("shd,mhd->hsm", q[b].double(), k) * hd ** -0.5).softmax(-1)
+        out[b] = torch.einsum("hsm,mhd->shd", probs, v)
+    return out
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32)] +
+                         ([("cuda", torch.bfloat16), ("cuda", torch.float16)] if gpu() else []))
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_drafter_attention_matches_naive_softmax(device, dtype, kv_heads):
+    torch.manual_seed(0)
+    B, S, H, hd, L = 3, 5, 4, 32, 77
+    q = torch.randn(B, S, H, hd, device=device).to(dtype)
+    k_cache, v_cache = (torch.randn(B + 1, L, kv_heads, hd, device=device).to(dtype) for _ in range(2))
+    lens = torch.tensor([9, 61, 33], dtype=torch.int32, device=device)
+    out = drafter_attention(q, k_cache, v_cache, lens, 70, hd ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert rel_err(out.double().cpu(), naive_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), lens.cpu())) < (
+        1e-6 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("in_dflash_config", [False, True])
