@@ -3,9 +3,8 @@
 Standalone: `python bench/bench_attention.py --out DIR [--tune] [--quick]` measures the ceilings (HBM read
 bandwidth: a sum over 4 GiB; bf16 matmul rate: 8192^3) and the sweep T x context x H at B=1, checks each
 case against the fp32 reference, and writes attention.json + attention.md. --tune also times candidate
-configs and split counts per case; --focus a short tune at 32k/128k; --round2 the round-2 options (lazy rescale,
-all split counts, bf16 partials, small configs, programmatic dependent launch, the whole-wave split rule) beside
-the default, also at the verify step's shapes (STEP_CASES: T = budget + 1, cache padded past the length);
+configs and split counts per case; --focus a short tune at 32k/128k; --round2 the round-2 options (all split
+counts, bf16 partials, small configs, the whole-wave split rule) beside the default, also at the verify step's shapes (STEP_CASES: T = budget + 1, cache padded past the length);
 --defaults the committed defaults alone at 32k/128k and STEP_CASES (the short re-measure). As a pytest-benchmark
 sweep: `pytest bench/bench_attention.py` (GPU only).
 
@@ -49,7 +48,6 @@ FOCUS = {  # --focus: the measured defaults beside the unchained configs (a shor
     None: [(64, 64, 8, 2, 512, False), (64, 64, 8, 2, 512, True), (64, 32, 8, 3, 512, True)],
 }
 PER_SM = (0.5, 1, 2, 4)  # programs per SM (split counts) tried by --tune
-LAZY_TAU = 8.0  # --round2: lazy rescale threshold timed (log2 units)
 ROUND2_SMALL = {  # --round2, 16 < T*H <= 64: "small", mma.sync tiles; "dv256", 4-warp wgmma programs of 110 KB
     "small": [(16, 32, 4, 3, 512, False), (32, 32, 4, 2, 512, False)],  # that split the values, two per SM (one's
     "dv256": [(64, 16, 4, 2, 256, False)],  # softmax may overlap the other's MMAs)
@@ -58,7 +56,6 @@ HALF_PARTIALS_MAX_ROWS = 64  # --tune also times bf16 per-split outputs where T*
 # --round2: (context, H, T, pad) as in bench_step.py's TP8 verify: length context + T in a cache of
 # context + T + pad entries (its cache is sized for the largest context and bucket)
 STEP_CASES = ((32768, 8, 33, 97), (32768, 8, 9, 121), (32768, 8, 65, 65), (32768, 8, 1, 129), (4096, 8, 33, 28769))
-ROUND2_PDL = [True]  # --round2 times PDL variants (set False when pdl_probe fails)
 WAVES_RULE = (8, True)  # --round2 "waves": mk.SPLIT_RULE candidate (length window, whole-wave counts)
 
 
@@ -159,7 +156,7 @@ def run_case(L, H, T, ceil, B=1, causal=False, time_torch=True, pad=0):
 
 
 def focus_runs(row, sms, table=CANDIDATES, direct=True):
-    """(label, config, splits, partials, rescale_tau) of every candidate config at each PER_SM (programs per SM; one
+    """(label, config, splits, partials) of every candidate config at each PER_SM (programs per SM; one
     split only if direct), also with bf16 partials where T*H <= HALF_PARTIALS_MAX_ROWS, and the committed default."""
     L, B, rows = row["L"], row["B"], row["T"] * row["H"]
     runs = []
@@ -169,42 +166,37 @@ def focus_runs(row, sms, table=CANDIDATES, direct=True):
             splits = mk.choose_splits(base, L, cfg[1], sms, per_sm)
             if (direct or splits > 1) and not any(r[1:3] == (cfg, splits) for r in runs):
                 half = [torch.bfloat16] if rows <= HALF_PARTIALS_MAX_ROWS and splits > 1 else []
-                runs += [(per_sm, cfg, splits, dt, 0.0) for dt in [torch.float32] + half]
+                runs += [(per_sm, cfg, splits, dt) for dt in [torch.float32] + half]
     cfg, splits, partials = default_choice(rows, B, L + row.get("pad", 0), sms)
     if cfg in candidates(rows, table) and not any(r[1:3] == (cfg, splits) for r in runs):  # the default, always timed
-        runs.append(("default", cfg, splits, getattr(torch, partials), 0.0))
+        runs.append(("default", cfg, splits, getattr(torch, partials)))
     return runs
 
 
 def round2_runs(row, sms):
-    """Round-2 candidates (label, config, splits, partials, rescale_tau, pdl): the committed default, with lazy
-    rescale (LAZY_TAU), with the model's split count over all counts, with bf16 partials (T*H > 64), the
-    ROUND2_SMALL configs where T*H <= 64, with programmatic dependent launch, and the split count of WAVES_RULE."""
+    """Round-2 candidates (label, config, splits, partials): the committed default, with the model's split count
+    over all counts, with bf16 partials (T*H > 64), the ROUND2_SMALL configs where T*H <= 64, and the split count
+    of WAVES_RULE. (Lazy rescale and programmatic dependent launch, timed here in session 3, were slower and are
+    gone from the kernel: bench/results/attention_h200_run5.md.)"""
     L, B, rows = row["L"] + row.get("pad", 0), row["B"], row["T"] * row["H"]
     cfg, splits, partials = default_choice(rows, B, L, sms)
     entry = mk.entry_for(rows, 90)
     dt = getattr(torch, partials)
     every = mk.default_splits(entry, rows, B, L, sms, 90, dt.itemsize, every=True)
     waves = mk.default_splits(entry, rows, B, L, sms, 90, dt.itemsize, rule=WAVES_RULE)
-    runs = [("default", cfg, splits, dt, 0.0, False), ("lazy", cfg, splits, dt, LAZY_TAU, False)]
-    pdl = ROUND2_PDL[0]
-    if splits > 1 and pdl:
-        runs.append(("pdl", cfg, splits, dt, 0.0, True))
+    runs = [("default", cfg, splits, dt)]
     if every != splits:
-        runs += [("all-S", cfg, every, dt, 0.0, False), ("all-S lazy", cfg, every, dt, LAZY_TAU, False)]
+        runs.append(("all-S", cfg, every, dt))
     if waves != splits:
-        runs.append(("waves", cfg, waves, dt, 0.0, False))
-        if waves > 1 and pdl:
-            runs.append(("waves pdl", cfg, waves, dt, 0.0, True))
+        runs.append(("waves", cfg, waves, dt))
     if dt != torch.bfloat16 and splits > 1:
-        runs += [("bf16", cfg, splits, torch.bfloat16, 0.0, False),
-                 ("bf16 lazy", cfg, splits, torch.bfloat16, LAZY_TAU, False)]
+        runs.append(("bf16", cfg, splits, torch.bfloat16))
     for name, configs in ROUND2_SMALL.items() if 16 < rows <= 64 else ():
         for small in configs:
             base = B * triton.cdiv(rows, small[0]) * (512 // small[4])
             for per_sm in (1, 2):
                 runs.append((f"{name} x{per_sm}", small, mk.choose_splits(base, L, small[1], sms, per_sm),
-                             torch.bfloat16, 0.0, False))
+                             torch.bfloat16))
     return runs
 
 
@@ -217,21 +209,19 @@ def merge_time_us(B, rows, splits, partials):
     block_s, block_d = mk.merge_blocks(splits)
     grid = (rows, 512 // block_d, B)
     return graph_time_us(lambda _: mk._merge_kernel[grid](o_part, lse_part, out, rows, splits, BLOCK_S=block_s,
-                                                          BLOCK_D=block_d, PDL=False), [None] * 8)
+                                                          BLOCK_D=block_d), [None] * 8)
 
 
 def tune_case(row, runs):
-    """Time each run (label, config, splits, partials, rescale_tau[, pdl]) of one measured case and check it against
+    """Time each run (label, config, splits, partials) of one measured case and check it against
     the fp32 reference."""
     L, H, T, B = row["L"], row["H"], row["T"], row["B"]
     q, caches, lens, mask = make_inputs(L, H, T, B, causal=row["causal"], pad=row.get("pad", 0))
     ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE).double()
     results = []
-    for label, cfg, splits, dt, tau, *pdl in runs:
-        pdl = pdl[0] if pdl else None  # None: the arch's default
-        entry = {"config": list(cfg), "splits": splits, "per_sm": label, "partials": str(dt).split(".")[-1],
-                 "rescale_tau": tau, "pdl": pdl}
-        kwargs = dict(num_splits=splits, config=cfg, partials=dt, rescale_tau=tau, pdl=pdl)
+    for label, cfg, splits, dt in runs:
+        entry = {"config": list(cfg), "splits": splits, "per_sm": label, "partials": str(dt).split(".")[-1]}
+        kwargs = dict(num_splits=splits, config=cfg, partials=dt)
         try:
             out = mk.mla_attention(q, caches[0], lens, mask, SCALE, **kwargs)
             entry["rel_err"] = ((out.double() - ref).norm() / ref.norm()).item()
@@ -259,7 +249,7 @@ def markdown(report):
         ok = [t for t in r.get("tuned", []) if "us" in t]
         best = min(ok, key=lambda t: t["us"]) if ok else None
         best_s = (f"{best['us']:.1f} ({best['config']}, {best['splits']}, {best.get('partials', 'float32')}, "
-                  f"{best.get('per_sm')}, tau {best.get('rescale_tau', 0.0):g}, err {best.get('rel_err', float('nan')):.1e})"
+                  f"{best.get('per_sm')}, err {best.get('rel_err', float('nan')):.1e})"
                   if best else "-")
         best_x = f"{best['us'] / r['roofline_us']:.2f}" if best else "-"
         torch_s = f"{r['torch_us']:.0f}" if "torch_us" in r else "-"
@@ -273,9 +263,8 @@ def markdown(report):
 
 def round2_table(report):
     """Lines of a table: each --round2 label's time (and x roofline) per case; none without round-2 timings."""
-    labels = ["default", "lazy", "pdl", "waves", "waves pdl", "all-S", "all-S lazy", "bf16", "bf16 lazy", "small x1",
-              "small x2", "dv256 x1", "dv256 x2", "merge alone"]
-    rows = [r for r in report["cases"] if any(t.get("rescale_tau") is not None for t in r.get("tuned", []))]
+    labels = ["default", "waves", "all-S", "bf16", "small x1", "small x2", "dv256 x1", "dv256 x2", "merge alone"]
+    rows = [r for r in report["cases"] if any(t.get("per_sm") == "default" for t in r.get("tuned", []))]
     if not rows:
         return []
     lines = ["", "Round 2 (us, x roofline; splits): " + ", ".join(labels), "",
@@ -307,8 +296,7 @@ def committed_defaults(report, arch=90):
     for r in report["cases"]:
         cfg, splits, partials = default_choice(r["T"] * r["H"], r["B"], r["L"] + r.get("pad", 0), sms, arch)
         hits = [t["us"] for t in r.get("tuned", []) if "us" in t and t["config"] == list(cfg) and t["splits"] == splits
-                and t.get("partials", "float32") == partials and t.get("rescale_tau", 0.0) == mk.RESCALE_TAU[arch]
-                and t.get("pdl") in (None, mk.PDL[arch])]
+                and t.get("partials", "float32") == partials and not t.get("rescale_tau") and not t.get("pdl")]
         yield r, cfg, splits, hits[0] if hits else None
 
 
@@ -342,30 +330,29 @@ def summary(report):
 
 def _warm(job):
     """Compile one kernel variant (run in a worker so compiles overlap; the main process hits Triton's disk cache)."""
-    H, cfg, splits, causal, half, tau, *pdl = job
+    H, cfg, splits, causal, half = job
     try:
-        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32, tau, pdl[0] if pdl else None)
+        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32)
     except Exception as exc:  # recorded; the sweep reports the same failure where it matters
         return f"{job}: {exc}"[:300]
     return None
 
 
-def _run_tiny(H, cfg, splits, causal, partials, tau, pdl=None):
+def _run_tiny(H, cfg, splits, causal, partials):
     q = torch.randn(1, 1, H, 576, dtype=torch.bfloat16, device="cuda")
     kv = torch.randn(1, 256, 576, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((1,), 256, dtype=torch.int32, device="cuda")
     mask = None if causal else random_tree_mask(1, 1, 0)
-    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials, rescale_tau=tau,
-                     pdl=pdl)
+    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials)
     torch.cuda.synchronize()
 
 
 def round2_jobs(contexts, heads, tree_sizes, sms):
-    """The kernel variants --round2 runs: (H, config, splits, causal, 16-bit partials, rescale_tau, pdl)."""
+    """The kernel variants --round2 runs: (H, config, splits, causal, 16-bit partials)."""
     rows = [{"L": L, "B": 1, "T": T, "H": H} for L in contexts for H in heads for T in tree_sizes]
     rows += [{"L": L + T, "B": 1, "T": T, "H": H, "pad": pad} for L, H, T, pad in STEP_CASES]
-    return {(row["H"], cfg, 1 if splits == 1 else mk.merge_blocks(splits)[0], False, dt == torch.bfloat16, tau, pdl)
-            for row in rows for _, cfg, splits, dt, tau, pdl in round2_runs(row, sms)}  # splits: one per compiled merge
+    return {(row["H"], cfg, 1 if splits == 1 else mk.merge_blocks(splits)[0], False, dt == torch.bfloat16)
+            for row in rows for _, cfg, splits, dt in round2_runs(row, sms)}  # splits: one per compiled merge
 
 
 def precompile(heads, tree_sizes, tune, workers, prefill=True, table=CANDIDATES, extra=()):
@@ -377,14 +364,14 @@ def precompile(heads, tree_sizes, tune, workers, prefill=True, table=CANDIDATES,
             default = mk.pick_config(T * H)
             cfgs = set(candidates(T * H, table)) if tune else set()
             for cfg in cfgs | {default}:
-                jobs |= {(H, cfg, 2, False, False, 0.0)} | ({(H, cfg, 1, False, False, 0.0)} if prefill else set())
+                jobs |= {(H, cfg, 2, False, False)} | ({(H, cfg, 1, False, False)} if prefill else set())
                 if tune and T * H <= HALF_PARTIALS_MAX_ROWS:
-                    jobs.add((H, cfg, 2, False, True, 0.0))
-            jobs |= {(H, default, 1, False, False, 0.0), (H, default, 2, False, True, 0.0)}  # one split, 16-bit partials
+                    jobs.add((H, cfg, 2, False, True))
+            jobs |= {(H, default, 1, False, False), (H, default, 2, False, True)}  # one split, 16-bit partials
     for L, H, T in PREFILL if prefill else ():
         for cfg in (set(candidates(T * H)) if tune else set()) | {mk.pick_config(T * H)}:
-            jobs |= {(H, cfg, 1, True, False, 0.0), (H, cfg, 2, True, False, 0.0)}
-    jobs |= {(8, mk.pick_config(8), 2**k + 1, False, False, 0.0) for k in range(1, 9)}  # the merge's BLOCK_S variants
+            jobs |= {(H, cfg, 1, True, False), (H, cfg, 2, True, False)}
+    jobs |= {(8, mk.pick_config(8), 2**k + 1, False, False) for k in range(1, 9)}  # the merge's BLOCK_S variants
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
         failures = [f for f in pool.map(_warm, compile_order(jobs)) if f]
@@ -393,28 +380,12 @@ def precompile(heads, tree_sizes, tune, workers, prefill=True, table=CANDIDATES,
     return len(jobs)
 
 
-def pdl_probe():
-    """None if the PDL launch replays in a CUDA graph with the plain launch's output, else the failure."""
-    try:
-        q, caches, lens, mask = make_inputs(4096, 8, 1)
-        want = mk.mla_attention(q, caches[0], lens, mask, SCALE, num_splits=8)
-        graph = torch.cuda.CUDAGraph()
-        mk.mla_attention(q, caches[0], lens, mask, SCALE, num_splits=8, pdl=True)
-        with torch.cuda.graph(graph):
-            got = mk.mla_attention(q, caches[0], lens, mask, SCALE, num_splits=8, pdl=True)
-        graph.replay()
-        torch.cuda.synchronize()
-        return None if torch.equal(got, want) else "PDL output differs"
-    except Exception as exc:
-        return str(exc)[:300]
-
-
 def compile_order(jobs):
     """Jobs with one per split-kernel variant first, so the later ones (merge variants) find it in the cache."""
     first, rest = {}, []
     for job in sorted(jobs):
-        H, cfg, splits, causal, half, tau, *pdl = job
-        key = (H, cfg, splits == 1, causal, half, tau, bool(pdl and pdl[0]))
+        H, cfg, splits, causal, half = job
+        key = (H, cfg, splits == 1, causal, half)
         rest.append(job) if key in first else first.setdefault(key, job)
     return list(first.values()) + rest
 
@@ -464,8 +435,8 @@ def main(argv=None):
     parser.add_argument("--focus", action="store_true",
                         help="--tune --quick over FOCUS's configs, without prefill, torch timing and one-split variants")
     parser.add_argument("--round2", action="store_true",
-                        help="like --focus, timing round2_runs (lazy rescale, all split counts, bf16 partials, small "
-                             "configs, PDL, whole waves) and STEP_CASES")
+                        help="like --focus, timing round2_runs (all split counts, bf16 partials, small configs, "
+                             "whole waves) and STEP_CASES")
     parser.add_argument("--defaults", action="store_true",
                         help="the committed defaults alone at 32k/128k and STEP_CASES (no tuning, torch or prefill)")
     parser.add_argument("--budget", type=float, help="seconds from the start after which no further case is tuned")
@@ -488,11 +459,6 @@ def main(argv=None):
     contexts = CONTEXTS[2:] if args.quick else CONTEXTS
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    if args.round2:  # in a child process: a failed capture must not leave this one's stream broken
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            failure = pool.submit(pdl_probe).result()
-        print("PDL probe:", failure or "ok", flush=True)
-        ROUND2_PDL[0] = failure is None
     extra = round2_jobs(contexts, HEADS, TREE_SIZES, mk.num_sms(torch.device("cuda"))) if args.round2 else ()
     print("precompiled", precompile(HEADS, TREE_SIZES, args.tune and not args.round2, args.workers,
                                     prefill=not args.focus, table=FOCUS if args.focus else CANDIDATES, extra=extra),

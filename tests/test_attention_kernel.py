@@ -156,22 +156,6 @@ def test_split_rule_keeps_the_step_shape_in_one_wave(length):
 
 
 @requires_triton
-@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
-@pytest.mark.parametrize("config", [BIG, UNCHAINED], ids=["chained", "unchained"])
-@pytest.mark.parametrize("scale", [SCALE, 1.0], ids=["k26-scale", "steep"])
-def test_lazy_rescale(config, scale, dtype):
-    """Lazy rescale (the running max moves only past a threshold): the steep scale makes the max jump by more than
-    the threshold mid-sequence, the K2.6 scale mostly not; both match the reference."""
-    from triton_kernels.mla_attention import mla_attention
-
-    q, kv, cache_lens, mask = make_case(2, 9, 8, [300, 77], "deep", dtype, device(), seed=5)
-    out = mla_attention(q, kv, cache_lens, mask, scale, num_splits=2, config=config, rescale_tau=8.0)
-    ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, scale)
-    assert not out.isnan().any()
-    assert rel_err(out, ref) < bound(dtype)
-
-
-@requires_triton
 def test_more_splits_than_tiles_leaves_empty_splits_harmless():
     from triton_kernels.mla_attention import mla_attention
 
@@ -220,19 +204,17 @@ def test_write_kv_exact(dtype):
 AOT_CHECK = """
 import json, sys
 from triton_kernels.aot import compile_for
-from triton_kernels.mla_attention import CONFIGS, PDL, RESCALE_TAU, TAIL_STAGES, _mla_split_kernel
+from triton_kernels.mla_attention import CONFIGS, TAIL_STAGES, _mla_split_kernel
 sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "lens_ptr": "*i32", "mask_ptr": "*i32", "out_ptr": "*bf16",
        "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "T": "i32", "rows_kb": "i32", "sm_scale_log2": "fp32"}
 causal, arch = sys.argv[1] == "causal", int(sys.argv[2])
 configs = [tuple(c) for c in json.loads(sys.argv[3])] if len(sys.argv) > 3 else [e.config for e in CONFIGS[arch]]
-tau = float(sys.argv[4]) if len(sys.argv) > 4 else RESCALE_TAU[arch]
 report = []
 for block_m, block_n, warps, stages, block_dv, unchain in configs:
     res = compile_for(_mla_split_kernel, sig,
                       {"H": 8, "CAUSAL": causal, "DIRECT": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
                        "BLOCK_DV": block_dv, "BLOCK_DO": 512 - block_dv if block_dv < 512 else 16,
-                       "TAIL_STAGES": TAIL_STAGES[arch] or stages, "UNCHAIN": unchain, "TAU": tau,
-                       "PDL": PDL[arch] if len(sys.argv) <= 5 else sys.argv[5] == "pdl"},
+                       "TAIL_STAGES": TAIL_STAGES[arch] or stages, "UNCHAIN": unchain},
                       arch=arch, num_warps=warps, num_stages=stages, aligned=True)
     report.append([block_m, block_n, res.shared, res.registers, res.spill_bytes])
 print(json.dumps(report))
@@ -240,10 +222,10 @@ print(json.dumps(report))
 SM90_SHARED_LIMIT = 232_448  # bytes of shared memory per block on sm_90 (227 KB)
 
 
-def aot_report(mode, arch, configs=None, tau=None):
+def aot_report(mode, arch, configs=None):
     """Compile configs of the split kernel for sm_<arch> in a child process (the interpreter cannot compile)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [mode, str(arch)] + ([json.dumps(configs)] if configs else []) + ([str(tau)] if tau is not None else [])
+    args = [mode, str(arch)] + ([json.dumps(configs)] if configs else [])
     proc = subprocess.run([sys.executable, "-c", AOT_CHECK, *args], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -262,19 +244,3 @@ def test_sm90_unchained_config_fits_shared_memory():
     """The unchained 64x64 sm_90 candidate (P moved between warpgroups through shared memory) fits 227 KB."""
     [(_, _, shared, _, _)] = aot_report("tree", 90, [UNCHAINED])
     assert shared <= SM90_SHARED_LIMIT, shared
-
-
-@requires_gpu
-def test_pdl_in_a_cuda_graph_matches_the_plain_launch():
-    """Programmatic dependent launch (split kernel and merge) captured in a CUDA graph: the plain launch's output."""
-    from triton_kernels.mla_attention import mla_attention
-
-    q, kv, cache_lens, mask = make_case(2, 7, 8, [900, 1610], "wide", torch.bfloat16, "cuda", seed=13)
-    want = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=6, pdl=False)
-    mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=6, pdl=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=6, pdl=True)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(got, want)

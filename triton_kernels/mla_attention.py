@@ -57,16 +57,9 @@ SPLIT_PER_SLOT = {90: (0.5, 1, 2, 4), 120: (1,)}
 # the fastest count in 20 of 25 cases, within 4.3% in the rest; sm_120 follows it untimed.
 SPLIT_RULE = {90: (8, True), 120: (8, True)}
 MERGE_COST = {90: (4.0, 0.5), 120: (4.0, 0.5)}  # merge: us per launch, us per MB of partials (written + read)
-# Lazy rescale threshold per arch (log2 units; 0: rescale the accumulator at every tile; tau 8 measured 1-23% slower
-# on the H200 under Triton 3.6, run 5).
-RESCALE_TAU = {90: 0.0, 120: 0.0}
 # Pipeline stages of the masked tail loop (a few tiles): on sm_90 one, which frees the shared memory of a
 # second pipeline for larger tiles; on sm_120 (mma.sync) the pipelined tail uses less shared memory.
 TAIL_STAGES = {90: 1, 120: None}  # None: the config's stages
-# Programmatic dependent launch per arch (sm_90+): the split kernel lets the merge launch while its last programs
-# run, and both wait for the previous kernel (griddepcontrol.wait) before touching memory. Off: on the H200 (run 5)
-# 6-15% slower where T*H <= 16, within 2% elsewhere.
-PDL = {90: False, 120: False}
 MERGE_MAX_SPLITS_BLOCK = 256  # splits combined per step of the merge (one step up to this many)
 MERGE_ELEMENTS = 8192  # partial values per merge program and step: BLOCK_S x BLOCK_D
 MIN_TILES_PER_SPLIT = 4  # a split reads at least this many KV tiles
@@ -101,37 +94,13 @@ def _probs(s, m_i, l_i, dtype: tl.constexpr):
 
 
 @triton.jit
-def _lazy_probs(s, m_i, l_i, acc, dtype: tl.constexpr, TAU: tl.constexpr):
-    """Online-softmax update that moves the running max (rescaling acc and the sum) only when some row's max grew
-    by more than TAU (log2 units), so p <= 2^TAU and most tiles skip the [BM, DV] rescale: (max, sum, p, acc)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BM]
-    if tl.max(m_new - m_i, 0) > TAU:  # every row moves together: afterwards s - m_i <= TAU for all rows
-        alpha = tl.exp2(m_i - m_new)
-        acc = acc * alpha[:, None]
-        l_i = l_i * alpha
-        m_i = m_new
-    p = tl.exp2(s - m_i[:, None])  # [BM, BN], at most 2^TAU
-    return m_i, l_i + tl.sum(p, 1), p.to(dtype), acc
-
-
-@triton.jit
-def _softmax_step(s, v, m_i, l_i, acc, live, UNCHAIN: tl.constexpr, TAU: tl.constexpr):
+def _softmax_step(s, v, m_i, l_i, acc, live, UNCHAIN: tl.constexpr):
     """Online-softmax step with a tile of log2-domain scores s [BM, BN] and its values v [BN, DV].
 
     UNCHAIN: the softmax runs under `if live` (always true at run time), a branch Triton's layout choice does
     not look through, so QK^T is not a chained dot: its warps split S's columns (each warpgroup computes its
     half once) instead of every warpgroup computing the whole S (see triton_kernels/README.md).
-    TAU > 0: lazy rescale (_lazy_probs); 0: rescale at every tile.
     """
-    if TAU > 0:
-        if UNCHAIN:
-            if live:
-                m_i, l_i, p, acc = _lazy_probs(s, m_i, l_i, acc, v.dtype, TAU)
-            else:
-                p = s.to(v.dtype)
-        else:
-            m_i, l_i, p, acc = _lazy_probs(s, m_i, l_i, acc, v.dtype, TAU)
-        return m_i, l_i, tl.dot(p, v, acc)  # [BM, DV]
     if UNCHAIN:
         if live:
             m_new, l_i, p, alpha = _probs(s, m_i, l_i, v.dtype)
@@ -149,11 +118,8 @@ def _mla_split_kernel(
     T, rows_kb, sm_scale_log2,
     H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DO: tl.constexpr,
-    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, TAU: tl.constexpr, PDL: tl.constexpr,
+    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr,
 ):
-    if PDL:  # q, the cache and the lengths may come from the previous kernel; the outputs may be read by it
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     SPLIT_V: tl.constexpr = BLOCK_DV < 512  # NV programs per query tile, each owning BLOCK_DV value columns
     NV: tl.constexpr = 512 // BLOCK_DV
     pid_m = tl.program_id(0) // NV
@@ -198,7 +164,7 @@ def _mla_split_kernel(
         offs_n = start + i * BLOCK_N + offs_tile  # [BN]
         s, v = _scores(q_own, q_other, q_pe, kv_base, offs_n, n_all, offs_own, offs_other, offs_pe, sm_scale_log2,
                        SPLIT_V, UNCHAIN)
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN, TAU)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN)
     for j0 in tl.range(start + n_full * BLOCK_N, end, BLOCK_N, num_stages=TAIL_STAGES):  # the last few tiles
         offs_n = j0 + offs_tile  # [BN]
         n_ok = offs_n < end
@@ -215,7 +181,7 @@ def _mla_split_kernel(
             seen = ((words >> (node_c % 32)[None, :]) & 1) != 0
         visible = n_ok[None, :] & (~in_tree[None, :] | seen)
         s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN, TAU)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [BM, DV]
     if DIRECT:
@@ -231,10 +197,8 @@ def _mla_split_kernel(
 
 @triton.jit(do_not_specialize=["rows", "num_splits"])
 def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, rows, num_splits,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """One pass over the splits, BLOCK_S at a time (all of them in one step when BLOCK_S >= num_splits)."""
-    if PDL:  # launched early (programmatic dependent launch): wait until the split kernel's partials are written
-        tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
     pid_d = tl.program_id(1)
     b = tl.program_id(2)
@@ -362,13 +326,12 @@ def _check(q, kv_cache, value_dim):
 
 
 def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, num_splits=None, config=None,
-                  partials=None, rescale_tau=None, pdl=None):
+                  partials=None):
     """Triton twin of ops.mla_attention: q [B, T, H, 576], kv_cache [B, L_max, 576], cache_lens [B] int32,
     tree_mask [B, T, ceil(T/32)] int32 or None (causal), -> [B, T, H, 512] in q's dtype.
 
-    num_splits (splits per sequence), config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)), partials
-    (dtype of the per-split outputs: torch.float32 or q.dtype), rescale_tau (lazy rescale threshold in log2
-    units, 0 = off) and pdl (programmatic dependent launch; CUDA only) override the defaults.
+    num_splits (splits per sequence), config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)) and partials
+    (dtype of the per-split outputs: torch.float32 or q.dtype) override the defaults.
     """
     _check(q, kv_cache, value_dim)
     B, T, H, _ = q.shape
@@ -395,20 +358,17 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         lse_part = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q.device)
     causal = tree_mask is None
     mask = cache_lens if causal else tree_mask.contiguous()
-    pdl = q.is_cuda and (PDL[arch] if pdl is None else pdl)
-    launch = {"launch_pdl": True} if pdl else {}
     _mla_split_kernel[(grid_m, num_splits, B)](
         q, kv_cache, cache_lens, mask, out, o_part, lse_part,
         T, kv_cache.stride(0) // ENTRY, scale * 1.4426950408889634,
         H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv,
         BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16, TAIL_STAGES=tail_stages, UNCHAIN=unchain,
-        TAU=float(RESCALE_TAU[arch] if rescale_tau is None else rescale_tau), PDL=pdl,
-        num_warps=warps, num_stages=stages, **launch,
+        num_warps=warps, num_stages=stages,
     )
     if not direct:
         block_s, block_d = merge_blocks(num_splits)
         _merge_kernel[(rows, D_LAT // block_d, B)](
-            o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d, PDL=pdl, **launch,
+            o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d,
         )
     return out
 
