@@ -110,7 +110,6 @@ def sm120_resources():
     from triton_kernels.absorb import _absorb_output_kernel, _absorb_query_kernel
     from triton_kernels.aot import compile_for
     from triton_kernels.glue import _rms_norm_kernel, _rope_kernel
-    from triton_kernels.linear import _linear_kernel
     from triton_kernels.router import BLOCK_D, BLOCK_E, BLOCK_M, _logits_kernel
 
     return [
@@ -130,14 +129,6 @@ def sm120_resources():
         compile_for(_absorb_output_kernel, dict(o_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", N="i32", H="i32",
                                                 stride_on="i32", stride_oh="i32", stride_wh="i32", stride_wd="i32"),
                     dict(R=512, DV=128, BLOCK_N=64, BLOCK_D=32, BLOCK_K=128), aligned=True),
-    ] + [
-        # strides as the JIT sees K2.6's (multiples of 16, so loads vectorise and pipeline through shared memory)
-        compile_for(_linear_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32",
-                                         count_ptr="*i32", M="i32", N="i32", K="i32", k_per_split="i32"),
-                    dict(stride_xm=7168, stride_wn=7168, SPLITS=4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
-                         EVEN_K=True),
-                    num_stages=stages, aligned=True, divisible=("K", "k_per_split"))
-        for block_m, block_n, stages in ((16, 64, 4), (64, 32, 3), (64, 64, 3))
     ]
 
 
@@ -251,25 +242,3 @@ def test_absorb_output_matches_reference(N, H, dv, R):
     w_kv = (torch.randn(H, 16 + dv, R, generator=gen) / R ** 0.5).to(dtype).to(DEV)
     out, ref = absorb_output(o_lat, w_kv[:, 16:]), absorb_output_torch(o_lat, w_kv[:, 16:])
     assert out.shape == (N, H * dv) and rel_err(out, ref) < 5e-3
-
-
-@requires_triton
-@pytest.mark.parametrize("M,N,K", [(1, 96, 1024), (5, 200, 700), (33, 64, 2048), (64, 8200, 300), (3, 40, 256)])
-def test_linear_matches_reference(M, N, K):
-    """One split or several (the last program to arrive sums the partials), ragged N and K, M up to 64."""
-    from triton_kernels.linear import linear, plan
-
-    dtype = kernel_dtypes()[0]
-    gen = torch.Generator().manual_seed(M + N)
-    x = torch.randn(M, K + 3, generator=gen).to(dtype).to(DEV)[:, 3:]  # rows strided
-    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(DEV)
-    ref = torch.nn.functional.linear(x.float(), w.float())
-    for _ in range(2):  # the arrival counters are back at zero after a launch
-        assert rel_err(linear(x, w), ref) < 5e-3
-    assert plan(1, 96, 1024, 4)[2] == 2 and plan(33, 64, 2048, 4)[2] == 4  # the split paths are exercised
-
-
-def test_linear_op_keeps_cublas_until_chosen():
-    assert ops.current("linear", "cuda", torch.bfloat16) == "torch"
-    with ops.using(linear="triton"):
-        assert ops.current("linear", "cuda", torch.bfloat16) == "triton"

@@ -1,12 +1,20 @@
-"""Skinny GEMM for the dense projections at decode and verify sizes: y [M, N] = x [M, K] @ W [N, K]^T, M <= 64.
+"""Skinny GEMM for the dense projections at decode and verify sizes: y [M, N] = x [M, K] @ W [N, K]^T, M <= 128.
 
 These projections read megabytes of weights for a few rows of activations, so they are bound by bandwidth and
 launch latency. cuBLAS runs most of them as a split-K GEMM plus a separate reduction kernel. Here one launch
-does both: programs own (N tile, K range) pairs, about two per SM; with several K ranges each writes an fp32
+does both: programs own (N tile, K range) pairs, a few per SM; with several K ranges each writes an fp32
 partial tile and the last to arrive at a per-tile counter (acquire-release atomics) sums them and writes y,
-then resets the counter for the next launch (no memset, so CUDA graphs replay it as is). Larger M goes to
-cuBLAS, which is compute-efficient there.
+then resets the counter for the next launch (no memset, so CUDA graphs replay it as is).
+
+Two kernels: `gemv` (M = 1, no tl.dot: fp32 FMAs of x against 16-byte loads of W, one fp32 lane per weight,
+summed over K once at the end) and `dot` (tokens padded to a power of two >= 16; `swap` puts the weights on the
+MMA's M side, acc [BLOCK_N, BLOCK_M], so Hopper's wgmma runs with 16 token columns). A `Config` is data:
+kernel, tile, warps, stages, and `waves` (programs per SM the K splits aim for). `ops.linear` runs the kernel
+only where `ADOPTED[arch]` lists the (N, K) shape and M bucket (measured faster than cuBLAS by
+`bench/bench_linear.py`), cuBLAS elsewhere.
 """
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -14,77 +22,186 @@ import triton
 import triton.language as tl
 
 from triton_kernels.counters import arrival_counters
+from triton_kernels.moe_configs import arch_of
 
-MAX_ROWS = 64
-BLOCK_K = 128
+MAX_ROWS = 128
+BUCKETS = (1, 2, 4, 9, 17, 33, 65)  # M buckets of the adoption table: the first bucket >= M
+SHARED_BUDGET = {"sm_90": 200_000, "sm_120": 100_000}  # stages x (W + x tile) bytes per program
+
+
+class Config(NamedTuple):
+    kind: str  # "gemv" (M = 1 only), "dot" or "swap"
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    waves: float  # programs per SM that the K splits aim for
+
+
+GEMV = Config("gemv", 32, 256, 4, 3, 2)
+SWAP = Config("swap", 64, 128, 4, 4, 2)
+DEFAULTS = {"sm_90": {1: GEMV, None: SWAP}, "sm_120": {1: GEMV, None: SWAP}}  # when no adopted entry applies
+
+# (N, K) -> {M bucket: Config}, from bench/results/linear_h200.md; shapes or buckets not listed run cuBLAS.
+ADOPTED = {"sm_90": {}, "sm_120": {}}
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-                   SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr):
+def _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, tile, split, splits):
+    """Store acc (fp32, rows m and columns n broadcast to its shape) to y, or as split `split`'s partial; the
+    last of `splits` programs of `tile` to arrive sums the partials [splits, M, N] into y."""
+    ok = (m < M) & (n < N)
+    if splits == 1:
+        tl.store(y_ptr + m * N + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(part_ptr + (split * M + m) * N + n, acc, mask=ok)
+        tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == splits - 1:
+            total = tl.zeros_like(acc)
+            for s in range(splits):  # .cg: read the other programs' partials at L2, not a stale L1
+                total += tl.load(part_ptr + (s * M + m) * N + n, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + m * N + n, total.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(count_ptr + tile, 0)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, splits, stride_wn,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr):
+    """One row: y [1, N] = x [1, K] @ W^T. Grid (N tiles, K splits)."""
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # columns past N are clamped, not masked, so the weight loads stay unmasked (pipelined)
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn  # [BN, 1]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_start = split * k_per_split
+    for k in tl.range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K, num_stages=STAGES):
+        if EVEN_K:
+            w = tl.load(w_rows + k + offs_k[None, :])  # [BN, BK]
+            x = tl.load(x_ptr + k + offs_k)  # [BK]
+        else:
+            k_ok = k + offs_k < K
+            w = tl.load(w_rows + k + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + k + offs_k, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    out = tl.sum(acc, axis=1)  # [BN]
+    _finish(out, tl.zeros_like(offs_n), offs_n, 1, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, splits, stride_xm, stride_wn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                SWAP: tl.constexpr):
+    """y [M, N] = x [M, K] @ W^T, M <= BLOCK_M. Grid (N tiles, K splits)."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    m_ok, n_ok = offs_m < M, offs_n < N
     # Rows and columns past M and N are clamped, not masked: masked this loop compiled without cp.async stages
     # (Triton 3.6 and 3.9, sm_90 and sm_120); the duplicates only feed outputs that are never stored.
-    x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm  # [BM, 1]
-    w_cols = w_ptr + tl.minimum(offs_n, N - 1)[None, :].to(tl.int64) * stride_wn  # [1, BN]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None].to(tl.int64) * stride_xm  # [BM, 1]
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn  # [BN, 1]
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = split * k_per_split
     for k in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         if EVEN_K:
             x = tl.load(x_rows + k + offs_k[None, :])  # [BM, BK]
-            w = tl.load(w_cols + k + offs_k[:, None])  # [BK, BN]
+            w = tl.load(w_rows + k + offs_k[None, :])  # [BN, BK]
         else:
             k_ok = k + offs_k < K
             x = tl.load(x_rows + k + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_cols + k + offs_k[:, None], mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(x, w, acc)
-    y_ptrs = y_ptr + offs_m[:, None] * N + offs_n[None, :]
-    out_ok = m_ok[:, None] & n_ok[None, :]
-    if SPLITS == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+            w = tl.load(w_rows + k + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)  # [BM, BN]
+    if SWAP:
+        m, n = offs_m[None, :], offs_n[:, None]
     else:
-        tile = (split * BLOCK_M + offs_m[:, None]) * N + offs_n[None, :]  # this split's partial [BM, BN]
-        tl.store(part_ptr + tile, acc, mask=out_ok)
-        tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLITS - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLITS):  # .cg: read the other programs' partials at L2, not a stale L1
-                total += tl.load(part_ptr + (s * BLOCK_M + offs_m[:, None]) * N + offs_n[None, :], mask=out_ok,
-                                 other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_ok)
-            tl.atomic_xchg(count_ptr + pid_n, 0)
+        m, n = offs_m[:, None], offs_n[None, :]
+    _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits)
 
 
-def plan(M, N, K, sms):
-    """(BLOCK_M, BLOCK_N, K splits, K per split, num_stages): about two programs per SM, each split at least
-    four K tiles long."""
-    block_m = max(16, triton.next_power_of_2(M))
-    block_n = 64 if N >= 8192 else 32
-    tiles = triton.cdiv(N, block_n)
-    splits = max(1, min(triton.cdiv(K, 4 * BLOCK_K), 2 * sms // tiles, 16))
-    k_per_split = triton.cdiv(triton.cdiv(K, splits), BLOCK_K) * BLOCK_K
-    return block_m, block_n, triton.cdiv(K, k_per_split), k_per_split, 3 if block_m == 64 else 4
+class Plan(NamedTuple):
+    block_m: int
+    tiles: int
+    splits: int
+    k_per_split: int
+    stages: int
+
+
+def plan(cfg, M, N, K, sms, arch="sm_90"):
+    """The launch of `cfg` for [M, K] x [N, K]^T on `sms` SMs: K split so that N tiles x splits is about
+    cfg.waves x sms, every split a whole number of K tiles; stages cut to the arch's shared-memory budget."""
+    block_m = 1 if cfg.kind == "gemv" else max(16, triton.next_power_of_2(M))
+    tiles = triton.cdiv(N, cfg.block_n)
+    k_tiles = triton.cdiv(K, cfg.block_k)
+    splits = max(1, min(k_tiles, round(cfg.waves * sms / tiles)))
+    k_per_split = triton.cdiv(k_tiles, splits) * cfg.block_k
+    stage_bytes = (cfg.block_n + block_m) * cfg.block_k * 2
+    stages = max(2, min(cfg.stages, SHARED_BUDGET.get(arch, SHARED_BUDGET["sm_90"]) // stage_bytes))
+    return Plan(block_m, tiles, triton.cdiv(K, k_per_split), k_per_split, stages)
+
+
+def bucket_of(M):
+    """The adoption table's M bucket for M rows (None past the last bucket)."""
+    return next((b for b in BUCKETS if M <= b), None)
+
+
+def config_for(arch, M):
+    """The default config for M rows on `arch` (used where no adopted entry applies)."""
+    table = DEFAULTS.get(arch, DEFAULTS["sm_90"])
+    return table.get(M, table[None])
+
+
+def _sms(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def linear_kernel(x, weight, cfg=None):
+    """The Triton kernel alone (no cuBLAS fallback): x [M, K] (rows may be strided, unit column stride),
+    weight [N, K] row-major, 1 <= M <= 128. cfg: a Config (default: `config_for`). Returns [M, N]."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if not 1 <= M <= MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"linear_kernel: x {tuple(x.shape)} strides {x.stride()}, weight strides "
+                         f"{weight.stride()}: needs 1 <= M <= {MAX_ROWS} and unit column strides")
+    arch = arch_of(x.device)
+    cfg = cfg or config_for(arch, M)
+    if cfg.kind == "gemv" and M != 1:
+        raise ValueError(f"linear_kernel: the gemv config takes one row, got {M}")
+    p = plan(cfg, M, N, K, _sms(x.device), arch)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    part = torch.empty(p.splits * M * N if p.splits > 1 else 1, dtype=torch.float32, device=x.device)
+    counters = arrival_counters("linear", x.device, p.tiles)
+    even_k = K % cfg.block_k == 0
+    if cfg.kind == "gemv":
+        _gemv_kernel[(p.tiles, p.splits)](x, weight, y, part, counters, N, K, p.k_per_split, p.splits,
+                                          weight.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                          EVEN_K=even_k, STAGES=p.stages, num_warps=cfg.warps)
+    else:
+        _dot_kernel[(p.tiles, p.splits)](x, weight, y, part, counters, M, N, K, p.k_per_split, p.splits,
+                                         x.stride(0), weight.stride(0), BLOCK_M=p.block_m, BLOCK_N=cfg.block_n,
+                                         BLOCK_K=cfg.block_k, EVEN_K=even_k, SWAP=cfg.kind == "swap",
+                                         num_warps=cfg.warps, num_stages=p.stages)
+    return y
+
+
+def adopted(device, M, N, K):
+    """The adopted Config for this shape and M on `device`, or None (cuBLAS)."""
+    bucket = bucket_of(M)
+    return ADOPTED.get(arch_of(device), {}).get((N, K), {}).get(bucket) if bucket else None
 
 
 def linear(x, weight):
-    """See `ops.linear.linear`. x: [M, K] (rows may be strided); weight: [N, K] row-major. Returns [M, N]."""
+    """See `ops.linear.linear`: the Triton kernel where `ADOPTED` lists this shape and M bucket, else cuBLAS.
+    x: [M, K]; weight: [N, K]. Returns [M, N]."""
     M, K = x.shape
-    N = weight.shape[0]
-    if M > MAX_ROWS or M == 0 or x.stride(1) != 1 or weight.stride(1) != 1:
+    cfg = adopted(x.device, M, weight.shape[0], K)
+    if cfg is None or x.stride(1) != 1 or weight.stride(1) != 1:
         return F.linear(x, weight)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    block_m, block_n, splits, k_per_split, stages = plan(M, N, K, sms)
-    tiles = triton.cdiv(N, block_n)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    part = torch.empty(splits * block_m * N if splits > 1 else 1, dtype=torch.float32, device=x.device)
-    counters = arrival_counters("linear", x.device, tiles)
-    _linear_kernel[(tiles, splits)](x, weight, y, part, counters, M, N, K, k_per_split, x.stride(0),
-                                    weight.stride(0), SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
-                                    BLOCK_K=BLOCK_K, EVEN_K=K % BLOCK_K == 0, num_warps=4, num_stages=stages)
-    return y
+    return linear_kernel(x, weight, cfg)

@@ -1,0 +1,183 @@
+"""The dense projections of one K2.6 TP8 rank (and its drafter): cuBLAS (F.linear) against the Triton skinny GEMM.
+
+`python bench/bench_linear.py --out DIR [--budget S] [--defaults]`. Shapes are read off the model and drafter
+built on the meta device (every weight that goes through `ops.linear` or `ops.mlp`); M in {1, 2, 4, 9, 17, 33,
+65}. Weights are cold in L2: each call reads its own copy, rotating through >= 256 MiB of copies, all calls of a
+point captured back to back in one CUDA graph and timed as a replay (median of 10, CUDA events) per call.
+%BW = weight bytes / time / the read bandwidth measured in the same run (a sum over 4 GiB). Without --defaults
+every Triton candidate of `candidates(M)` is timed and the fastest is proposed for `linear.ADOPTED` where it beats
+cuBLAS by at least `MARGIN`; with --defaults only `ops.linear`'s current choice is timed beside cuBLAS. Writes
+linear.json and linear.md (the table, and the proposed ADOPTED entries as Python).
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_moe import hbm_read_bandwidth, time_graph  # noqa: E402
+from triton_kernels import linear as lk  # noqa: E402
+
+MS = (1, 33, 9, 17, 65, 2, 4)  # timing order: the step's buckets first, so a cut-off run keeps them
+ROTATE_BYTES = 256 * 2**20
+MIN_CALLS = 8
+MARGIN = 0.98  # adopt Triton where its time <= MARGIN x cuBLAS's (run-to-run noise is about 1-2%)
+
+
+def shapes():
+    """{(N, K): [names]} of the projections one TP8 rank of K2.6 and its drafter run through ops.linear."""
+    from bench_step import drafter_config
+    from model.config import preset
+    from model.model import KimiModel
+    from model.parallel import Parallel
+    from spec.drafter import DFlashDrafter
+
+    target = KimiModel(preset("kimi-k2.6"), Parallel(8, 0), torch.bfloat16, "meta")
+    drafter = DFlashDrafter(drafter_config(target.cfg), torch.bfloat16, "meta", target.par)
+    attn, dense, moe, layer = target.layers[1].self_attn, target.layers[0].mlp, target.layers[1].mlp, drafter.layers[0]
+    named = [("q_a+kv_a", attn.down_proj_weight), ("q_b", attn.q_b_proj.weight), ("o_proj", attn.o_proj.weight),
+             ("shared gate_up", moe.shared_experts.gate_up.weight), ("shared down", moe.shared_experts.down_proj.weight),
+             ("dense gate_up", dense.gate_up.weight), ("dense down", dense.down_proj.weight),
+             ("lm_head", target.lm_head.weight), ("draft q", layer.self_attn.q_proj.weight),
+             ("draft k/v", layer.self_attn.k_proj.weight), ("draft o", layer.self_attn.o_proj.weight),
+             ("draft gate_up", layer.mlp.gate_up.weight), ("draft down", layer.mlp.down_proj.weight),
+             ("draft fc", drafter.fc.weight)]
+    out = {}
+    for name, w in named:
+        out.setdefault(tuple(w.shape), []).append(name)
+    return out
+
+
+def candidates(M):
+    """Triton configs timed at M rows (five or six; compile cost: one per kernel, tile and BLOCK_M)."""
+    C = lk.Config
+    if M == 1:
+        return [C("gemv", 32, 256, 4, 3, 2), C("gemv", 32, 256, 4, 3, 4), C("gemv", 64, 128, 4, 4, 2),
+                C("swap", 64, 128, 4, 4, 2), C("dot", 32, 128, 4, 4, 2)]
+    return [C("swap", 64, 128, 4, 4, 1), C("swap", 64, 128, 4, 4, 2), C("swap", 64, 128, 4, 4, 4),
+            C("swap", 128, 128, 4, 3, 2), C("swap", 64, 256, 4, 3, 2), C("dot", 32, 128, 4, 4, 2)]
+
+
+def label(cfg):
+    return f"{cfg.kind} {cfg.block_n}x{cfg.block_k} w{cfg.warps} s{cfg.stages} x{cfg.waves:g}"
+
+
+def per_call_us(fn, x, copies):
+    calls = [lambda w=copies[i % len(copies)]: fn(x, w) for i in range(max(MIN_CALLS, len(copies)))]
+    return 1e3 * time_graph(calls)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def weight_copies(N, K, gen):
+    """Copies of a random [N, K] bf16 weight, >= 256 MiB together (at least two)."""
+    n = max(2, math.ceil(ROTATE_BYTES / (N * K * 2)))
+    return [torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) / K ** 0.5 for _ in range(n)]
+
+
+def measure_point(N, K, M, copies, bw, gen, defaults):
+    """cuBLAS and Triton us and %BW at one shape and M, and each Triton output's error against fp32."""
+    pct = lambda us: 100 * N * K * 2 / (us * 1e-6) / (bw * 1e9)  # noqa: E731
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ref = F.linear(x.float(), copies[0].float())
+    cublas = per_call_us(F.linear, x, copies)
+    row = dict(cublas_us=cublas, cublas_pct=pct(cublas), triton={})
+    if defaults:
+        cfg = lk.adopted(x.device, M, N, K)
+        tried = [cfg] if cfg else []
+    else:
+        tried = candidates(M)
+    for cfg in tried:
+        fn = lambda a, w, cfg=cfg: lk.linear_kernel(a, w, cfg)  # noqa: E731
+        try:
+            err = rel_err(fn(x, copies[0]), ref)
+            us = per_call_us(fn, x, copies)
+        except Exception as exc:  # a config that fails to compile or launch is recorded, not fatal  # noqa: BLE001
+            row["triton"][label(cfg)] = dict(config=list(cfg), error=repr(exc)[:300])
+            print(f"N={N} K={K} M={M} {label(cfg)}: {exc!r}"[:400], flush=True)
+            continue
+        row["triton"][label(cfg)] = dict(config=list(cfg), us=us, pct=pct(us), rel_err=err)
+    ok = {k: v for k, v in row["triton"].items() if v.get("rel_err", 1.0) < 1e-2}
+    if ok:
+        best = min(ok, key=lambda k: ok[k]["us"])
+        row.update(best=best, best_us=ok[best]["us"], best_pct=ok[best]["pct"],
+                   adopt=ok[best]["us"] <= MARGIN * cublas)
+    print(f"N={N} K={K} M={M}: cuBLAS {cublas:.2f} us ({row['cublas_pct']:.0f}%)"
+          + (f", Triton {row['best']} {row['best_us']:.2f} us ({row['best_pct']:.0f}%)" if ok else ""), flush=True)
+    return row
+
+
+def proposed(report):
+    """The ADOPTED table the measurements give: {(N, K): {bucket: Config}} where Triton won."""
+    table = {}
+    for entry in report["shapes"]:
+        for M, row in entry["rows"].items():
+            if row.get("adopt"):
+                cfg = lk.Config(*row["triton"][row["best"]]["config"])
+                table.setdefault((entry["N"], entry["K"]), {})[lk.bucket_of(int(M))] = cfg
+    return table
+
+
+def markdown(report):
+    meta = report["meta"]
+    lines = [f"# Dense projections: cuBLAS vs the Triton skinny GEMM ({meta['gpu']}, {meta['date']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}; read bandwidth {meta['read_gbs']:.0f} GB/s measured "
+             f"in this run (sum over 4 GiB). Weights cold in L2 (>= 256 MiB of rotating copies), each point's calls "
+             f"in one CUDA graph, us per call; %BW = weight bytes / time / read bandwidth. Mode: {meta['mode']}. "
+             "Triton = the fastest candidate (or the adopted config with --defaults).", "",
+             "| shape (N x K) | used by | MB | M | cuBLAS us | cuBLAS %BW | Triton us | Triton %BW | Triton config | "
+             "x cuBLAS |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for entry in report["shapes"]:
+        N, K = entry["N"], entry["K"]
+        for M in sorted(entry["rows"], key=int):
+            row = entry["rows"][M]
+            tri = (f"{row['best_us']:.2f} | {row['best_pct']:.0f} | {row['best']} | "
+                   f"{row['cublas_us'] / row['best_us']:.2f}") if "best" in row else "- | - | - | -"
+            lines.append(f"| {N} x {K} | {', '.join(entry['names'])} | {N * K * 2 / 1e6:.1f} | {M} | "
+                         f"{row['cublas_us']:.2f} | {row['cublas_pct']:.0f} | {tri} |")
+    table = proposed(report)
+    lines += ["", f"Triton faster by >= {100 * (1 - MARGIN):.0f}% at {sum(len(v) for v in table.values())} points. "
+              "Proposed `ADOPTED['sm_90']` (C = Config):", "", "```python", "{"]
+    lines += [f"    {key}: {{{', '.join(f'{b}: C{tuple(cfg)}' for b, cfg in sorted(v.items()))}}}," for key, v in table.items()]
+    lines += ["}", "```", ""]
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--budget", type=float, default=600, help="seconds; points past it are skipped")
+    parser.add_argument("--defaults", action="store_true", help="time only ops.linear's choice beside cuBLAS")
+    parser.add_argument("--ms", default=",".join(map(str, MS)))
+    args = parser.parse_args()
+    deadline = time.time() + args.budget
+    args.out.mkdir(parents=True, exist_ok=True)
+    ms = [int(m) for m in args.ms.split(",")]
+    bw = hbm_read_bandwidth()
+    meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), read_gbs=bw,
+                mode="defaults" if args.defaults else "candidates", command=" ".join(sys.argv))
+    gen = torch.Generator("cuda").manual_seed(0)
+    found = shapes()
+    report = dict(meta=meta, shapes=[dict(N=N, K=K, names=names, rows={}) for (N, K), names in found.items()])
+    copies = [weight_copies(N, K, gen) for N, K in found]
+    for M in ms:  # M outer: a run cut off by --budget still covers every shape at the first Ms
+        for entry, ws in zip(report["shapes"], copies):
+            if time.time() < deadline:
+                entry["rows"][str(M)] = measure_point(entry["N"], entry["K"], M, ws, bw, gen, args.defaults)
+        (args.out / "linear.json").write_text(json.dumps(report, indent=1))
+    (args.out / "linear.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The dense-projection skinny GEMM (`triton_kernels/linear.py`) against the fp32 reference, its launch plan, the
+per-shape adoption behind `ops.linear`, and its sm_120 configs' resources (interpreter on CPU, compiled on a GPU)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ops
+from triton_kernels import linear as lk
+from triton_kernels.aot import SM120_SHARED_LIMIT
+from tests.conftest import TRITON_DEVICE, kernel_dtypes, rel_err, requires_gpu, requires_triton
+
+DEV = TRITON_DEVICE
+C = lk.Config
+CASES = [  # (config, M, N, K): M not a power of two, N and K off the tiles, one K split or several
+    (C("gemv", 32, 256, 4, 3, 2), 1, 200, 700),
+    (C("gemv", 64, 128, 4, 4, 8), 1, 96, 1024),
+    (C("swap", 64, 128, 4, 4, 2), 1, 130, 1000),
+    (C("swap", 64, 128, 4, 4, 2), 5, 200, 700),
+    (C("swap", 64, 128, 4, 4, 8), 33, 64, 2048),
+    (C("swap", 128, 128, 4, 3, 2), 17, 300, 384),
+    (C("swap", 64, 256, 4, 3, 1), 65, 130, 300),
+    (C("dot", 32, 128, 4, 4, 2), 9, 72, 1100),
+    (C("dot", 32, 128, 4, 4, 16), 3, 40, 256),
+]
+
+
+def operands(M, N, K, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K + 3, generator=gen).to(dtype).to(DEV)[:, 3:]  # rows strided
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(DEV)
+    return x, w, torch.nn.functional.linear(x.float(), w.float())
+
+
+@requires_triton
+@pytest.mark.parametrize("cfg,M,N,K", CASES, ids=lambda v: v.kind if isinstance(v, lk.Config) else str(v))
+def test_linear_kernel_matches_reference(cfg, M, N, K):
+    x, w, ref = operands(M, N, K, kernel_dtypes()[0], M + N + K)
+    for _ in range(2):  # the arrival counters are back at zero after a launch
+        out = lk.linear_kernel(x, w, cfg)
+        assert out.shape == (M, N) and rel_err(out, ref) < 5e-3
+
+
+def test_cases_cover_split_paths():
+    splits = [lk.plan(cfg, M, N, K, 4).splits for cfg, M, N, K in CASES]
+    assert min(splits) == 1 and max(splits) > 4
+
+
+@requires_gpu
+@pytest.mark.parametrize("M", [1, 2, 4, 9, 17, 33, 65])
+def test_linear_kernel_bf16_at_step_shape(M):
+    """bf16 on the GPU (the interpreter computes bf16 tl.dot wrongly), the default config at q_b's shape."""
+    x, w, ref = operands(M, 1536, 1536, torch.bfloat16, M)
+    assert rel_err(lk.linear_kernel(x, w), ref) < 1e-2
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 20480, 7168), (33, 2112, 7168), (65, 128, 7168), (9, 1536, 1536)])
+def test_plan(M, N, K):
+    """Splits fill about `waves` programs per SM, each a whole number of K tiles; stages fit the budget."""
+    for cfg in (lk.GEMV, lk.SWAP, C("swap", 128, 128, 4, 3, 4)):
+        if cfg.kind == "gemv" and M > 1:
+            continue
+        for arch in ("sm_90", "sm_120"):
+            p = lk.plan(cfg, M, N, K, 132, arch)
+            assert p.k_per_split % cfg.block_k == 0 and (p.splits - 1) * p.k_per_split < K <= p.splits * p.k_per_split
+            assert p.tiles * p.splits <= max(p.tiles, round(cfg.waves * 132) + p.tiles)
+            assert 2 <= p.stages <= cfg.stages
+            assert p.stages == 2 or p.stages * (cfg.block_n + p.block_m) * cfg.block_k * 2 <= lk.SHARED_BUDGET[arch]
+
+
+def test_buckets():
+    assert [lk.bucket_of(m) for m in (1, 2, 3, 4, 5, 9, 16, 17, 33, 64, 65, 66)] == \
+        [1, 2, 4, 4, 9, 9, 17, 17, 33, 65, 65, None]
+
+
+def test_adopted_tables_are_valid():
+    for arch, table in lk.ADOPTED.items():
+        assert arch in lk.DEFAULTS
+        for (N, K), entries in table.items():
+            for bucket, cfg in entries.items():
+                assert bucket in lk.BUCKETS and isinstance(cfg, lk.Config), (arch, N, K, bucket)
+                assert cfg.kind in ("gemv", "dot", "swap") and (cfg.kind != "gemv" or bucket == 1)
+
+
+def test_linear_op_defaults_to_the_adopted_table(monkeypatch):
+    """On a GPU the op runs triton_kernels.linear.linear, which runs the kernel only where ADOPTED lists the shape
+    and M bucket; forcing torch still runs cuBLAS."""
+    assert ops.current("linear", "cuda", torch.bfloat16) == "triton"
+    assert ops.current("linear", "cpu", torch.bfloat16) == "torch"
+    with ops.using(linear="torch"):
+        assert ops.current("linear", "cuda", torch.bfloat16) == "torch"
+    calls = []
+    monkeypatch.setattr(lk, "linear_kernel", lambda x, w, cfg: calls.append(cfg) or x @ w.T)
+    monkeypatch.setitem(lk.ADOPTED, "sm_90", {(6, 8): {4: lk.SWAP}})
+    w = torch.randn(6, 8)
+    for M in (1, 3, 4, 5):
+        x = torch.randn(M, 8)
+        assert torch.allclose(lk.linear(x, w), x @ w.T, atol=1e-5)
+    assert calls == [lk.SWAP, lk.SWAP]  # M = 3 and 4 (bucket 4); M = 1 and 5 went to F.linear
+    lk.linear(torch.randn(3, 9), torch.randn(6, 9))  # a shape not in the table
+    assert len(calls) == 2
+
+
+def test_linear_kernel_rejects_what_it_cannot_run():
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="one row"):
+        lk.linear_kernel(x, w, lk.GEMV)
+    with pytest.raises(ValueError, match="M <="):
+        lk.linear_kernel(torch.randn(lk.MAX_ROWS + 1, 8), w, lk.SWAP)
+
+
+def sm120_resources():
+    """Resources of every sm_120 config (defaults and adopted) for sm_120 at K2.6-like strides, per BLOCK_M it
+    can run with (needs real @triton.jit objects: no interpreter)."""
+    from triton_kernels.aot import compile_for
+
+    configs = set(lk.DEFAULTS["sm_120"].values())
+    configs |= {cfg for entries in lk.ADOPTED["sm_120"].values() for cfg in entries.values()}
+    common = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", N="i32", K="i32",
+                  k_per_split="i32", splits="i32")
+    out = []
+    for cfg in sorted(configs):
+        for M in ((1,) if cfg.kind == "gemv" else (1, 17, 33, 65)):
+            p = lk.plan(cfg, M, 7168, 7168, 188, "sm_120")
+            if cfg.kind == "gemv":
+                res = compile_for(lk._gemv_kernel, common, dict(stride_wn=7168, BLOCK_N=cfg.block_n,
+                                  BLOCK_K=cfg.block_k, EVEN_K=True, STAGES=p.stages), num_warps=cfg.warps,
+                                  aligned=True, divisible=("N", "K", "k_per_split"))
+            else:
+                res = compile_for(lk._dot_kernel, dict(common, M="i32"),
+                                  dict(stride_xm=7168, stride_wn=7168, BLOCK_M=p.block_m, BLOCK_N=cfg.block_n,
+                                       BLOCK_K=cfg.block_k, EVEN_K=True, SWAP=cfg.kind == "swap"),
+                                  num_warps=cfg.warps, num_stages=p.stages, aligned=True,
+                                  divisible=("N", "K", "k_per_split"))
+            out.append(dict(config=list(cfg), block_m=p.block_m, **vars(res)))
+    return out
+
+
+def test_linear_configs_compile_for_sm120():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from tests.test_linear_kernel import sm120_resources as r; "
+            "print(json.dumps(r()))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for res in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert res["shared"] <= SM120_SHARED_LIMIT and res["spill_bytes"] == 0, res
