@@ -102,6 +102,7 @@ def test_linear_op_defaults_to_the_adopted_table(monkeypatch):
         assert torch.allclose(lk.linear(x, w), x @ w.T, atol=1e-5)
     assert calls == [lk.SWAP, lk.SWAP]  # M = 3 and 4 (bucket 4); M = 1 and 5 went to F.linear
     lk.linear(torch.randn(3, 9), torch.randn(6, 9))  # a shape not in the table
+    assert lk.linear(torch.randn(0, 8), w).shape == (0, 6)  # no rows
     assert len(calls) == 2
 
 

@@ -193,7 +193,7 @@ def linear_kernel(x, weight, cfg=None):
 
 def adopted(device, M, N, K):
     """The adopted Config for this shape and M on `device`, or None (cuBLAS)."""
-    bucket = bucket_of(M)
+    bucket = bucket_of(M) if M >= 1 else None
     return ADOPTED.get(arch_of(device), {}).get((N, K), {}).get(bucket) if bucket else None
 
 
@@ -202,6 +202,6 @@ def linear(x, weight):
     x: [M, K]; weight: [N, K]. Returns [M, N]."""
     M, K = x.shape
     cfg = adopted(x.device, M, weight.shape[0], K)
-    if cfg is None or x.stride(1) != 1 or weight.stride(1) != 1:
+    if cfg is None or x.dtype != weight.dtype or x.stride(1) != 1 or weight.stride(1) != 1:
         return F.linear(x, weight)
     return linear_kernel(x, weight, cfg)
