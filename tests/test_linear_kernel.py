@@ -45,6 +45,15 @@ def test_linear_kernel_matches_reference(cfg, M, N, K):
         assert out.shape == (M, N) and rel_err(out, ref) < 5e-3
 
 
+@requires_triton
+def test_linear_kernel_weight_rows_strided():
+    """A weight view whose rows are further apart than K (a slice of a wider buffer)."""
+    x, w, ref = operands(4, 72, 300, kernel_dtypes()[0], 1)
+    wide = torch.zeros(72, 316, dtype=w.dtype, device=w.device)
+    wide[:, 16:] = w
+    assert rel_err(lk.linear_kernel(x, wide[:, 16:], lk.SWAP), ref) < 5e-3
+
+
 def test_cases_cover_split_paths():
     splits = [lk.plan(cfg, M, N, K, 4).splits for cfg, M, N, K in CASES]
     assert min(splits) == 1 and max(splits) > 4
@@ -56,6 +65,23 @@ def test_linear_kernel_bf16_at_step_shape(M):
     """bf16 on the GPU (the interpreter computes bf16 tl.dot wrongly), the default config at q_b's shape."""
     x, w, ref = operands(M, 1536, 1536, torch.bfloat16, M)
     assert rel_err(lk.linear_kernel(x, w), ref) < 1e-2
+
+
+@requires_gpu
+def test_linear_kernel_replays_in_a_cuda_graph():
+    """Split-K launches captured back to back replay correctly (each resets its arrival counters)."""
+    cases = [(cfg, *operands(M, N, K, torch.bfloat16, M + N)) for cfg, M, N, K in CASES[:2] + CASES[4:6]]
+    outs = [lk.linear_kernel(x, w, cfg) for cfg, x, w, _ in cases]  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [lk.linear_kernel(x, w, cfg) for cfg, x, w, _ in cases]
+    for _ in range(3):
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for out, (_, _, _, ref) in zip(outs, cases):
+            assert rel_err(out, ref) < 1e-2
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 20480, 7168), (33, 2112, 7168), (65, 128, 7168), (9, 1536, 1536)])
