@@ -76,17 +76,29 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, sp
     w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn  # [BN, 1]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_start = split * k_per_split
-    for k in tl.range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K, num_stages=STAGES):
-        if EVEN_K:
-            w = tl.load(w_rows + k + offs_k[None, :])  # [BN, BK]
-            x = tl.load(x_ptr + k + offs_k)  # [BK]
-        else:
-            k_ok = k + offs_k < K
-            w = tl.load(w_rows + k + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + k + offs_k, mask=k_ok, other=0.0)
+    k_end = tl.minimum(k_start + k_per_split, K)
+    k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K  # whole tiles (all of them when EVEN_K)
+    for k in tl.range(k_start, k_full, BLOCK_K, num_stages=STAGES):
+        w = tl.load(w_rows + k + offs_k[None, :])  # [BN, BK]
+        x = tl.load(x_ptr + k + offs_k)  # [BK]
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if not EVEN_K and k_full < k_end:  # a ragged K's masked tail (a separate step: the loop's loads stay unmasked)
+        k_ok = k_full + offs_k < k_end
+        w = tl.load(w_rows + k_full + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + k_full + offs_k, mask=k_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)  # [BN]
     _finish(out, tl.zeros_like(offs_n), offs_n, 1, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits)
+
+
+@triton.jit
+def _mma(x, w, acc, SWAP: tl.constexpr):
+    """acc += x [BM, BK] @ w [BN, BK]^T, as acc [BN, BM] with the weights on the MMA's M side when SWAP."""
+    if SWAP:
+        acc = tl.dot(w, tl.trans(x), acc)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -107,18 +119,17 @@ def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, 
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = split * k_per_split
-    for k in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_rows + k + offs_k[None, :])  # [BM, BK]
-            w = tl.load(w_rows + k + offs_k[None, :])  # [BN, BK]
-        else:
-            k_ok = k + offs_k < K
-            x = tl.load(x_rows + k + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + k + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-        if SWAP:
-            acc = tl.dot(w, tl.trans(x), acc)  # [BN, BM]
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)  # [BM, BN]
+    k_end = tl.minimum(k_start + k_per_split, K)
+    k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K  # whole tiles (all of them when EVEN_K)
+    for k in range(k_start, k_full, BLOCK_K):
+        x = tl.load(x_rows + k + offs_k[None, :])  # [BM, BK]
+        w = tl.load(w_rows + k + offs_k[None, :])  # [BN, BK]
+        acc = _mma(x, w, acc, SWAP)
+    if not EVEN_K and k_full < k_end:  # a ragged K's masked tail
+        k_ok = (k_full + offs_k < k_end)[None, :]
+        x = tl.load(x_rows + k_full + offs_k[None, :], mask=k_ok, other=0.0)
+        w = tl.load(w_rows + k_full + offs_k[None, :], mask=k_ok, other=0.0)
+        acc = _mma(x, w, acc, SWAP)
     if SWAP:
         m, n = offs_m[None, :], offs_n[:, None]
     else:
