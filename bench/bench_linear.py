@@ -56,17 +56,18 @@ def shapes():
 
 
 def candidates(M):
-    """Triton configs timed at M rows (five or six; compile cost: one per kernel, tile and BLOCK_M)."""
+    """Triton configs timed at M rows (six or seven; compile cost: one per kernel, tile, pdl and BLOCK_M)."""
     C = lk.Config
     if M == 1:
         return [C("gemv", 32, 256, 4, 3, 2), C("gemv", 32, 256, 4, 3, 8), C("gemv", 64, 128, 4, 4, 2),
-                C("swap", 64, 128, 4, 4, 2), C("dot", 32, 128, 4, 4, 2)]
+                C("gemv", 32, 256, 4, 3, 2, True), C("swap", 64, 128, 4, 4, 2), C("dot", 32, 128, 4, 4, 2)]
     return [C("swap", 64, 128, 4, 4, 1), C("swap", 64, 128, 4, 4, 2), C("swap", 64, 128, 4, 4, 4),
-            C("swap", 128, 128, 4, 3, 2), C("swap", 64, 256, 4, 3, 2), C("dot", 32, 128, 4, 4, 2)]
+            C("swap", 64, 128, 4, 4, 2, True), C("swap", 128, 128, 4, 3, 2), C("swap", 64, 256, 4, 3, 2),
+            C("dot", 32, 128, 4, 4, 2)]
 
 
 def label(cfg):
-    return f"{cfg.kind} {cfg.block_n}x{cfg.block_k} w{cfg.warps} s{cfg.stages} x{cfg.waves:g}"
+    return f"{cfg.kind} {cfg.block_n}x{cfg.block_k} w{cfg.warps} s{cfg.stages} x{cfg.waves:g}" + " pdl" * cfg.pdl
 
 
 def per_call_us(fn, x, copies):

@@ -16,12 +16,12 @@ from tests.conftest import TRITON_DEVICE, kernel_dtypes, rel_err, requires_gpu, 
 
 DEV = TRITON_DEVICE
 C = lk.Config
-CASES = [  # (config, M, N, K): M not a power of two, N and K off the tiles, one K split or several
+CASES = [  # (config, M, N, K): M not a power of two, N and K off the tiles, one K split or several, pdl (GPU)
     (C("gemv", 32, 256, 4, 3, 2), 1, 200, 700),
-    (C("gemv", 64, 128, 4, 4, 8), 1, 96, 1024),
+    (C("gemv", 64, 128, 4, 4, 8, True), 1, 96, 1024),
     (C("swap", 64, 128, 4, 4, 2), 1, 130, 1000),
     (C("swap", 64, 128, 4, 4, 2), 5, 200, 700),
-    (C("swap", 64, 128, 4, 4, 8), 33, 64, 2048),
+    (C("swap", 64, 128, 4, 4, 8, True), 33, 64, 2048),
     (C("swap", 128, 128, 4, 3, 2), 17, 300, 384),
     (C("swap", 64, 256, 4, 3, 1), 65, 130, 300),
     (C("dot", 32, 128, 4, 4, 2), 9, 72, 1100),
@@ -69,7 +69,8 @@ def test_linear_kernel_bf16_at_step_shape(M):
 
 @requires_gpu
 def test_linear_kernel_replays_in_a_cuda_graph():
-    """Split-K launches captured back to back replay correctly (each resets its arrival counters)."""
+    """Split-K launches captured back to back, two of them with programmatic dependent launch, replay correctly
+    (each resets its arrival counters)."""
     cases = [(cfg, *operands(M, N, K, torch.bfloat16, M + N)) for cfg, M, N, K in CASES[:2] + CASES[4:6]]
     outs = [lk.linear_kernel(x, w, cfg) for cfg, x, w, _ in cases]  # compile and warm up outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -152,15 +153,16 @@ def sm120_resources():
     out = []
     for cfg in sorted(configs):
         for M in ((1,) if cfg.kind == "gemv" else (1, 17, 33, 65)):
-            p = lk.plan(cfg, M, 7168, 7168, 188, "sm_120")
+            p = lk.plan(cfg, M, 7168, 7168, 170, "sm_120")
             if cfg.kind == "gemv":
-                res = compile_for(lk._gemv_kernel, common, dict(stride_wn=7168, BLOCK_N=cfg.block_n,
-                                  BLOCK_K=cfg.block_k, EVEN_K=True, STAGES=p.stages), num_warps=cfg.warps,
-                                  aligned=True, divisible=("N", "K", "k_per_split"))
+                res = compile_for(lk._gemv_kernel, common,
+                                  dict(stride_wn=7168, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
+                                       STAGES=p.stages, PDL=cfg.pdl),
+                                  num_warps=cfg.warps, aligned=True, divisible=("N", "K", "k_per_split"))
             else:
                 res = compile_for(lk._dot_kernel, dict(common, M="i32"),
                                   dict(stride_xm=7168, stride_wn=7168, BLOCK_M=p.block_m, BLOCK_N=cfg.block_n,
-                                       BLOCK_K=cfg.block_k, EVEN_K=True, SWAP=cfg.kind == "swap"),
+                                       BLOCK_K=cfg.block_k, EVEN_K=True, SWAP=cfg.kind == "swap", PDL=cfg.pdl),
                                   num_warps=cfg.warps, num_stages=p.stages, aligned=True,
                                   divisible=("N", "K", "k_per_split"))
             out.append(dict(config=list(cfg), block_m=p.block_m, **vars(res)))

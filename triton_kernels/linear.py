@@ -36,6 +36,7 @@ class Config(NamedTuple):
     warps: int
     stages: int
     waves: float  # programs per SM that the K splits aim for
+    pdl: bool = False  # programmatic dependent launch: ask L2 for the first weight tiles, then wait for x
 
 
 GEMV = Config("gemv", 32, 256, 4, 3, 2)
@@ -66,8 +67,23 @@ def _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, tile, split, splits):
 
 
 @triton.jit
+def _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K: tl.constexpr):
+    """Under programmatic dependent launch the program may start before the previous kernel ends: ask L2 for
+    the first two [BN, BK] weight tiles of its K range (constant data, one PTX prefetch per 128-byte line), then
+    wait for the previous grid before anything reads x or writes (y, partials and counters may reuse its
+    memory)."""
+    lines = tl.arange(0, BLOCK_K // 64) * 64  # [BK / 64] line starts (64 bf16 a line)
+    for t in tl.static_range(2):
+        k = tl.minimum(k_start + t * BLOCK_K + lines, k_end - 1)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_rows + k[None, :]],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, splits, stride_wn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
+                 PDL: tl.constexpr):
     """One row: y [1, N] = x [1, K] @ W^T. Grid (N tiles, K splits)."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -78,6 +94,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, sp
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K  # whole tiles (all of them when EVEN_K)
+    if PDL:
+        _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K)
     for k in tl.range(k_start, k_full, BLOCK_K, num_stages=STAGES):
         w = tl.load(w_rows + k + offs_k[None, :])  # [BN, BK]
         x = tl.load(x_ptr + k + offs_k)  # [BK]
@@ -104,7 +122,7 @@ def _mma(x, w, acc, SWAP: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, splits, stride_xm, stride_wn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                SWAP: tl.constexpr):
+                SWAP: tl.constexpr, PDL: tl.constexpr):
     """y [M, N] = x [M, K] @ W^T, M <= BLOCK_M. Grid (N tiles, K splits)."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -121,6 +139,8 @@ def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, 
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K  # whole tiles (all of them when EVEN_K)
+    if PDL:
+        _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K)
     for k in range(k_start, k_full, BLOCK_K):
         x = tl.load(x_rows + k + offs_k[None, :])  # [BM, BK]
         w = tl.load(w_rows + k + offs_k[None, :])  # [BN, BK]
@@ -190,15 +210,17 @@ def linear_kernel(x, weight, cfg=None):
     part = torch.empty(p.splits * M * N if p.splits > 1 else 1, dtype=torch.float32, device=x.device)
     counters = arrival_counters("linear", x.device, p.tiles)
     even_k = K % cfg.block_k == 0
+    pdl = cfg.pdl and x.is_cuda  # PTX prefetch and grid-dependency control: not interpretable
+    launch = dict(num_warps=cfg.warps, **({"launch_pdl": True} if pdl else {}))
     if cfg.kind == "gemv":
         _gemv_kernel[(p.tiles, p.splits)](x, weight, y, part, counters, N, K, p.k_per_split, p.splits,
                                           weight.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                          EVEN_K=even_k, STAGES=p.stages, num_warps=cfg.warps)
+                                          EVEN_K=even_k, STAGES=p.stages, PDL=pdl, **launch)
     else:
         _dot_kernel[(p.tiles, p.splits)](x, weight, y, part, counters, M, N, K, p.k_per_split, p.splits,
                                          x.stride(0), weight.stride(0), BLOCK_M=p.block_m, BLOCK_N=cfg.block_n,
-                                         BLOCK_K=cfg.block_k, EVEN_K=even_k, SWAP=cfg.kind == "swap",
-                                         num_warps=cfg.warps, num_stages=p.stages)
+                                         BLOCK_K=cfg.block_k, EVEN_K=even_k, SWAP=cfg.kind == "swap", PDL=pdl,
+                                         num_stages=p.stages, **launch)
     return y
 
 
