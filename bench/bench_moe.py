@@ -442,6 +442,7 @@ def main():
     parser.add_argument("--budget", type=float, default=280.0, help="seconds for the whole run")
     parser.add_argument("--sweep-budget", type=float, default=170.0, help="seconds for the benchmark points")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--no-tests", action="store_true", help="skip the GPU tests after the benchmark points")
     parser.add_argument("--variants", action="store_true",
                         help="only time the default against moe_configs.VARIANTS at the TP8 shape (about --budget s)")
     parser.add_argument("--names", help="with --variants: comma-separated VARIANTS to time (default: all; "
@@ -501,6 +502,8 @@ def main():
     with open(os.path.join(args.out, "moe_results.md"), "w") as f:
         f.write(markdown(meta, rows))
     print(markdown(meta, rows), flush=True)
+    if args.no_tests:
+        return
     left = args.budget - (time.time() - start) - 5
     try:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_moe_kernel.py"],

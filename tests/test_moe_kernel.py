@@ -107,6 +107,32 @@ def test_moe_variant_configs(E, D, I, extra):
     assert rel_err(out, moe_torch(x.float(), ids, weights, PackedExperts(*raw))) < 1e-2
 
 
+@requires_triton
+@pytest.mark.parametrize("BM,panels,swap,D,I,down", [(8, (1, 1), True, 576, 96, dict(BN=32, tiles=2)),
+                                                     (16, (0, 0), False, 384, 320, dict(BN=64, tiles=3))],
+                         ids=["kmajor_bm8", "slab_bm16_down_split"])
+def test_moe_decode_sums_are_zeroed_again(BM, panels, swap, D, I, down):
+    """The decode path's fp32 sums and arrival counters (gate/up split over K's 3 slabs; down's top-k pairs, and
+    its 2 slabs split too in the second case) are zero again after each call, so consecutive calls with other
+    tokens and routings stay right; a hidden size not a multiple of the 256-wide slab, an intermediate not one
+    of the gate/up tile, several down tiles a program, and a repeated expert."""
+    from triton_kernels.counters import arrival_counters
+
+    E = 5
+    kernel = dict(BN=32 if BM == 16 else 64, waves=8, num_warps=4, num_stages=2, swap=swap, lop3=True,
+                  prescale=swap, scales_ahead=True)
+    cfg = {"BM": BM, "panels": panels, "decode": True, "gate_up": kernel, "down": dict(kernel, **down)}
+    raw = make_experts(E, D, I, seed=8)
+    prepared = moe_w4a16.prepare_moe(*raw, panels=panels)
+    for M, seed in ((3, 8), (1, 9)):
+        ids, weights = make_routing(M, E, 2, seed=seed)
+        ids[-1] = ids[0]
+        x = torch.randn(M, D, generator=torch.Generator().manual_seed(seed)).to(device()).to(kernel_dtypes()[0])
+        out = moe_w4a16.moe(x, ids, weights, prepared, config=cfg)
+        assert rel_err(out, moe_torch(x.float(), ids, weights, PackedExperts(*raw))) < 1e-2, M
+        assert not arrival_counters("moe_w4a16", device(), 0).any(), M
+
+
 def assert_three_tokens_match(cfg, panels, E, D, I, seed):
     """Three tokens, the third routed like the first (a repeated expert), through `cfg` in the given layout,
     against the fp32 reference."""
@@ -250,16 +276,18 @@ def test_moe_k26_shapes_gpu(M, E, I):
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", ["pre", "k_swap8_pre", "pdl_k_stack_pre", "decode_pdl_k_stack_pre"])
+@pytest.mark.parametrize("variant", ["default", "pre", "k_swap8_pre", "pdl_k_stack_pre", "decode_pdl_k_stack_pre",
+                                     "decode_swap8", "decode_swap8_dn4", "decode_pdl_swap8"])
 def test_moe_round3_variants_in_a_graph_gpu(variant):
-    """Round 3's variants (prescaled weights, K-major words, stacked gate/up, BM 8, programmatic dependent launch)
-    at the TP8 expert shape on 16 experts, eager and replayed in a CUDA graph (where launches overlap), against
+    """The entries and the variants (prescaled weights, K-major words, stacked gate/up, BM 8, programmatic
+    dependent launch, the decode path) at the TP8 expert shape on 16 experts, eager and replayed three times in a
+    CUDA graph (where launches overlap, and the decode path's sums must be zero again after each replay), against
     the fp32 reference."""
     from triton_kernels.moe_configs import config_for, with_variant
 
     raw = make_experts(16, 7168, 256, seed=7)
     for M in (1, 3, 24):
-        cfg = with_variant(config_for(device(), M), variant)
+        cfg = config_for(device(), M) if variant == "default" else with_variant(config_for(device(), M), variant)
         prepared = moe_w4a16.prepare_moe(*raw, panels=cfg.get("panels", (0, 0)))
         ids, weights = make_routing(M, 16, 8, seed=M)
         x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16)

@@ -15,7 +15,20 @@ CONFIGS = {
     # the read bandwidth at 8 <= M <= 256, 1.30-2.03x the swap16 entries at every M <= 256), k_ahead above (swap16
     # with K-major words, scales ahead; 52% at M = 512, where BM 8 reads an expert's words twice). Keyed on M at
     # the TP8 shape: at EP8 (48 experts) BM 8 passes 8 tokens an expert from M = 48 on (unmeasured there)
+    # Session 5: the decode path (two launches: no routing pass, no memset, no cast; split-K and top-k sums that
+    # stay zeroed between calls) on the k_swap8_pre kernels up to M = 4, down 2 tiles a program at M = 1 (448
+    # programs), 4 above (predicted, timed in bench/results/moe_h200.md)
     "sm_90": [
+        (1, dict(BM=8, panels=(1, 1), decode=True,
+                 gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
+                              scales_ahead=True),
+                 down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
+                           scales_ahead=True, tiles=2))),
+        (4, dict(BM=8, panels=(1, 1), decode=True,
+                 gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
+                              scales_ahead=True),
+                 down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
+                           scales_ahead=True, tiles=4))),
         (256, dict(BM=8, panels=(1, 1),
                    gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
                                 scales_ahead=True),
@@ -26,7 +39,9 @@ CONFIGS = {
                     down=dict(BN=64, waves=2, num_warps=4, num_stages=3, swap=True, lop3=True, scales_ahead=True,
                               tiles=4))),
     ],
-    "sm_120": [
+    "sm_120": [  # M <= 4: the decode path, untimed (sm_90's measured gain; compiles within limits)
+        (4, dict(BM=16, decode=True, gate_up=dict(BN=32, waves=4, num_warps=4, num_stages=3),
+                 down=dict(BN=128, waves=4, num_warps=4, num_stages=2))),
         (16, dict(BM=16, gate_up=dict(BN=32, waves=4, num_warps=4, num_stages=3),
                   down=dict(BN=128, waves=4, num_warps=4, num_stages=2))),
         (None, dict(BM=16, gate_up=dict(BN=32, waves=2, num_warps=4, num_stages=3),
@@ -43,9 +58,9 @@ LAYOUTS = {"sm_90": (1, 1), "sm_120": (0, 0)}
 # sm_90 variants under test, as overrides of an entry's per-kernel dicts (not used by config_for); those measured
 # slower in session 2's two H200 calls were dropped (bench/results/moe_variants_h200_s2*.md). Other config keys the
 # kernels take (tests/test_moe_kernel.py runs them): `lean` (slab pointers carried across the K loop, no column
-# masks when BN divides N), `decode` (top level: a block per (token, expert) pair, a memset instead of the routing
-# pass), `panels` (top level: the weight layout the config expects). Static SASS counts are in
-# triton_kernels/README.md; `python bench/bench_moe.py --variants` times the variants (TP8 shape).
+# masks when BN divides N), `decode` (top level: a block per (token, expert) pair, no routing pass, memset
+# or cast: sums the kernels zero again, see moe_w4a16), `panels` (top level: the weight layout the config
+# expects). Static SASS counts are in triton_kernels/README.md; `python bench/bench_moe.py --variants` times the variants (TP8 shape).
 VARIANTS = {
     # `tiles` (down): N tiles a program computes one after the other, so the index loads, pointers and activations
     # of a block are set up once per `tiles` tiles (+1-3% at M >= 16 on the unswapped entries, H200 02:52 UTC;
@@ -79,7 +94,7 @@ VARIANTS = {
     # K-major words (`panels` (1, 1)): a column's slab words contiguous, the order the swapped tiles' shared-memory
     # copy wants, so the words load by 16-byte cp.async (4-byte before: one copy and its address arithmetic per
     # word); loop 3.87 -> 3.35 instructions a weight on the default's kernel
-    "k_ahead": dict(panels=(1, 1), gate_up=dict(scales_ahead=True),
+    "k_ahead": dict(panels=(1, 1), decode=False, gate_up=dict(scales_ahead=True),
                     down=dict(scales_ahead=True, tiles=4, num_stages=3)),
     # K-major, prescaled, scales a slab ahead (a prescaled group's scale vector no longer stages by itself there):
     # gate/up 2.96 instructions a weight, 126 registers, 58 KB (3 CTAs an SM); down 3.82, 91 registers
@@ -92,12 +107,28 @@ VARIANTS = {
                         down=dict(prescale=True, scales_ahead=True, tiles=4, num_stages=3)),
     # BM 8 (mma.sync, no wgmma waits), K-major, prescaled: gate/up 2.89 instructions a weight, 118 registers, 42 KB
     # (4 CTAs an SM); at M = 512 an expert's tokens need two blocks (round 2: 0.75x there)
-    "k_swap8_pre": dict(panels=(1, 1), BM=8, gate_up=dict(prescale=True, scales_ahead=True, num_stages=3, waves=4),
+    "k_swap8_pre": dict(panels=(1, 1), BM=8, decode=False,
+                        gate_up=dict(prescale=True, scales_ahead=True, num_stages=3, waves=4),
                         down=dict(prescale=True, scales_ahead=True, tiles=4, num_stages=3)),
+    # session 5, the decode path (block b = pair b; splits and pairs add into sums the kernels zero again) on
+    # k_swap8_pre's kernels, down 2 or 4 tiles a program, gate/up splits for 2 CTAs an SM instead of 4 (`w2`),
+    # and with `pdl`
+    "decode_swap8": dict(panels=(1, 1), BM=8, decode=True,
+                         gate_up=dict(prescale=True, scales_ahead=True, num_stages=3, waves=4),
+                         down=dict(prescale=True, scales_ahead=True, tiles=2, num_stages=3)),
+    "decode_swap8_dn4": dict(panels=(1, 1), BM=8, decode=True,
+                             gate_up=dict(prescale=True, scales_ahead=True, num_stages=3, waves=4),
+                             down=dict(prescale=True, scales_ahead=True, tiles=4, num_stages=3)),
+    "decode_swap8_w2": dict(panels=(1, 1), BM=8, decode=True,
+                            gate_up=dict(prescale=True, scales_ahead=True, num_stages=3, waves=2),
+                            down=dict(prescale=True, scales_ahead=True, tiles=2, num_stages=3)),
+    "decode_pdl_swap8": dict(panels=(1, 1), BM=8, decode=True, pdl=True,
+                             gate_up=dict(prescale=True, scales_ahead=True, num_stages=3, waves=4),
+                             down=dict(prescale=True, scales_ahead=True, tiles=2, num_stages=3)),
     # `pdl` (top level): programmatic dependent launch of the two GEMMs and of the cast to x's dtype (the down
     # kernel's programs start while the gate/up kernel's last ones run, and ask L2 for their words before waiting
-    # for h; the cast starts while down runs); with the decode path (no routing pass: the gate/up kernel waits for
-    # the memset only before its epilogue) and 2 down tiles a program (twice the programs at M = 1: 8 blocks of
+    # for h; the cast starts while down runs); with the decode path (measured in round 3 with a memset and a cast,
+    # which the decode path no longer has) and 2 down tiles a program (twice the programs at M = 1: 8 blocks of
     # 112 tiles) for M <= 16
     "pdl_k_stack_pre": dict(pdl=True, panels=(1, 1),
                             gate_up=dict(stack=True, prescale=True, scales_ahead=True, num_stages=3, waves=3),

@@ -8,15 +8,20 @@ Three launches per `moe` call and a cast, no host synchronisation:
 3. `_down_kernel`: per (block, N tile, K split) h @ W_down^T, scaled by the top-k weight and atomically added
    into the token's fp32 output row (the reduction over k); then the cast to x's dtype (`_cast_kernel` with
    programmatic dependent launch, else torch's).
-With a `decode` config, 1 is a memset and block b of the GEMMs holds pair b alone (see moe_configs.VARIANTS).
+With a `decode` config (few tokens) there are two launches: no routing pass (block b of the GEMMs holds pair b
+alone), and the K splits of gate/up and the top-k pairs of a token in down add into fp32 sums that stay zeroed
+between calls (`_decode_scratch`); the last program to arrive at a tile's counter finishes it (h, or the output
+in x's dtype: no cast) and zeroes the sums and the counter again.
 """
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from triton_kernels.counters import arrival_counters
 from triton_kernels.moe_configs import config_for, layout_for
 
 GROUP, PACK = 32, 8
@@ -328,6 +333,25 @@ def _gate_up_stacked(a_rows, w_base, s_base, row_mask, kw, kg, w_cols, s_cols, n
     return _unstack(acc)
 
 
+@triton.jit
+def _gate_up_sums(acc_g, acc_u, first_row, sums, counter, h_row, n, n_mask, split_k, I, SWAP: tl.constexpr):
+    """DECODE's split-K epilogue: add the first rows [BN] of the partials acc_g, acc_u [BM, BN] (SWAP: [BN, BM];
+    first_row broadcasts to them) into the pair's zeroed fp32 sums [2 I] at columns n [BN]; the last of split_k
+    splits to arrive at `counter` reads those sums once, writes h = silu(gate) * up to h_row, and zeroes the sums
+    and the counter for the next launch (no memset: CUDA graphs replay it as is)."""
+    axis: tl.constexpr = 1 if SWAP else 0
+    tl.atomic_add(sums + n, tl.sum(tl.where(first_row, acc_g, 0.0), axis), mask=n_mask, sem="relaxed")
+    tl.atomic_add(sums + I + n, tl.sum(tl.where(first_row, acc_u, 0.0), axis), mask=n_mask, sem="relaxed")
+    tl.debug_barrier()  # every thread's additions precede the arrival that releases them
+    if tl.atomic_add(counter, 1, sem="acq_rel") == split_k - 1:
+        g = tl.load(sums + n, mask=n_mask, other=0.0, cache_modifier=".cg")  # [BN]
+        u = tl.load(sums + I + n, mask=n_mask, other=0.0, cache_modifier=".cg")
+        tl.store(h_row + n, (g / (1.0 + tl.exp(-g)) * u).to(h_row.dtype.element_ty), mask=n_mask)
+        tl.store(sums + n, tl.zeros_like(g), mask=n_mask)
+        tl.store(sums + I + n, tl.zeros_like(u), mask=n_mask)
+        tl.store(counter, 0)
+
+
 @triton.jit(do_not_specialize=["n_slabs_per_split", "split_k", "stride_part"])
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_ptr, block_expert_ptr,
                     D, I, n_slabs, n_slabs_per_split, split_k, stride_we, stride_se, stride_part,
@@ -339,21 +363,21 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
                     PDL: tl.constexpr = False, PRESCALE: tl.constexpr = False):
     """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate.
 
-    With SPLIT, pid 2 of split_k sums a range of slabs into part; the last split to arrive finishes the tile.
+    With SPLIT, pid 2 of split_k sums a range of slabs into part; the last split to arrive finishes the tile:
+    it sums the split_k partials [split_k, capacity, 2 I], or with DECODE it reads the pair's fp32 sums part
+    [P, 2 I], to which every split added its own (relaxed atomics), and zeroes them and its counter again.
     With SWAP the tiles are transposed ([BN, BM]: the weights are the MMA's M operand, see `_slab_dot`); LOP3
     dequantises with inline PTX (`_unpack_group`); AHEAD loads a slab's scales during the slab before (Triton
     pipelines only loads that feed a dot: the scales would otherwise wait a global load each slab). STACK (with
     SWAP): the gate and up columns as one [2 BN, BM] tile, one dot (wgmma M = 2 BN) and one wait a group instead
     of two. PDL (programmatic dependent launch): the down kernel may launch once every program has started; this
-    kernel waits for the previous one (the routing pass, or the memset that zeroes the split-K counters) before
-    its first read of that pass's output: at once, or with DECODE (no routing pass) only before the epilogue.
+    kernel waits for the previous one (the routing pass, or with DECODE whatever wrote x) first.
     Layout (TritonExperts): w_row / s_row are the row strides of words / scales, stride_wp / stride_sp their
     panel strides (PANEL > 0), up_w / up_s the offsets of the up columns from the gate columns.
     """
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:
-        if not DECODE:
-            tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # after the wait: the down kernel reads the routing pass's output
     rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
     e = tl.load(block_expert_ptr + pid_b)
@@ -415,10 +439,11 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
             if LEAN:
                 w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
     out = R * I + C  # [BM, BN] (SWAP: [BN, BM])
-    if PDL:
-        if DECODE:  # the memset of the counters (and of the output the down kernel adds into) is complete
-            tl.extra.cuda.gdc_wait()
-    if SPLIT:
+    if SPLIT and DECODE:
+        _gate_up_sums(acc_g, acc_u, R == pid_b * BM, part_ptr + pid_b * two_i,
+                      counter_ptr + pid_b * tl.num_programs(1) + pid_n, h_ptr + (pid_b * BM).to(tl.int64) * I, n,
+                      n_mask, split_k, I, SWAP)
+    elif SPLIT:
         part = part_ptr + pid_k.to(tl.int64) * stride_part + R * two_i + C
         tl.store(part, acc_g, mask=col_mask)
         tl.store(part + I, acc_u, mask=col_mask)
@@ -473,7 +498,7 @@ def _tile_scales(s_base, tile, stride_sp, s_row, D, BN: tl.constexpr, PANEL: tl.
 
 
 @triton.jit(do_not_specialize=["n_slabs_per_split"])
-def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
+def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, counter_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
                  D, I, n_slabs, n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp,
                  TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LEAN: tl.constexpr, EVEN_N: tl.constexpr,
                  DECODE: tl.constexpr, PANEL: tl.constexpr, TILES: tl.constexpr,
@@ -482,9 +507,10 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
                  PDL: tl.constexpr = False, PRESCALE: tl.constexpr = False):
     """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tiles TILES * pid 1 ..
     TILES * pid 1 + TILES - 1 (one after the other), K split pid 2 (layout arguments and SWAP as in
-    `_gate_up_kernel`). ONE_SLAB (K within one slab, one split): no K loop, so the tile loop is the innermost
-    and Triton's pipeliner stages tile t + 1's words while tile t is computed; with AHEAD the scales of tile
-    t + 1 load during tile t. PDL: launched while the gate/up kernel runs, a program asks L2 for its first slab's
+    `_gate_up_kernel`). With DECODE, out is the zeroed fp32 sums [M, D] and the last program of a token's
+    tiles writes y [M, D] (`_down_sums`). ONE_SLAB (K within one slab, one split): no K loop, so the tile loop
+    is the innermost and Triton's pipeliner stages tile t + 1's words while tile t is computed; with AHEAD the
+    scales of tile t + 1 load during tile t. PDL: launched while the gate/up kernel runs, a program asks L2 for its first slab's
     words (they do not depend on h), then waits for the gate/up kernel before reading h."""
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
@@ -551,6 +577,27 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_ex
         # atomic (MEMBAR.ALL.GPU + L1 invalidation on sm_90)
         W, _ = _orient(weight, n, SWAP)
         tl.atomic_add(out_ptr + T * D + C, acc * W, mask=valid_r & col_mask, sem="relaxed")
+    if DECODE:
+        token0 = pid_b // TOP_K
+        _down_sums(out_ptr + token0 * D, y_ptr + token0 * D,
+                   counter_ptr + token0 * tl.num_programs(1) + pid_n, pid_n * TILES, D, TOP_K * tl.num_programs(2),
+                   BN, TILES, EVEN_N)
+
+
+@triton.jit
+def _down_sums(sums, y_row, counter, tile0, D, arrivals, BN: tl.constexpr, TILES: tl.constexpr, EVEN_N: tl.constexpr):
+    """DECODE's reduction over top-k: the last of `arrivals` programs (the token's pairs x K splits) to arrive at
+    `counter` reads the token's fp32 sums of N tiles tile0 .. tile0 + TILES - 1 once, writes them to y_row in its
+    dtype, and zeroes them and the counter for the next launch (no memset and no cast launch)."""
+    tl.debug_barrier()  # every thread's additions precede the arrival that releases them
+    if tl.atomic_add(counter, 1, sem="acq_rel") == arrivals - 1:
+        for t in tl.static_range(TILES):
+            n = (tile0 + t) * BN + tl.arange(0, BN)  # [BN]
+            n_mask = (n < D) | EVEN_N
+            v = tl.load(sums + n, mask=n_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_row + n, v.to(y_row.dtype.element_ty), mask=n_mask)
+            tl.store(sums + n, tl.zeros_like(v), mask=n_mask)
+        tl.store(counter, 0)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -727,6 +774,25 @@ def _route(topk_ids, scratch, E, BM, capacity, nb_max):
     return sorted_pairs, block_expert
 
 
+DECODE_ROWS = 16  # the decode path's scratch is sized for this many tokens at least (see _decode_scratch)
+
+
+def _decode_scratch(device, M, top_k, D, I, gu_tiles, dn_tiles):
+    """Zeroed scratch of the decode path, in one buffer that the kernels leave zeroed (counters.arrival_counters,
+    owner "moe_w4a16"): gate/up counters [M k, gu_tiles] and down counters [M, dn_tiles] (int32), the pairs'
+    fp32 gate/up sums [M k, 2 I] and the tokens' fp32 output sums [M, D]. Sized for max(M, DECODE_ROWS)
+    tokens so that the CUDA graphs of the small buckets all capture the same buffer (a larger M grows it)."""
+    def sizes(m):  # each section rounded up to 128 bytes (aligned vector loads)
+        return [triton.cdiv(n, 32) * 32 for n in (m * top_k * gu_tiles, m * dn_tiles, m * top_k * 2 * I, m * D)]
+
+    buf = arrival_counters("moe_w4a16", device, sum(sizes(max(M, DECODE_ROWS))))
+    ends = list(itertools.accumulate(sizes(M)))
+    gu_counters, dn_counters = buf[: ends[0]], buf[ends[0] : ends[1]]
+    sums = buf[ends[1] : ends[2]].view(torch.float32)[: M * top_k * 2 * I].view(M * top_k, 2 * I)
+    out = buf[ends[2] : ends[3]].view(torch.float32)[: M * D].view(M, D)
+    return gu_counters, dn_counters, sums, out
+
+
 def moe(x, topk_ids, topk_weights, experts, config=None):
     """Triton backend of ops.moe (see there): x [M, D] bf16/fp16, topk_ids [M, k] int32, topk_weights [M, k] fp32.
 
@@ -771,16 +837,19 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
     dev = x.device
     ptx = dev.type == "cuda"  # inline PTX (lop3) compiles; the interpreter runs the plain forms
     pdl = ptx and cfg.get("pdl", False)  # programmatic dependent launch of the GEMMs and the cast (CUDA only)
-    n_counters = nb_max * gu_tiles if gu_split > 1 else 0
-    if decode:  # one block per pair: a memset instead of the routing pass
-        scratch = torch.zeros(M * D + n_counters, dtype=torch.float32, device=dev)
+    h = torch.empty((capacity, I), dtype=x.dtype, device=dev)
+    if decode:  # no routing pass, no memset, no cast: zeroed sums and counters that the kernels zero again
         sorted_pairs = block_expert = topk_ids
+        y = torch.empty((M, D), dtype=x.dtype, device=dev)
+        gu_counters, dn_counters, part, out = _decode_scratch(dev, M, top_k, D, I, gu_tiles, dn_tiles)
+        counters = gu_counters
     else:
+        n_counters = nb_max * gu_tiles if gu_split > 1 else 0
         scratch = torch.empty(M * D + n_counters, dtype=torch.float32, device=dev)  # zeroed by _route_kernel
         sorted_pairs, block_expert = _route(topk_ids, scratch, E, BM, capacity, nb_max)
-    out, counters = scratch[: M * D].view(M, D), scratch[M * D :].view(torch.int32)
-    h = torch.empty((capacity, I), dtype=x.dtype, device=dev)
-    part = torch.empty((gu_split if gu_split > 1 else 0, capacity, 2 * I), dtype=torch.float32, device=dev)
+        out, counters = scratch[: M * D].view(M, D), scratch[M * D :].view(torch.int32)
+        y, dn_counters = out, counters  # unused
+        part = torch.empty((gu_split if gu_split > 1 else 0, capacity, 2 * I), dtype=torch.float32, device=dev)
     magic = UNPACK[x.dtype]
     gu_layout = _layout(experts.gate_up, experts.gate_up_scale, experts.panel_gate_up, gu_bn, up=I)
     dn_layout = _layout(experts.down, experts.down_scale, experts.panel_down, dn_bn)
@@ -788,15 +857,17 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
     _gate_up_kernel[(nb_max, gu_tiles, gu_split)](
         x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert,
         D, I, gu_slabs, gu_per_split, gu_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
-        part.stride(0) if gu_split > 1 else 0, **gu_layout,
+        part.stride(0) if gu_split > 1 and not decode else 0, **gu_layout,
         TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_flags(g, I, ptx), DECODE=decode,
         STACK=g.get("stack", False), PDL=pdl, **_launch(g, pdl), **magic)
     d = cfg["down"]
     _down_kernel[(nb_max, dn_tiles, dn_split)](
-        h, experts.down, experts.down_scale, out, topk_weights, sorted_pairs, block_expert,
+        h, experts.down, experts.down_scale, out, y, dn_counters, topk_weights, sorted_pairs, block_expert,
         D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0), **dn_layout,
         TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_flags(d, D, ptx), DECODE=decode, TILES=dn_per_cta,
         ONE_SLAB=dn_slabs == 1 and dn_per_cta > 1, PDL=pdl, **_launch(d, pdl), **magic)
+    if decode:
+        return y
     if not pdl:
         return out.to(x.dtype)
     cast = torch.empty((M, D), dtype=x.dtype, device=dev)
@@ -814,7 +885,8 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
     gate_up = dict(x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", h_ptr=f"*{dtype}", part_ptr="*fp32",
                    counter_ptr="*i32", **common, split_k="i32", stride_we="i64", stride_se="i64", stride_part="i64",
                    **layout, up_w="i32", up_s="i32")
-    down = dict(h_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", weights_ptr="*fp32", **common,
+    down = dict(h_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", y_ptr=f"*{dtype}",
+                counter_ptr="*i32", weights_ptr="*fp32", **common,
                 stride_we="i64", stride_se="i64", **layout)
     g, d, decode = cfg["gate_up"], cfg["down"], cfg.get("decode", False)
     p_gu, p_dn = cfg.get("panels", (0, 0))
