@@ -80,7 +80,7 @@ def _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K: tl.constexpr):
     tl.extra.cuda.gdc_wait()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, splits, stride_wn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
                  PDL: tl.constexpr):
@@ -119,7 +119,7 @@ def _mma(x, w, acc, SWAP: tl.constexpr):
     return acc
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "splits"])
 def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, splits, stride_xm, stride_wn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                 SWAP: tl.constexpr, PDL: tl.constexpr):
