@@ -143,6 +143,33 @@ def measure_point(N, K, M, copies, bw, gen, defaults):
     return row
 
 
+LAYER = ("q_a+kv_a", "q_b", "o_proj", "shared gate_up", "shared down")  # a MoE layer's projections, in order
+
+
+def layer_chain(report, copies, ms, gen, table):
+    """us per MoE layer of its projections back to back (each reading the next rotating copy of its
+    weight), cuBLAS against `ops.linear`'s choice with ADOPTED['sm_90'] = table: {M: {...}}."""
+    by_name = {name: (e, ws) for e, ws in zip(report["shapes"], copies) for name in e["names"]}
+    layers = max(len(by_name[name][1]) for name in LAYER)
+    xs = {M: {name: torch.randn(M, by_name[name][0]["K"], device="cuda", dtype=torch.bfloat16, generator=gen)
+              for name in LAYER} for M in ms}
+    saved, out = lk.ADOPTED["sm_90"], {}
+    try:
+        lk.ADOPTED["sm_90"] = table
+        for M in ms:
+            times = {}
+            for backend, fn in (("cublas", F.linear), ("ops.linear", lk.linear)):
+                calls = [lambda fn=fn, x=xs[M][name], w=by_name[name][1][i % len(by_name[name][1])]: fn(x, w)
+                         for i in range(layers) for name in LAYER]
+                times[backend] = 1e3 * time_graph(calls) * len(LAYER)
+            out[M] = dict(cublas_us=times["cublas"], adopted_us=times["ops.linear"], layers=layers)
+            print(f"layer chain M={M}: cuBLAS {times['cublas']:.1f} us, ops.linear {times['ops.linear']:.1f} us "
+                  "a layer", flush=True)
+    finally:
+        lk.ADOPTED["sm_90"] = saved
+    return out
+
+
 def proposed(report):
     """The ADOPTED table the measurements give: {(N, K): {bucket: Config}} where Triton won."""
     table = {}
@@ -184,6 +211,13 @@ def markdown(report):
                 cells = [f"{r['triton'][c]['us']:.2f}" if r["triton"].get(c, {}).get("rel_err", 1) < 1e-2
                          else ("x" if c in r["triton"] else "") for c in cols]
                 lines.append(f"| {e['N']} x {e['K']} | {m} | {r['cublas_us']:.2f} | " + " | ".join(cells) + " |")
+    if report.get("layer_chain"):
+        lines += ["", "One MoE layer's projections (" + ", ".join(LAYER) + ") back to back in one graph, "
+                  "rotating layers' weights, us a layer (x 60 MoE layers is their share of a verify):", "",
+                  "| M | cuBLAS | ops.linear (ADOPTED) | x |", "|---|---|---|---|"]
+        for M, c in report["layer_chain"].items():
+            lines.append(f"| {M} | {c['cublas_us']:.1f} | {c['adopted_us']:.1f} | "
+                         f"{c['cublas_us'] / c['adopted_us']:.2f} |")
     table = proposed(report)
     lines += ["", f"Triton faster by >= {100 * (1 - MARGIN):.0f}% at {sum(len(v) for v in table.values())} points. "
               "Proposed `ADOPTED['sm_90']` (C = Config):", "", "```python", "{"]
@@ -222,6 +256,11 @@ def main():
         for entry, ws in zip(report["shapes"], copies):
             if time.time() < deadline:
                 entry["rows"][str(M)] = measure_point(entry["N"], entry["K"], M, ws, bw, gen, args.defaults)
+        (args.out / "linear.json").write_text(json.dumps(report, indent=1))
+    chain_ms = [m for m in (1, 9, 33) if str(m) in report["shapes"][0]["rows"]]
+    if chain_ms and time.time() < deadline + 20:
+        table = lk.ADOPTED["sm_90"] if args.defaults else proposed(report)
+        report["layer_chain"] = layer_chain(report, copies, chain_ms, gen, table)
         (args.out / "linear.json").write_text(json.dumps(report, indent=1))
     (args.out / "linear.md").write_text(markdown(report))
     print(markdown(report))
