@@ -1,13 +1,14 @@
 """The dense projections of one K2.6 TP8 rank (and its drafter): cuBLAS (F.linear) against the Triton skinny GEMM.
 
-`python bench/bench_linear.py --out DIR [--budget S] [--defaults]`. Shapes are read off the model and drafter
-built on the meta device (every weight that goes through `ops.linear` or `ops.mlp`); M in {1, 2, 4, 9, 17, 33,
-65}. Weights are cold in L2: each call reads its own copy, rotating through >= 256 MiB of copies, all calls of a
+`python bench/bench_linear.py --out DIR [--budget S] [--defaults] [--step-ab]`. Shapes are read off the model and
+drafter built on the meta device (every weight that goes through `ops.linear` or `ops.mlp`); M in {1, 2, 4, 9,
+17, 33, 65}. Weights are cold in L2: each call reads its own copy, rotating through >= 256 MiB of copies, all calls of a
 point captured back to back in one CUDA graph and timed as a replay (median of 10, CUDA events) per call.
 %BW = weight bytes / time / the read bandwidth measured in the same run (a sum over 4 GiB). Without --defaults
 every Triton candidate of `candidates(M)` is timed and the fastest is proposed for `linear.ADOPTED` where it beats
-cuBLAS by at least `MARGIN`; with --defaults only `ops.linear`'s current choice is timed beside cuBLAS. Writes
-linear.json and linear.md (the table, and the proposed ADOPTED entries as Python).
+cuBLAS by at least `MARGIN`; with --defaults only `ops.linear`'s current choice is timed beside cuBLAS. Then one
+MoE layer's projections as a chain, and with --step-ab the TP8 rank's verify (cuBLAS against the table). Writes
+linear.json and linear.md (the tables, and the proposed ADOPTED entries as Python).
 """
 
 import argparse
@@ -170,6 +171,39 @@ def layer_chain(report, copies, ms, gen, table):
     return out
 
 
+def step_ab(table, budgets=(0, 32), context=4096, iters=10):
+    """The TP8 rank's verify (bench_step's model, drafter and trees, 4k context) as a CUDA-graph replay, captured
+    once with ADOPTED['sm_90'] = {} (cuBLAS everywhere) and once with `table`: ms per verify per budget, and
+    the logits' relative difference and argmax agreement between the two."""
+    import bench_step as bs
+    from spec.graphs import StepGraphs
+
+    target = bs.build_target()
+    drafter = bs.build_drafter(target)
+    bench = bs.Bench(target, drafter, budgets, context)
+    bench.set_context(context)
+    inputs = {b: bench.verify_inputs(b) for b in budgets}
+    saved, out, logits = lk.ADOPTED["sm_90"], {b: {} for b in budgets}, {b: {} for b in budgets}
+    try:
+        for name, tbl in (("cublas", {}), ("adopted", table)):
+            lk.ADOPTED["sm_90"] = tbl
+            graphs = StepGraphs(target, bench.cache, 1, budgets, drafter.target_layer_ids, log=lambda _: None)
+            graphs.capture()
+            for b, (tokens, positions, mask) in inputs.items():
+                run = lambda: graphs.verify(tokens, positions, mask)  # noqa: E731
+                out[b][f"{name}_ms"] = bs.wall_ms(run, iters)
+                logits[b][name] = run().logits.float().clone()
+            del graphs
+    finally:
+        lk.ADOPTED["sm_90"] = saved
+    for b in budgets:
+        a, c = logits[b]["adopted"], logits[b]["cublas"]
+        out[b].update(logits_rel_err=rel_err(a, c), argmax_agree=(a.argmax(-1) == c.argmax(-1)).float().mean().item())
+        print(f"verify budget {b}: cuBLAS {out[b]['cublas_ms']:.3f} ms, adopted {out[b]['adopted_ms']:.3f} ms, "
+              f"logits rel diff {out[b]['logits_rel_err']:.2e}, argmax agree {out[b]['argmax_agree']:.3f}", flush=True)
+    return out
+
+
 def proposed(report):
     """The ADOPTED table the measurements give: {(N, K): {bucket: Config}} where Triton won."""
     table = {}
@@ -218,6 +252,15 @@ def markdown(report):
         for M, c in report["layer_chain"].items():
             lines.append(f"| {M} | {c['cublas_us']:.1f} | {c['adopted_us']:.1f} | "
                          f"{c['cublas_us'] / c['adopted_us']:.2f} |")
+    if report.get("step_ab"):
+        lines += ["", "The TP8 rank's verify at 4k context (bench_step's model, CUDA-graph replay, ms), captured with "
+                  "cuBLAS for every projection and with ops.linear on the proposed table:", "",
+                  "| budget | cuBLAS | ops.linear (table) | x | logits rel. diff | argmax agree |",
+                  "|---|---|---|---|---|---|"]
+        for b, r in report["step_ab"].items():
+            speedup = r["cublas_ms"] / r["adopted_ms"]
+            lines.append(f"| {b} | {r['cublas_ms']:.3f} | {r['adopted_ms']:.3f} | {speedup:.3f} | "
+                         f"{r['logits_rel_err']:.2e} | {r['argmax_agree']:.3f} |")
     table = proposed(report)
     lines += ["", f"Triton faster by >= {100 * (1 - MARGIN):.0f}% at {sum(len(v) for v in table.values())} points. "
               "Proposed `ADOPTED['sm_90']` (C = Config):", "", "```python", "{"]
@@ -234,6 +277,8 @@ def main():
     parser.add_argument("--defaults", action="store_true", help="time only ops.linear's choice beside cuBLAS")
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--compile-workers", type=int, default=8, help="processes that compile the candidates first")
+    parser.add_argument("--step-ab", action="store_true",
+                        help="then the TP8 verify at 4k, budgets 0 and 32, cuBLAS vs the table (builds the model)")
     args = parser.parse_args()
     deadline = time.time() + args.budget
     args.out.mkdir(parents=True, exist_ok=True)
@@ -257,10 +302,19 @@ def main():
             if time.time() < deadline:
                 entry["rows"][str(M)] = measure_point(entry["N"], entry["K"], M, ws, bw, gen, args.defaults)
         (args.out / "linear.json").write_text(json.dumps(report, indent=1))
+    table = lk.ADOPTED["sm_90"] if args.defaults else proposed(report)
     chain_ms = [m for m in (1, 9, 33) if str(m) in report["shapes"][0]["rows"]]
     if chain_ms and time.time() < deadline + 20:
-        table = lk.ADOPTED["sm_90"] if args.defaults else proposed(report)
         report["layer_chain"] = layer_chain(report, copies, chain_ms, gen, table)
+        (args.out / "linear.json").write_text(json.dumps(report, indent=1))
+    if args.step_ab:
+        del copies
+        torch.cuda.empty_cache()
+        try:
+            report["step_ab"] = step_ab(table)
+        except Exception as exc:  # the sweep's results still get their table  # noqa: BLE001
+            report["step_ab_error"] = repr(exc)[:500]
+            print(f"step A/B failed: {exc!r}"[:600], flush=True)
         (args.out / "linear.json").write_text(json.dumps(report, indent=1))
     (args.out / "linear.md").write_text(markdown(report))
     print(markdown(report))
