@@ -78,14 +78,19 @@ def _compile_one(job):
     torch.cuda.synchronize()
 
 
-def precompile(ms, workers):
-    """Compile every candidate of `ms` in `workers` processes (the timed process then loads the binaries)."""
+def precompile(ms, workers, defaults):
+    """Compile every config the run times at `ms` (the candidates, or with `defaults` the adopted entries) in
+    `workers` processes; the timed process then loads the binaries."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
     jobs = {}
     for M in ms:
-        for cfg in candidates(M):
+        if defaults:
+            configs = {e.get(lk.bucket_of(M)) for e in lk.ADOPTED["sm_90"].values()} - {None}
+        else:
+            configs = candidates(M)
+        for cfg in configs:
             block_m = lk.plan(cfg, M, 256, 2048, 132).block_m
             jobs.setdefault((cfg._replace(waves=2), block_m), (cfg, M))
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
@@ -283,10 +288,11 @@ def main():
     deadline = time.time() + args.budget
     args.out.mkdir(parents=True, exist_ok=True)
     ms = [int(m) for m in args.ms.split(",")]
-    if args.compile_workers and not args.defaults:
+    if args.compile_workers:
         t0 = time.time()
         try:
-            print(f"compiled {precompile(ms, args.compile_workers)} kernels in {time.time() - t0:.1f} s", flush=True)
+            n = precompile(ms, args.compile_workers, args.defaults)
+            print(f"compiled {n} kernels in {time.time() - t0:.1f} s", flush=True)
         except Exception as exc:  # the timed run compiles what is missing  # noqa: BLE001
             print(f"precompile failed after {time.time() - t0:.1f} s: {exc!r}"[:400], flush=True)
     bw = hbm_read_bandwidth()
