@@ -1,15 +1,14 @@
 """DDTree step on the GPU (draft top-K + tree build + accept + compaction) against the host path.
 
-Standalone: `python bench/bench_tree.py --out DIR [--quick | --budgets 8,64] [--sweep] [--no-tie-checks]`
-measures the HBM read ceiling (a sum over 4 GiB), checks the Triton ops against the torch references at K2.6 shapes (bf16 logits, V = 163840) and both
-Triton tree builds against the torch build on tie-heavy random trees, times each op alone and the whole step
-(eager and as one CUDA graph replay) for budgets 8..512 at blocks 8 and 16 (--quick: 8, 64, 512), times the host
-path (GPU top-k, copy, heapq, Python walk, per-layer index_select compaction over 61 layers), with --sweep also
-times config variants of top-k, build and greedy accept at block 8, budgets SWEEP_BUDGETS (each checked against
-the reference), and writes tree.json + tree.md. `--topk-methods [--budgets 8,64] [--bound-sweep]` instead compares
-the two top-k methods (alone at K = 8, 64, 512 on four logit distributions, and in the whole step) and writes
-topk.json + topk.md. As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU
-only; host timer around a synchronised graph replay).
+Standalone: `python bench/bench_tree.py --out DIR [--quick | --budgets 8,64] [--blocks 8,16] [--sweep]` measures the
+HBM read ceiling, and for budgets 8..512 at blocks 8 and 16 (--quick: 8, 64, 512) checks the Triton ops against
+the torch references at K2.6 shapes (bf16 logits, V = 163840), times each op alone and the whole step (eager and
+as one CUDA graph replay) and the host path (GPU top-k, copy, heapq, Python walk, per-layer index_select
+compaction over 61 layers), and writes tree.json + tree.md. Each kernel compiles once per shape; block 16 reuses
+block 8's compiles. With --sweep also, at block 8: the two top-k selects alone on four logit distributions and in
+the whole step, and sampling-pass / walk variants of the greedy accept (each checked against the reference).
+As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU only; host timer around a synchronised graph
+replay).
 """
 
 import argparse
@@ -119,30 +118,6 @@ def check(case):
     return out
 
 
-def tie_checks():
-    """Both Triton builds against the torch build on random tie-heavy drafts (log-probs on a 0.25 grid, zeros
-    included), 32 trees per case: budget, L, K."""
-    cfg = dd.CONFIGS[90]
-    saved = dict(cfg)
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    fields = ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "num_nodes")
-    out = []
-    for budget, L, K in [(1, 7, 1), (8, 7, 8), (33, 3, 33), (64, 15, 8), (64, 7, 64), (512, 15, 512), (512, 7, 5)]:
-        lp = (-torch.randint(0, 5, (32, L, K), generator=gen, device=DEVICE).float() * 0.25).sort(-1, True).values
-        tok = torch.randint(0, V, (32, L, K), generator=gen, device=DEVICE)
-        root = torch.randint(0, V, (32,), generator=gen, device=DEVICE)
-        ref = build_tree_torch(lp, tok, root, budget)
-        row = {"budget": budget, "L": L, "K": K}
-        for method, start in (("heap", dd.MAX_BUDGET + 1), ("levels", 1)):
-            cfg["levels_from"] = start
-            with ops.using(tree_build="triton"):
-                tree = ops.build_tree(lp, tok, root, budget)
-            row[f"{method}_equal"] = all(torch.equal(getattr(tree, f), x) for f, x in zip(fields, ref))
-        out.append(row)
-    cfg.update(saved)
-    return out
-
-
 def bench_ms(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
@@ -180,8 +155,9 @@ def launches(fn):
     return [e.name[:60] for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.device_type == cuda]
 
 
-TOPK_METHODS = ("bisect", "bound")
+SELECTS = ("radix", "bisect")
 TOPK_KS = (8, 64, 512)
+DISTS = ("normal", "realistic", "clustered", "ties")
 
 
 def draft_logits(dist, L, g):
@@ -206,125 +182,10 @@ def draft_logits(dist, L, g):
     return x.bfloat16()
 
 
-def bound_path(x, k):
-    """Per row, the "bound" method's candidate count and whether it fits the capacity (sorted) or not (the slow
-    exact row scan), computed on the host from the kernel's sizes."""
-    chunk, chunks, seg, cap = dd.bound_plan(V, k, dd.CONFIGS[90]["bound"])
-    o = ordered(x[0])  # [L, V]
-    pad = torch.full((o.shape[0], chunks * chunk - V), -2**31, dtype=o.dtype, device=o.device)
-    segs = torch.cat([o, pad], 1).view(o.shape[0], -1, seg).amax(-1)
-    t = segs.sort(-1, descending=True).values[:, k - 1:k] if segs.shape[1] >= k else -2**31
-    n = (o >= t).sum(-1).tolist()
-    return {"cap": cap, "candidates": n, "slow_rows": sum(c > cap for c in n)}
-
-
-def set_topk_method(method):
-    for cfg in dd.CONFIGS.values():
-        cfg["topk_method"] = method
-
-
-BOUND_SWEEP = {"chunk2048_w4": dict(chunk=2048, warps=4), "chunk4096_w4": dict(warps=4),
-               "chunk8192_w16": dict(chunk=8192, warps=16), "tl_sort": dict(tl_sort=True), "segs2": dict(segs_per_k=2)}
-
-
-def bound_sweep(x, ks):
-    """{K: {variant: (GPU us of the bound top-k in a CUDA graph, equal to the reference)}} over BOUND_SWEEP (each an
-    override of the sm_90 bound config, restored after)."""
-    cfg = dd.CONFIGS[90]
-    saved = dict(cfg["bound"])
-    set_topk_method("bound")
-    out = {}
-    for k in ks:
-        ref = draft_topk_torch(x, k)[1]
-        out[k] = {}
-        for name, over in BOUND_SWEEP.items():
-            cfg["bound"] = {**saved, **over}
-            with ops.using(draft_topk="triton"):
-                equal = torch.equal(ops.draft_topk(x, k)[1], ref)
-                out[k][name] = (round(graph_us(lambda: ops.draft_topk(x, k)), 2), equal)
-            print(k, name, out[k][name], flush=True)
-    cfg["bound"] = saved
-    return out
-
-
-def topk_methods(out, env, budgets, sweep=False):
-    """Each top-k method alone in a CUDA graph at K in TOPK_KS (block 8) on each logit distribution, checked
-    against the torch reference; then the whole step (greedy) at `budgets`, block 8, with each method; with
-    `sweep`, bound config variants at K = 64, 512 on the realistic logits."""
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    result = {"env": env, "topk": [], "step": []}
-    default = dd.CONFIGS[90]["topk_method"]
-    for dist in ("realistic", "normal", "clustered", "ties"):
-        x = draft_logits(dist, 7, g)
-        for k in TOPK_KS:
-            ref_lp, ref_tok = draft_topk_torch(x, k)
-            row = {"dist": dist, "K": k,
-                   "torch_topk_us": 1e3 * bench_ms(lambda: torch.log_softmax(x.float(), -1).topk(k))}
-            for method in TOPK_METHODS:
-                set_topk_method(method)
-                t0 = time.perf_counter()
-                with ops.using(draft_topk="triton"):
-                    lp, tok = ops.draft_topk(x, k)
-                    row[f"{method}_equal"] = torch.equal(tok, ref_tok) and (lp - ref_lp).abs().max().item() < 1e-4
-                    row[f"{method}_us"] = graph_us(lambda: ops.draft_topk(x, k))
-                row[f"{method}_wall_s"] = round(time.perf_counter() - t0, 1)
-            row["bound_plan"] = bound_path(x, k)
-            result["topk"].append(row)
-            print(row, flush=True)
-            (out / "topk.json").write_text(json.dumps(result, indent=1))
-    for budget in budgets:
-        set_topk_method(default)
-        case = Case(budget, 8)
-        row = {"budget": budget, "block": 8}
-        for method in TOPK_METHODS:
-            set_topk_method(method)
-            with ops.using(**BACKEND):
-                row[f"{method}_step_graph_greedy_us"] = graph_us(lambda: case.step(0.0))
-        result["step"].append(row)
-        print(row, flush=True)
-        (out / "topk.json").write_text(json.dumps(result, indent=1))
-        del case
-    if sweep:
-        result["bound_sweep"] = bound_sweep(draft_logits("realistic", 7, g), (64, 512))
-        (out / "topk.json").write_text(json.dumps(result, indent=1))
-    set_topk_method(default)
-    md = [f"# DDTree draft top-k methods, block 8 (7 rows), V = {V}, bf16 logits", "",
-          ", ".join(f"{k}: {v:.0f}" if isinstance(v, float) else f"{k}: {v}" for k, v in env.items()), "",
-          "GPU us of draft_topk alone in a CUDA graph (median); equal = tokens equal to the torch reference and "
-          "log-probs within 1e-4; wall = first call (compiles) + checks + timing.", "",
-          "| dist | K | torch log_softmax+topk | "
-          + " | ".join(f"{m} us | {m} equal | {m} wall s" for m in TOPK_METHODS)
-          + " | bound cap | bound max candidates | bound slow rows |", "|" + "---|" * (6 + 3 * len(TOPK_METHODS))]
-    for r in result["topk"]:
-        md.append(f"| {r['dist']} | {r['K']} | {r['torch_topk_us']:.3g} | " + " | ".join(
-            f"{r[m + '_us']:.3g} | {r[m + '_equal']} | {r[m + '_wall_s']}" for m in TOPK_METHODS)
-            + f" | {r['bound_plan']['cap']} | {max(r['bound_plan']['candidates'])} | {r['bound_plan']['slow_rows']} |")
-    md += ["", "Whole step (top-k + build + accept greedy + compact) in one CUDA graph, block 8, normal logits (the "
-           "bench's Case):", "", "| budget | " + " | ".join(f"{m} step us" for m in TOPK_METHODS) + " |",
-           "|" + "---|" * (1 + len(TOPK_METHODS))]
-    for r in result["step"]:
-        md.append(f"| {r['budget']} | " + " | ".join(f"{r[m + '_step_graph_greedy_us']:.3g}" for m in TOPK_METHODS)
-                  + " |")
-    if sweep:
-        md += ["", "Bound config variants (realistic logits; GPU us in a CUDA graph, '!' = tokens differ from the "
-               "reference):", "", "| K | " + " | ".join(BOUND_SWEEP) + " |", "|" + "---|" * (1 + len(BOUND_SWEEP))]
-        for k, row in result["bound_sweep"].items():
-            md.append(f"| {k} | " + " | ".join(f"{us:.3g}" + ("" if eq else "!") for us, eq in row.values()) + " |")
-    (out / "topk.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
-
-
-TOPK_SWEEP = {f"chunk{c}_w{w}": dict(topk=((dd.MAX_BUDGET, c, w),)) for c, w in ((2048, 4), (4096, 4), (4096, 8),
-                                                                            (8192, 4))}
-ACCEPT_SWEEP = {f"block{b}_p{p}": dict(block_v=b, programs=p) for b in (2048, 4096) for p in (528, 1056)}
-BUILD_SWEEP = {"heap_w1": dict(levels_from=dd.MAX_BUDGET + 1, build_warps=1),
-               **{f"levels_w{w}": dict(levels_from=1, levels_warps=w) for w in (1, 2, 4, 8)}}
-SWEEP_BUDGETS = (8, 32, 64, 128, 512)
-
-
-def tree_fields(tree):
-    return [getattr(tree, f) for f in ("tokens", "parents", "depths", "mask", "first_child", "next_sibling",
-                                       "num_nodes")]
+SELECT_SWEEP = {name: dict(topk=tuple((*r[:3], name) for r in dd.CONFIGS[90]["topk"])) for name in SELECTS}
+STEP_SWEEP = {**SELECT_SWEEP, "radix_chunk2048": dict(topk=((dd.MAX_BUDGET, 2048, 4, "radix"),))}
+ACCEPT_SWEEP = {**{f"unroll{u}": dict(unroll_v=u) for u in (1, 2, 4)}, "walk_warps4": dict(walk_one_warp=(0, 0))}
+SWEEP_BUDGETS = (8, 64, 512)
 
 
 def sweep(fn, ref, overrides):
@@ -343,6 +204,19 @@ def sweep(fn, ref, overrides):
     return out
 
 
+def topk_sweep(g):
+    """{dist: {K: {select: (us alone in a CUDA graph, equal to the torch reference)}}} at block 8 (7 rows)."""
+    out = {}
+    for dist in DISTS:
+        x = draft_logits(dist, 7, g)
+        out[dist] = {}
+        for k in TOPK_KS:
+            ref = draft_topk_torch(x, k)[1:]
+            out[dist][k] = sweep(lambda: ops.draft_topk(x, k)[1:], ref, SELECT_SWEEP)
+        print(dist, out[dist], flush=True)
+    return out
+
+
 def measure(case, read_GBps, sweeps):
     r = {"budget": case.budget, "block": case.L + 1}
     with ops.using(**BACKEND):
@@ -357,56 +231,62 @@ def measure(case, read_GBps, sweeps):
                 lambda: ops.accept(tree, case.target_logits, temp, seeds=case.seeds, step=case.step0))
         r["compact_graph_us"] = graph_us(lambda: ops.compact(case.kv, case.starts, path, path_len, case.hidden))
         r["step_eager_us"] = 1e3 * bench_ms(case.step)
-        r["step_kernels"] = launches(case.step)
-        r["step_launches"] = len(r["step_kernels"])
+        for name, temp in (("greedy", 0.0), ("T1", 1.0)):
+            r[f"step_graph_{name}_us"] = graph_us(lambda: case.step(temp))
         if sweeps and case.L + 1 == 8 and case.budget in SWEEP_BUDGETS:
-            ref_topk = draft_topk_torch(case.draft_logits, case.K)[1:]
-            r["topk_sweep"] = sweep(lambda: ops.draft_topk(case.draft_logits, case.K)[1:], ref_topk, TOPK_SWEEP)
-            fields = ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "num_nodes")
-            ref_tree = build_tree_torch(lp, tok, case.root, case.budget)
-            r["build_sweep"] = sweep(lambda: tree_fields(ops.build_tree(lp, tok, case.root, case.budget)), ref_tree,
-                                     BUILD_SWEEP)
+            def step():  # path_len, next_token (the kv cache moves again at each call)
+                return case.step(0.0)[1:]
+
+            r["step_select_sweep"] = sweep(step, step(), STEP_SWEEP)
             ref_acc = accept_torch(tree, case.target_logits, 0.0, None, case.seeds, torch.zeros_like(case.seeds))
             r["accept_greedy_sweep"] = sweep(
                 lambda: ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds, step=case.step0), ref_acc,
                 ACCEPT_SWEEP)
-        for name, temp in (("greedy", 0.0), ("T1", 1.0)):
-            r[f"step_graph_{name}_us"] = graph_us(lambda: case.step(temp))
     logit_bytes = case.target_logits.numel() * 2
     r["accept_greedy_GBps"] = logit_bytes / r["accept_greedy_graph_us"] / 1e3
     r["accept_greedy_frac_hbm"] = r["accept_greedy_GBps"] / read_GBps
     case.host_step()
     times = []
-    for _ in range(5):
+    for _ in range(3):
         t0 = time.perf_counter()
         case.host_step()
         times.append(time.perf_counter() - t0)
-    r["host_us"] = 1e6 * sorted(times)[len(times) // 2]
+    r["host_us"] = 1e6 * sorted(times)[1]
     r["speedup_vs_host"] = r["host_us"] / r["step_graph_greedy_us"]
     return r
 
 
 def table(rows):
     cols = ["budget", "block", "topk_graph_us", "build_graph_us", "accept_greedy_graph_us", "accept_T1_graph_us",
-            "compact_graph_us", "step_launches", "step_eager_us",
-            "step_graph_greedy_us", "step_graph_T1_us", "host_us", "speedup_vs_host"]
+            "compact_graph_us", "step_eager_us", "step_graph_greedy_us", "step_graph_T1_us", "host_us",
+            "speedup_vs_host"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
     return "\n".join(lines)
 
 
-def sweep_table(rows):
-    """One line per budget (block 8): each config's GPU us, '!' where its outputs differed from the reference."""
-    names = [(k, n) for k, sw in (("topk_sweep", TOPK_SWEEP), ("build_sweep", BUILD_SWEEP),
-                                  ("accept_greedy_sweep", ACCEPT_SWEEP)) for n in sw]
-    lines = ["| budget | " + " | ".join(f"{k.split('_')[0]} {n}" for k, n in names) + " |",
-             "|" + "---|" * (len(names) + 1)]
+def cell(us_equal):
+    return f"{us_equal[0]:.3g}" + ("" if us_equal[1] else "!")
+
+
+def sweep_tables(rows, topk):
+    """The sweeps: top-k alone per distribution and K; the step and the greedy accept per budget (block 8). GPU us
+    in a CUDA graph, '!' where the outputs differ from the reference."""
+    md = ["Top-k alone (block 8: 7 rows), each select at every K (the default config picks per K):", "",
+          "| dist | K | " + " | ".join(SELECTS) + " |", "|" + "---|" * (2 + len(SELECTS))]
+    for dist, by_k in topk.items():
+        for k, row in by_k.items():
+            md.append(f"| {dist} | {k} | " + " | ".join(cell(row[n]) for n in SELECTS) + " |")
+    names = [("step_select_sweep", n) for n in STEP_SWEEP] + [("accept_greedy_sweep", n) for n in ACCEPT_SWEEP]
+    md += ["", "Whole step (greedy) with each top-k select at every K (radix_chunk2048: radix on 2048-lane chunks), "
+           "and the greedy accept per sampling-pass variant (block 8):", "",
+           "| budget | " + " | ".join(f"{k.split('_')[0]} {n}" for k, n in names) + " |",
+           "|" + "---|" * (len(names) + 1)]
     for r in rows:
-        if "topk_sweep" in r:
-            cells = [f"{r[k][n][0]:.3g}" + ("" if r[k][n][1] else "!") for k, n in names]
-            lines.append(f"| {r['budget']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        if "step_select_sweep" in r:
+            md.append(f"| {r['budget']} | " + " | ".join(cell(r[k][n]) for k, n in names) + " |")
+    return md
 
 
 def main():
@@ -415,47 +295,48 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--budgets", help="comma-separated budgets (default: all, or 8,64,512 with --quick)")
-    parser.add_argument("--no-tie-checks", action="store_true", help="skip the tie-heavy build checks (compiles)")
-    parser.add_argument("--topk-methods", action="store_true",
-                        help="only compare the top-k methods (and the step at --budgets, default 8,64, with each)")
-    parser.add_argument("--bound-sweep", action="store_true", help="with --topk-methods: bound config variants")
+    parser.add_argument("--blocks", default="8,16", help="comma-separated block sizes")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    if args.topk_methods:
-        budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else (8, 64)
-        return topk_methods(out, env, budgets, args.bound_sweep)
-    env["hbm_read_GBps"] = hbm_read_GBps()
+           "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "hbm_read_GBps": hbm_read_GBps()}
     print(env, flush=True)
-    rows, checks = [], [] if args.no_tie_checks else tie_checks()
     budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else BUDGETS if not args.quick else (8, 64, 512)
-    print(checks, flush=True)
-    for block in BLOCKS:  # budget 64 first at block 16: the target's budget, in case the time runs out
-        for budget in sorted(budgets, key=lambda b: (block != 8 and b != 64, b)):
+    rows, checks, result = [], [], {"env": env}
+    if args.sweep:
+        with ops.using(draft_topk="triton"):
+            result["topk_sweep"] = topk_sweep(torch.Generator(device=DEVICE).manual_seed(0))
+    for block in [int(b) for b in args.blocks.split(",")]:
+        for budget in budgets:
             t0 = time.perf_counter()
             case = Case(budget, block)
             checks.append({"budget": budget, "block": block, **check(case)})
-            print(checks[-1], flush=True)
             rows.append(measure(case, env["hbm_read_GBps"], args.sweep))
+            if len(rows) == 1:
+                with ops.using(**BACKEND):
+                    result["step_kernels"] = launches(case.step)
             rows[-1]["wall_s"] = round(time.perf_counter() - t0, 1)  # this case's checks and timings, compiles included
-            print(rows[-1], flush=True)
-            (out / "tree.json").write_text(json.dumps({"env": env, "checks": checks, "results": rows}, indent=1))
+            print(checks[-1], "\n", rows[-1], flush=True)
+            result.update(checks=checks, results=rows)
+            (out / "tree.json").write_text(json.dumps(result, indent=1))
             del case
             torch.cuda.empty_cache()
     md = [f"# DDTree step, batch 1, V = {V}, {LAYERS} layers", "",
           ", ".join(f"{k}: {v:.0f}" if isinstance(v, float) else f"{k}: {v}" for k, v in env.items()), "",
-          "Times in microseconds (median, CUDA events); `*_graph_us` = that op alone captured in a CUDA graph; "
-          "step = draft top-K + build + accept + compact, with the default configs; host = GPU top-k, copy, heapq, "
-          "Python walk, 61 index_select moves (median of 5).", "",
-          table(sorted(rows, key=lambda r: (r["block"], r["budget"]))), ""]
+          "Times in microseconds (median, CUDA events, L2 flushed); `*_graph_us` = that op alone captured in a CUDA "
+          "graph; step = draft top-K + build + accept + compact with the default configs, "
+          f"{len(result['step_kernels'])} launches; host = GPU top-k, copy, heapq, Python walk, 61 index_select "
+          "moves (median of 3).", "", table(sorted(rows, key=lambda r: (r["block"], r["budget"]))), ""]
     if args.sweep:
-        md += ["Config sweeps at block 8 (sm_90 config overrides; GPU us of the op alone in a CUDA graph; '!' = "
-               "outputs differ from the torch reference):", "", sweep_table(rows), ""]
-    sweeps_equal = all(eq for r in rows for k, sw in r.items() if k.endswith("_sweep") for _us, eq in sw.values())
-    md += ["Checks (Triton == torch reference, same run): all equal: "
-           f"{all(v for c in checks for k, v in c.items() if k.endswith('_equal')) and sweeps_equal}", ""]
+        md += sweep_tables(rows, result["topk_sweep"]) + [""]
+    sweeps = [v for r in rows for k, sw in r.items() if k.endswith("_sweep") for v in sw.values()]
+    sweeps += [v for by_k in result.get("topk_sweep", {}).values() for row in by_k.values() for v in row.values()]
+    md += ["Checks (Triton == torch reference, same run: top-k tokens, build, greedy and T = 1 accept, compaction, "
+           "every sweep variant): all equal: "
+           f"{all(v for c in checks for k, v in c.items() if k.endswith('_equal')) and all(e for _, e in sweeps)}",
+           ""]
     (out / "tree.md").write_text("\n".join(md))
     print("\n".join(md))
 

@@ -1,10 +1,12 @@
-# DDTree on the H200 (issue #3): GPU tests of the tree ops (the sm_120 compile check runs on CPUs, not here), then
-# the full bench_tree sweep (budgets 8..512, blocks 8 and 16, host path beside, config sweeps at block 8,
-# Triton == torch checks in the JSON). Usage (device): bash bench/device_tree.sh [tests-s] [bench-s]; under $OUT.
+# DDTree on the H200 (issue #3): the full bench_tree run first (budgets 8..512 at blocks 8 and 16 with the host
+# path beside, the top-k select and sampling-pass sweeps at block 8, Triton == torch checks in the JSON; each
+# kernel compiles once per shape), then the GPU tests of the tree ops under xdist (the sm_120 compile check runs
+# on CPUs, not here). Usage (device): bash bench/device_tree.sh [bench-s] [tests-s]; results under $OUT.
 source bench/device_env.sh
 mkdir -p "$OUT/tree"
-timeout "${1:-65}" python -m pytest -q -rf --tb=short -p no:cacheprovider --durations=5 -k "not sm120" \
+timeout "${1:-145}" python bench/bench_tree.py --out "$OUT/tree" --sweep 2>&1 | tee "$OUT/tree_bench.log" \
+  | grep -v "^{\|^ {\|^normal\|^realistic\|^clustered\|^ties" | tail -60
+echo "bench exit $? at ${SECONDS}s"
+timeout "${2:-70}" python -m pytest -q -n 8 -rf --tb=short -p no:cacheprovider --durations=5 -k "not sm120" \
   tests/test_tree_ops.py tests/test_lossless_sampling.py >"$OUT/tree_gpu_tests.log" 2>&1
 echo "pytest exit $? at ${SECONDS}s"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tree_gpu_tests.log" | tail -12
-timeout "${2:-160}" python bench/bench_tree.py --out "$OUT/tree" --sweep 2>&1 | grep -v "^{'budget'" | tail -40
-echo "bench exit $? at ${SECONDS}s"

@@ -143,16 +143,17 @@ def topk_rows(gen, V):
     return logits[None]
 
 
-def force_topk(monkeypatch, method, **bound):
-    """Make the Triton top-k use `method` ("bisect" or "bound"), with these overrides of the bound config."""
+def force_topk(monkeypatch, select, chunk=None):
+    """Make the Triton top-k find each K-th largest by `select` ("radix" or "bisect") at every K, with this chunk
+    and 4 warps if given."""
     from triton_kernels import ddtree as dd
 
     for cfg in dd.CONFIGS.values():
-        monkeypatch.setitem(cfg, "topk_method", method)
-        monkeypatch.setitem(cfg, "bound", {**cfg["bound"], **bound})
+        rows = ((dd.MAX_BUDGET, chunk, 4, select),) if chunk else tuple((*r[:3], select) for r in cfg["topk"])
+        monkeypatch.setitem(cfg, "topk", rows)
 
 
-TOPK_METHODS = ["bisect", "bound"]
+TOPK_METHODS = ["radix", "bisect"]
 
 
 @requires_triton
@@ -173,13 +174,10 @@ def test_draft_topk_triton_ties_and_chunks(dtype, method, monkeypatch):
                                                 (1000, 1024, 1024, 8192)], ids=lambda v: str(v))
 @pytest.mark.parametrize("method", TOPK_METHODS)
 def test_draft_topk_triton_tiles(k, chunk, tile, merge, method, monkeypatch):
-    """Chunks scanned in several tiles, merges over several tiles, chunks grown to fit the merge, K = V (bound:
-    the same chunk sizes, its row scan in tiles)."""
+    """Chunks scanned in several tiles, merges over several tiles, chunks grown to fit the merge, K = V."""
     from triton_kernels import ddtree as dd
 
-    force_topk(monkeypatch, method, chunk=chunk)
-    for cfg in dd.CONFIGS.values():
-        monkeypatch.setitem(cfg, "topk", ((dd.MAX_BUDGET, chunk, 4),))
+    force_topk(monkeypatch, method, chunk)
     monkeypatch.setattr(dd, "SEL_TILE", tile)
     monkeypatch.setattr(dd, "MAX_MERGE", merge)
     V = 1000 if k == 1000 else 3000
@@ -190,37 +188,13 @@ def test_draft_topk_triton_tiles(k, chunk, tile, merge, method, monkeypatch):
     assert torch.equal(tok, ref[1]) and (lp - ref[0]).abs().max() < 1e-5
 
 
-@requires_triton
-@pytest.mark.parametrize("k,V,chunk,segs_per_k,cap_per_k,tile,tl_sort", [
-    (70, 2000, 1024, 4, 64, 4096, False),  # every row sorted from its candidates (all-equal rows included)
-    (70, 3000, 256, 0, 3, 256, False),  # fewer segments than K: every row by the exact row scan, in several tiles
-    (5, 5000, 512, 4, 3, 4096, False),  # defaults at small K: random rows sorted, tie rows by the row scan
-    (5, 5000, 512, 4, 3, 4096, True),  # the same with tl.sort
-    (1000, 1000, 4096, 4, 3, 4096, False),  # K = V, one chunk, one-lane segments
-], ids=lambda v: str(v))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_draft_topk_bound_paths(k, V, chunk, segs_per_k, cap_per_k, tile, tl_sort, dtype, monkeypatch):
-    """The "bound" top-k on both of its paths: the candidates above the bound sorted, or the slow exact row scan
-    when they overflow their capacity."""
-    from triton_kernels import ddtree as dd
-
-    force_topk(monkeypatch, "bound", chunk=chunk, segs_per_k=segs_per_k, cap_per_k=cap_per_k, tl_sort=tl_sort)
-    monkeypatch.setattr(dd, "SEL_TILE", tile)
-    logits = topk_rows(torch.Generator().manual_seed(k + V), V).to(device=device(), dtype=dtype)
-    logits[0, 0, 1::2] = logits[0, 0, 0::2]  # random values, each twice
-    ref = ops.tree.draft_topk_torch(logits, k)
-    with ops.using(draft_topk="triton"):
-        lp, tok = ops.draft_topk(logits, k)
-    assert torch.equal(tok, ref[1]) and (lp - ref[0]).abs().max() < 1e-5
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton),
-                                     pytest.param("bound", marks=requires_triton)])
+                                     pytest.param("bisect", marks=requires_triton)])
 def test_draft_topk(dtype, backend, monkeypatch):
     """Integer logits: many ties, broken by lower token id; log-probs of log_softmax."""
-    if backend == "bound":
-        force_topk(monkeypatch, "bound")
+    if backend == "bisect":
+        force_topk(monkeypatch, "bisect")
         backend = "triton"
     gen = torch.Generator().manual_seed(2)
     logits = torch.randint(-4, 4, (2, 3, 300), generator=gen).to(device=device(), dtype=dtype)
@@ -366,17 +340,11 @@ cfg = dd.CONFIGS[arch]
 P, I, L = "*fp32", "*i32", "*i64"
 TOPK_SIG = dict(x_ptr="*bf16", cval_ptr=I, cid_ptr=I, pmax_ptr=P, psum_ptr=P, pthr_ptr=I, count_ptr=I, lp_ptr=P,
                 tok_ptr=L, V="i32", K="i32", CHUNKS="i32")
-cases = [
-    (dd._topk_kernel, TOPK_SIG, dict(BITS=16, CHUNK=16384, TILE=4096, MP=8192, MT=4096, KP=512, CP=16), 16),
-    *[(dd._topk_kernel, TOPK_SIG, dict(BITS=16, CHUNK=chunk, TILE=min(chunk, dd.SEL_TILE), MP=8192,
-       MT=min(8192, dd.SEL_TILE), KP=triton.next_power_of_2(k), CP=128), warps) for k, chunk, warps in cfg["topk"]],
-    (dd._bound_stats_kernel, dict(x_ptr="*bf16", pmax_ptr=P, psum_ptr=P, smax_ptr=I, V="i32", CHUNKS="i32"),
-     dict(CHUNK=cfg["bound"]["chunk"], SEG=cfg["bound"]["chunk"] // dd.MAX_SEGS), cfg["bound"]["warps"]),
-    (dd._bound_select_kernel, dict(x_ptr="*bf16", pmax_ptr=P, psum_ptr=P, smax_ptr=I, key_ptr=L, slot_ptr=I,
-     count_ptr=I, lp_ptr=P, tok_ptr=L, V="i32", K="i32", CHUNKS="i32"),
-     dict(BITS=16, CHUNK=cfg["bound"]["chunk"], SEG=cfg["bound"]["chunk"] // dd.MAX_SEGS, LOG_SP=11,
-          LOG_CAP=dd.MAX_CAP.bit_length() - 1, LOG_KP=9, CP=64, TILE=dd.SEL_TILE,
-          TL_SORT=cfg["bound"]["tl_sort"]), cfg["bound"]["warps"]),
+topk = {k: dd.topk_plan(163840, k, cfg["topk"]) for k in sorted({min(r[0], dd.MAX_BUDGET) for r in cfg["topk"]})}
+cases = [  # top-k: each config row at its largest K and K2.6's vocabulary
+    *[(dd._topk_kernel, TOPK_SIG, dict(BITS=16, CHUNK=chunk, TILE=min(chunk, dd.SEL_TILE), MP=mp,
+       MT=min(mp, dd.SEL_TILE), KP=triton.next_power_of_2(k), CP=triton.next_power_of_2(chunks), RADIX=radix),
+       warps) for k, (chunk, chunks, mp, warps, radix) in topk.items()],
     (dd._tree_build_kernel, dict(lp_ptr=P, tok_ptr=L, root_ptr=L, o_tok=L, o_par=I, o_dep=I, o_fc=I, o_ns=I, o_mask=I,
      o_num=I, N="i32", K="i32", KS="i32", L="i32", W="i32"), dict(NP=512, NP1=1024, WP=32, ROWS=64),
      cfg["build_warps"]),
@@ -385,9 +353,12 @@ cases = [
      dict(NP=512, NP1=1024, WP=32, ROWS=64, LOG=9), cfg["levels_warps"]),
     (dd._sample_kernel, dict(x_ptr="*bf16", num_ptr=I, seed_ptr=L, step_ptr=L, floor_ptr=P, pval_ptr=P, pidx_ptr=I,
      V="i32", N1="i32", CHUNK="i32", SPLIT="i32", inv_t="fp32"), dict(GREEDY=False, HAS_FLOOR=True,
-     BLOCK=cfg["block_v"]), cfg["warps_v"]),
+     BLOCK=cfg["block_v"], UNROLL=cfg["unroll_v"]), cfg["warps_v"]),
     (dd._walk_kernel, dict(pval_ptr=P, pidx_ptr=I, tok_ptr=L, par_ptr=I, path_ptr=I, len_ptr=I, next_ptr=L, N1="i32",
      L="i32", SPLIT="i32"), dict(NP1=1024, SP=4), 4),
+    (dd._walk_kernel, dict(pval_ptr=P, pidx_ptr=I, tok_ptr=L, par_ptr=I, path_ptr=I, len_ptr=I, next_ptr=L, N1="i32",
+     L="i32", SPLIT="i32"), dict(NP1=cfg["walk_one_warp"][1], SP=cfg["walk_one_warp"][0] // cfg["walk_one_warp"][1]),
+     1),
     (dd._compact_kernel, dict(kv_ptr="*bf16", starts_ptr=I, path_ptr=I, len_ptr=I, hid_ptr="*bf16", out_ptr="*bf16",
      layers="i32", L1="i32", D="i32", F="i32", s_layer="i64", s_b="i64", s_pos="i64", h_b="i64", h_n="i64"),
      dict(LP=16, BD=1024, BF=256), 8),
@@ -395,7 +366,8 @@ cases = [
 report = {}
 for fn, sig, const, warps in cases:
     res = compile_for(fn, sig, const, arch=arch, num_warps=warps, num_stages=1)
-    report[f"{fn.fn.__name__}{const.get('CHUNK', '')}_{const.get('KP', '')}"] = [res.shared, res.registers, res.spill_bytes]
+    name = f"{fn.fn.__name__}{const.get('CHUNK', '')}_{const.get('KP', '')}_{warps}"
+    report[name] = [res.shared, res.registers, res.spill_bytes]
 print(json.dumps(report))
 """
 

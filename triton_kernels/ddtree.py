@@ -15,24 +15,22 @@ MAX_DEPTH = 15  # and the depth into 4 bits
 MAX_MERGE = 8192  # top-k: at most this many candidates (chunks x K) in one row's merge
 MAX_CHUNK = 16384  # and this many lanes a chunk (in registers at 16 warps; the sm_120 check compiles this size)
 SEL_TILE = 4096  # lanes one selection scan covers (it packs two counts into 15-bit fields)
-MAX_SEGS = 2048  # top-k "bound": at most this many segment maxima a row (each program sorts them)
-MAX_CAP = 2048  # and this many candidates a row (its last program sorts them)
 MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few row blocks, few dependent loads
 
-# Configs as data per arch (compute capability major*10+minor): top-k (K up to, chunk: lanes a program selects
-# from in one load, least warps) rows, the last also for larger K; BLOCK over the vocabulary, warps and target program count of the sampling
-# pass; warps of the one-program-per-tree heap build (its heap lives in registers: one warp keeps every reduction
-# inside shuffles), the budget from which the depth-synchronous build replaces the heap loop, and that build's
-# warps. sm_90 top-k rows and levels_from 8: measured on the H200 (bench/results/tree_h200.md, 2026-11-30 05:36).
-# topk_method: "bisect" (one launch, the rows above) or "bound" (two launches: chunk lanes, warps, segments per K
-# for the lower bound, candidate capacity per K, tl.sort or the bitonic _sort; not yet timed, see README.md).
+# Configs as data per arch (compute capability major*10+minor). Top-k rows: (K up to, chunk: lanes a program
+# selects from in one load, least warps, select), the last also for larger K; select: how a chunk and a merge find
+# the K-th largest ("radix": 8-bit digits by histogram, 2-4 steps; "bisect": one reduction per bit, up to 16-32
+# steps; radix spills under Triton 3.6 from K = 256, at 32 lanes a thread). Sampling pass: BLOCK over the
+# vocabulary, its warps, the target program count, loads unrolled per loop step; the walk on one warp up to
+# (partials, nodes), else four. Build: warps of the one-program-per-tree heap loop (its heap lives in registers:
+# one warp keeps every reduction inside shuffles), the budget from which the depth-synchronous build replaces it,
+# and that build's warps. sm_90: measured on the H200 (bench/results/tree_h200.md).
 CONFIGS = {
-    90: dict(topk=((16, 2048, 4), (MAX_BUDGET, 4096, 8)), block_v=2048, warps_v=8, programs=1056, build_warps=1,
-             levels_from=8, levels_warps=8, topk_method="bisect",
-             bound=dict(chunk=4096, warps=8, segs_per_k=4, cap_per_k=3, tl_sort=False)),
-    120: dict(topk=((MAX_BUDGET, 4096, 4),), block_v=1024, warps_v=4, programs=752, build_warps=1, levels_from=64,
-              levels_warps=2, topk_method="bisect",
-              bound=dict(chunk=4096, warps=8, segs_per_k=4, cap_per_k=3, tl_sort=False)),
+    90: dict(topk=((16, 2048, 4, "radix"), (128, 4096, 8, "radix"), (MAX_BUDGET, 4096, 8, "bisect")), block_v=2048,
+             warps_v=8, programs=1056, unroll_v=2, walk_one_warp=(2048, 128), build_warps=1, levels_from=8,
+             levels_warps=8),
+    120: dict(topk=((128, 4096, 4, "radix"), (MAX_BUDGET, 4096, 4, "bisect")), block_v=1024, warps_v=4,
+              programs=752, unroll_v=2, walk_one_warp=(2048, 128), build_warps=1, levels_from=64, levels_warps=2),
 }
 
 
@@ -89,19 +87,57 @@ def _sort(x, LOGN: tl.constexpr, DESC: tl.constexpr):
 # ---- draft top-k: one launch; chunks select their local top K, the last chunk of a row to arrive merges ----
 
 @triton.jit
-def _threshold(o, K, lo, hi, BITS: tl.constexpr):
+def _threshold(o, K, lo, hi, BITS: tl.constexpr, RADIX: tl.constexpr):
     """(thr, need): the K-th largest of ordered int32 values o (only their top BITS bits vary within a sign for
-    this dtype), by bisection on those top bits between lo and hi (count(o >= lo << (32 - BITS)) >= K), as the
-    largest thr with count(o >= thr) >= K; and how many of the values equal to thr are among the K."""
-    lo = tl.zeros([], tl.int64) + lo
-    hi = tl.zeros([], tl.int64) + hi
-    while lo < hi:
-        mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((o >= (mid << (32 - BITS)).to(tl.int32)).to(tl.int32), 0) >= K
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
-    thr = (lo << (32 - BITS)).to(tl.int32)
-    return thr, K - tl.sum((o > thr + ((1 << (32 - BITS)) - 1)).to(tl.int32), 0)
+    this dtype) as the largest thr with count(o >= thr) >= K, thr's low 32 - BITS bits zero; and how many of the
+    values equal to thr are among the K. RADIX: by 8-bit digits (_radix_threshold); else by bisection on the top
+    BITS bits between lo and hi (count(o >= lo << (32 - BITS)) >= K)."""
+    if RADIX:
+        thr, above = _radix_threshold(o, K, BITS)
+    else:
+        lo = tl.zeros([], tl.int64) + lo
+        hi = tl.zeros([], tl.int64) + hi
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            enough = tl.sum((o >= (mid << (32 - BITS)).to(tl.int32)).to(tl.int32), 0) >= K
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
+        thr = (lo << (32 - BITS)).to(tl.int32)
+        above = tl.sum((o > thr + ((1 << (32 - BITS)) - 1)).to(tl.int32), 0)
+    return thr, K - above
+
+
+@triton.jit
+def _radix_threshold(o, K, BITS: tl.constexpr):
+    """(thr, count above thr) as _threshold gives them, by ceil(BITS / 8) digits of the unsigned key (o's top BITS
+    bits with the top one flipped), most significant first (the first holds the remainder bits): a histogram of
+    the digit among the values that match the digits chosen so far, then the largest digit whose suffix count
+    still reaches the rank wanted; the values above it leave the rank. Digits are cut from o directly (the flip
+    goes on the first digit and on the scalar prefix), so no second [n] key stays live."""
+    D: tl.constexpr = 8
+    STEPS: tl.constexpr = (BITS + D - 1) // D
+    TOP: tl.constexpr = BITS - D * (STEPS - 1)  # the first digit's width
+    bins = tl.arange(0, 1 << D)  # [256]
+    prefix = tl.zeros([], tl.int32)  # the digits chosen so far
+    rank = tl.zeros([], tl.int32) + K  # the rank wanted among the values matching prefix
+    for j in tl.static_range(STEPS):
+        if j == 0:
+            h = tl.histogram(((o >> (32 - TOP)) & ((1 << TOP) - 1)) ^ (1 << (TOP - 1)), 1 << D)  # [256]
+        else:
+            low = 32 - BITS + D * (STEPS - 1 - j)  # the digit's lowest bit in o
+            above = (o >> (low + D)) & ((1 << (BITS - D * (STEPS - j))) - 1)  # [n] the key bits above the digit
+            flip = 1 << (BITS - D * (STEPS - j) - 1)
+            h = tl.histogram((o >> low) & ((1 << D) - 1), 1 << D, mask=above == (prefix ^ flip))
+        at_least = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # [256] matching values with digit >= bin
+        best = tl.max(tl.where(at_least >= rank, bins, 0), 0)
+        rank -= tl.sum(tl.where(bins > best, h, 0), 0)
+        prefix = (prefix << D) | best
+    # prefix: the unsigned key of thr; flip its top bit back and shift it into place
+    if BITS == 32:
+        thr = prefix ^ -2147483648
+    else:
+        thr = (prefix ^ (1 << (BITS - 1))) << (32 - BITS)
+    return thr, K - rank
 
 
 @triton.jit
@@ -128,7 +164,8 @@ def _store_topk(lp_ptr, tok_ptr, out, key, lse, mask):
 
 @triton.jit
 def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr, row, K, CHUNKS,
-                BITS: tl.constexpr, MP: tl.constexpr, MT: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr):
+                BITS: tl.constexpr, MP: tl.constexpr, MT: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr,
+                RADIX: tl.constexpr):
     """Row `row`'s top K among its chunks' candidates (chunk-major, each chunk's in id order: lane order is id
     order), sorted, as log-probs through the log-sum-exp of the chunks' (max, sum exp). The row's K-th largest lies
     between the largest chunk threshold and the largest chunk max. The winners are gathered in the row's first K
@@ -143,7 +180,7 @@ def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr
     i = tl.arange(0, MP)  # [MP]
     o = tl.load(cval_ptr + base + i, mask=i < M, other=-2147483648, cache_modifier=".cg")  # [MP] ordered values
     lo = tl.max(tl.load(pthr_ptr + row * CHUNKS + cs, mask=cs < CHUNKS, other=-2147483648, cache_modifier=".cg"), 0)
-    thr, need = _threshold(o, K, lo >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS)
+    thr, need = _threshold(o, K, lo >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS, RADIX)
     n_gt = tl.zeros([], tl.int32)
     n_eq = tl.zeros([], tl.int32)
     for j in tl.static_range(MP // MT):
@@ -166,7 +203,7 @@ def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr
 @triton.jit(do_not_specialize=["V", "K", "CHUNKS"])
 def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_ptr, lp_ptr, tok_ptr, V, K, CHUNKS,
                  BITS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr, MP: tl.constexpr, MT: tl.constexpr,
-                 KP: tl.constexpr, CP: tl.constexpr):
+                 KP: tl.constexpr, CP: tl.constexpr, RADIX: tl.constexpr):
     """Program (row, c): chunk c's (max, sum exp, K-th largest) and its K best (ordered value, id), in id order (a
     chunk holds at least K lanes; padding lanes rank last), picked in tiles of TILE lanes. The row's last program
     to arrive merges."""
@@ -179,7 +216,7 @@ def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_p
     tl.store(pmax_ptr + row * CHUNKS + c, m)
     tl.store(psum_ptr + row * CHUNKS + c, tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0))
     o = tl.where(offs < V, _ordered(x), -2147483648)  # [CHUNK] int32
-    thr, need = _threshold(o, K, -(1 << (BITS - 1)), tl.max(o, 0) >> (32 - BITS), BITS)
+    thr, need = _threshold(o, K, -(1 << (BITS - 1)), tl.max(o, 0) >> (32 - BITS), BITS, RADIX)
     tl.store(pthr_ptr + row * CHUNKS + c, thr)
     out = (row.to(tl.int64) * CHUNKS + c) * K
     n_gt = tl.zeros([], tl.int32)
@@ -195,123 +232,7 @@ def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_p
     tl.debug_barrier()  # every candidate is stored before the arrival is counted
     if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == CHUNKS - 1:
         _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr, row, K, CHUNKS, BITS, MP, MT,
-                    KP, CP)
-        tl.atomic_xchg(count_ptr + row, 0)
-
-
-# ---- draft top-k, method "bound": a lower bound from segment maxima, candidates above it, one sort a row ----
-
-@triton.jit(do_not_specialize=["V", "CHUNKS"])
-def _bound_stats_kernel(x_ptr, pmax_ptr, psum_ptr, smax_ptr, V, CHUNKS, CHUNK: tl.constexpr, SEG: tl.constexpr):
-    """Program (row, c): chunk c's (max, sum exp) and the ordered maxima of its CHUNK // SEG segments."""
-    row = tl.program_id(0)
-    c = tl.program_id(1)
-    offs = c * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
-    x = tl.load(x_ptr + row.to(tl.int64) * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    m = tl.max(x, 0)
-    tl.store(pmax_ptr + row * CHUNKS + c, m)
-    tl.store(psum_ptr + row * CHUNKS + c, tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0))
-    o = tl.where(offs < V, _ordered(x), -2147483648)  # [CHUNK] int32
-    s = tl.max(tl.reshape(o, [CHUNK // SEG, SEG]), 1)  # [CHUNK // SEG]
-    segs = c * (CHUNK // SEG) + tl.arange(0, CHUNK // SEG)  # [CHUNK // SEG] segment ids in the row
-    tl.store(smax_ptr + row.to(tl.int64) * CHUNKS * (CHUNK // SEG) + segs, s)
-
-
-@triton.jit
-def _row_count(x_row, V, thr, ABOVE: tl.constexpr, TILE: tl.constexpr):
-    """How many of the row's V values have ordered keys > thr (ABOVE) or >= thr, in tiles of TILE lanes."""
-    n = tl.zeros([], tl.int32)
-    for start in range(0, V, TILE):
-        offs = start + tl.arange(0, TILE)  # [TILE]
-        x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        o = tl.where(offs < V, _ordered(x), -2147483648)
-        n += tl.sum(((o > thr) if ABOVE else (o >= thr)).to(tl.int32), 0)
-    return n
-
-
-@triton.jit
-def _row_select(x_row, key_row, V, K, lo, hi, BITS: tl.constexpr, TILE: tl.constexpr):
-    """The slow exact path: the row's K winners as packed keys in key_row[0:K], in id order. The K-th largest by
-    bisection on the top BITS bits between lo and hi (count(o >= lo << (32 - BITS)) >= K), each step a pass over
-    the row; then one pass picks the winners as _pick does."""
-    lo = tl.zeros([], tl.int64) + lo
-    hi = tl.zeros([], tl.int64) + hi
-    while lo < hi:
-        mid = lo + (hi - lo + 1) // 2
-        enough = _row_count(x_row, V, (mid << (32 - BITS)).to(tl.int32), False, TILE) >= K
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
-    thr = (lo << (32 - BITS)).to(tl.int32)
-    need = K - _row_count(x_row, V, thr + ((1 << (32 - BITS)) - 1), True, TILE)
-    n_gt = tl.zeros([], tl.int32)
-    n_eq = tl.zeros([], tl.int32)
-    for start in range(0, V, TILE):
-        offs = start + tl.arange(0, TILE)  # [TILE]
-        x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        o = tl.where(offs < V, _ordered(x), -2147483648)
-        sel, pos, n_gt, n_eq = _pick(o, thr, need, n_gt, n_eq, BITS)
-        tl.store(key_row + pos, (o.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64), mask=sel)
-
-
-@triton.jit
-def _sort_desc(x, LOGN: tl.constexpr, TL_SORT: tl.constexpr):
-    if TL_SORT:
-        x = tl.sort(x, descending=True)
-    else:
-        x = _sort(x, LOGN, 1)
-    return x
-
-
-@triton.jit(do_not_specialize=["V", "K", "CHUNKS"])
-def _bound_select_kernel(x_ptr, pmax_ptr, psum_ptr, smax_ptr, key_ptr, slot_ptr, count_ptr, lp_ptr, tok_ptr, V, K,
-                         CHUNKS, BITS: tl.constexpr, CHUNK: tl.constexpr, SEG: tl.constexpr, LOG_SP: tl.constexpr,
-                         LOG_CAP: tl.constexpr, LOG_KP: tl.constexpr, CP: tl.constexpr, TILE: tl.constexpr,
-                         TL_SORT: tl.constexpr):
-    """Program (row, c): t = the K-th largest segment maximum of the row (K segments each hold a value >= t, so
-    t <= the row's K-th largest), by _threshold's bisection between the lowest and highest segment maxima; chunk
-    c's values >= t are appended to the row's CAP candidate keys. The last program of the row to arrive sorts the
-    candidates (or, past CAP, selects exactly over the whole row). Sorts: tl.sort (TL_SORT) or _sort's bitonic
-    network (tl.sort is far slower under the interpreter)."""
-    SP: tl.constexpr = 1 << LOG_SP
-    CAP: tl.constexpr = 1 << LOG_CAP
-    KP: tl.constexpr = 1 << LOG_KP
-    row = tl.program_id(0)
-    c = tl.program_id(1)
-    n_seg = CHUNKS * (CHUNK // SEG)
-    s = tl.arange(0, SP)  # [SP]
-    sm = tl.load(smax_ptr + row.to(tl.int64) * n_seg + s, mask=s < n_seg, other=-2147483648)  # [SP] ordered
-    lo = tl.where(n_seg >= K, tl.min(tl.where(s < n_seg, sm, 2147483647), 0), -2147483648)  # lowest if n_seg < K
-    t, _ = _threshold(sm, K, lo >> (32 - BITS), tl.max(sm, 0) >> (32 - BITS), BITS)
-    x_row = x_ptr + row.to(tl.int64) * V
-    offs = c * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
-    x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    o = tl.where(offs < V, _ordered(x), -2147483648)  # [CHUNK] int32
-    sel = (offs < V) & (o >= t)
-    n = tl.sum(sel.to(tl.int32), 0)
-    base = tl.atomic_add(slot_ptr + row, n, sem="relaxed", mask=n > 0)
-    pos = base + tl.cumsum(sel.to(tl.int32), 0) - 1  # [CHUNK]
-    key_row = key_ptr + row.to(tl.int64) * CAP
-    tl.store(key_row + pos, (o.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64), mask=sel & (pos < CAP))
-    tl.debug_barrier()  # every candidate is stored before the arrival is counted
-    if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == CHUNKS - 1:
-        total = tl.atomic_xchg(slot_ptr + row, 0)
-        cs = tl.arange(0, CP)  # [CP]
-        pm = tl.load(pmax_ptr + row * CHUNKS + cs, mask=cs < CHUNKS, other=float("-inf"), cache_modifier=".cg")
-        ps = tl.load(psum_ptr + row * CHUNKS + cs, mask=cs < CHUNKS, other=0.0, cache_modifier=".cg")
-        m = tl.max(pm, 0)
-        lse = m + tl.log(tl.sum(ps * tl.exp(pm - m), 0))
-        if total <= CAP:
-            i = tl.arange(0, CAP)  # [CAP]
-            key = tl.load(key_row + i, mask=i < total, other=0, cache_modifier=".cg")
-            key = _sort_desc(tl.where(i < total, key, _dead_key()), LOG_CAP, TL_SORT)
-            _store_topk(lp_ptr, tok_ptr, row.to(tl.int64) * K + i, key, lse, i < K)
-        else:
-            _row_select(x_row, key_row, V, K, t >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS, TILE)
-            tl.debug_barrier()  # the winners are stored before they are read back
-            ks = tl.arange(0, KP)  # [KP]
-            top = tl.load(key_row + ks, mask=ks < K, other=0)
-            top = _sort_desc(tl.where(ks < K, top, _dead_key()), LOG_KP, TL_SORT)
-            _store_topk(lp_ptr, tok_ptr, row.to(tl.int64) * K + ks, top, lse, ks < K)
+                    KP, CP, RADIX)
         tl.atomic_xchg(count_ptr + row, 0)
 
 
@@ -529,8 +450,11 @@ def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_
 
 @triton.jit(do_not_specialize=["V", "N1", "CHUNK", "SPLIT", "inv_t"])
 def _sample_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx_ptr, V, N1, CHUNK, SPLIT, inv_t,
-                   GREEDY: tl.constexpr, HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)  # b * (N+1) + node
+                   GREEDY: tl.constexpr, HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+    """Program (b * (N+1) + node, c): the (max key, lowest id) of split c (CHUNK lanes, a multiple of BLOCK x
+    UNROLL). Each lane keeps its running best (a later lane of the same slot wins only if strictly larger, so the
+    lowest id of equal keys stays), one reduction at the end; UNROLL loads in flight per loop step."""
+    row = tl.program_id(0)
     c = tl.program_id(1)
     b = row // N1
     node = row - b * N1
@@ -547,26 +471,26 @@ def _sample_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx
         floor = tl.load(floor_ptr + row)
     x_row = x_ptr + row.to(tl.int64) * V
     start = c * CHUNK
-    best = tl.full([], float("-inf"), tl.float32)
-    best_idx = start
-    for off in range(start, start + CHUNK, BLOCK):
-        offs = off + tl.arange(0, BLOCK)  # [BLOCK]
-        ok = offs < limit
-        x = tl.load(x_row + offs, mask=ok, other=float("-inf")).to(tl.float32)
-        if GREEDY:
-            k = x
-        else:
-            xs = x * inv_t
-            h = _mix32(_mix32(key ^ offs.to(tl.uint32)) ^ 0x85A308D3)
-            u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-            k = tl.where(ok & (xs >= floor), xs - tl.log(-tl.log(u)), float("-inf"))
-        m = tl.max(k, 0)
-        i = tl.min(tl.where(k == m, offs, 2147483647), 0)
-        take = m > best
-        best = tl.where(take, m, best)
-        best_idx = tl.where(take, i, best_idx)
-    tl.store(pval_ptr + row * SPLIT + c, best)
-    tl.store(pidx_ptr + row * SPLIT + c, best_idx)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)  # [BLOCK] per-lane running max
+    best_idx = tl.zeros([BLOCK], tl.int32) + start
+    for off in range(start, start + CHUNK, BLOCK * UNROLL):
+        for u in tl.static_range(UNROLL):
+            offs = off + u * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+            ok = offs < limit
+            x = tl.load(x_row + offs, mask=ok, other=float("-inf")).to(tl.float32)
+            if GREEDY:
+                k = x
+            else:
+                xs = x * inv_t
+                h = _mix32(_mix32(key ^ offs.to(tl.uint32)) ^ 0x85A308D3)
+                r = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+                k = tl.where(ok & (xs >= floor), xs - tl.log(-tl.log(r)), float("-inf"))
+            take = k > best
+            best = tl.where(take, k, best)
+            best_idx = tl.where(take, offs, best_idx)
+    m = tl.max(best, 0)
+    tl.store(pval_ptr + row * SPLIT + c, m)
+    tl.store(pidx_ptr + row * SPLIT + c, tl.min(tl.where(best == m, best_idx, 2147483647), 0))
 
 
 @triton.jit(do_not_specialize=["N1", "L", "SPLIT"])
@@ -637,15 +561,10 @@ def _arch(device):
 
 
 def _split(rows, V, block, programs):
-    """Vocabulary splits per row so that rows x splits fills about `programs` programs; chunk a BLOCK multiple."""
+    """Vocabulary splits per row so that rows x splits fills about `programs` programs; chunk a `block` multiple."""
     split = max(1, min(triton.cdiv(V, block), triton.cdiv(programs, rows), 64))
     chunk = triton.cdiv(triton.cdiv(V, split), block) * block
     return triton.cdiv(V, chunk), chunk
-
-
-def _log2(n):
-    """log2 of n rounded up to a power of 2."""
-    return (triton.next_power_of_2(n)).bit_length() - 1
 
 
 def _value_bits(dtype):
@@ -653,65 +572,26 @@ def _value_bits(dtype):
     return {torch.bfloat16: 16, torch.float16: 19}.get(dtype, 32)
 
 
-def draft_topk(logits, k):
-    cfg = CONFIGS[_arch(logits.device)]
-    return (_topk_bound if cfg["topk_method"] == "bound" else _topk_bisect)(logits.contiguous(), k, cfg)
-
-
-def bound_plan(V, k, bcfg):
-    """The "bound" top-k's sizes: (chunk lanes, chunks a row, segment lanes, candidate capacity a row)."""
-    chunk = min(bcfg["chunk"], triton.next_power_of_2(V))
-    chunks = triton.cdiv(V, chunk)
-    seg = min(chunk, 1 << max(0, (V // max(1, bcfg["segs_per_k"] * k)).bit_length() - 1))
-    while seg < chunk and chunks * (chunk // seg) > MAX_SEGS:
-        seg *= 2
+def topk_plan(V, k, rows):
+    """The top-k launch for K = k over V lanes from config rows (K up to, chunk, least warps, select): chunk
+    lanes (at least K; chunks x K candidates fit one merge), chunks a row, merge lanes, warps, radix or not."""
     kp = triton.next_power_of_2(max(k, 2))
-    cap = max(kp, min(MAX_CAP, triton.next_power_of_2(V), triton.next_power_of_2(max(bcfg["cap_per_k"] * k, 64))))
-    if chunks * (chunk // seg) > MAX_SEGS or cap > MAX_CAP:
-        raise ValueError(f"draft_topk (triton, bound): V = {V} with k = {k} needs more than {MAX_SEGS} segments "
-                         f"or {MAX_CAP} candidates")
-    return chunk, chunks, seg, cap
-
-
-def _topk_bound(x, k, cfg):
-    B, L, V = x.shape
-    dev = x.device
-    rows = B * L
-    bcfg = cfg["bound"]
-    chunk, chunks, seg, cap = bound_plan(V, k, bcfg)
-    kp = triton.next_power_of_2(max(k, 2))
-    pmax = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
-    psum = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
-    smax = torch.empty(rows, chunks * (chunk // seg), dtype=torch.int32, device=dev)
-    keys = torch.empty(rows, cap, dtype=torch.int64, device=dev)
-    lp = torch.empty(B, L, k, dtype=torch.float32, device=dev)
-    tokens = torch.empty(B, L, k, dtype=torch.int64, device=dev)
-    counters = arrival_counters("ddtree_topk_bound", dev, 2 * rows)  # candidate slots, then arrivals
-    _bound_stats_kernel[(rows, chunks)](x, pmax, psum, smax, V, chunks, CHUNK=chunk, SEG=seg,
-                                        num_warps=bcfg["warps"])
-    _bound_select_kernel[(rows, chunks)](x, pmax, psum, smax, keys, counters, counters[rows:], lp, tokens, V, k,
-                                         chunks, BITS=_value_bits(x.dtype), CHUNK=chunk, SEG=seg,
-                                         LOG_SP=_log2(max(chunks * (chunk // seg), 2)), LOG_CAP=_log2(cap),
-                                         LOG_KP=_log2(kp),
-                                         CP=triton.next_power_of_2(max(chunks, 2)),
-                                         TILE=min(SEL_TILE, triton.next_power_of_2(V)), TL_SORT=bcfg["tl_sort"],
-                                         num_warps=bcfg["warps"])
-    return lp, tokens
-
-
-def _topk_bisect(x, k, cfg):
-    B, L, V = x.shape
-    dev = x.device
-    rows = B * L
-    kp = triton.next_power_of_2(max(k, 2))
-    chunk, least_warps = next(((c, w) for k_max, c, w in cfg["topk"] if k <= k_max), cfg["topk"][-1][1:])
-    # at least K lanes a chunk; chunks x K candidates fit one merge
+    chunk, least_warps, select = next((r[1:] for r in rows if k <= r[0]), rows[-1][1:])
     chunk = max(min(chunk, triton.next_power_of_2(V)), kp,
                 triton.next_power_of_2(triton.cdiv(V, MAX_MERGE // kp)))
     if chunk > MAX_CHUNK:
         raise ValueError(f"draft_topk (triton): V = {V} with k = {k} needs chunks of {chunk} > {MAX_CHUNK}")
     chunks = triton.cdiv(V, chunk)
     mp = triton.next_power_of_2(chunks * k)
+    return chunk, chunks, mp, min(16, max(least_warps, max(chunk, mp) // 1024)), select == "radix"
+
+
+def draft_topk(logits, k):
+    x = logits.contiguous()
+    B, L, V = x.shape
+    dev = x.device
+    rows = B * L
+    chunk, chunks, mp, warps, radix = topk_plan(V, k, CONFIGS[_arch(dev)]["topk"])
     cval = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
     cid = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
     pmax = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
@@ -719,12 +599,11 @@ def _topk_bisect(x, k, cfg):
     pthr = torch.empty(rows, chunks, dtype=torch.int32, device=dev)
     lp = torch.empty(B, L, k, dtype=torch.float32, device=dev)
     tokens = torch.empty(B, L, k, dtype=torch.int64, device=dev)
-    warps = min(16, max(least_warps, max(chunk, mp) // 1024))
     counters = arrival_counters("ddtree_topk", dev, rows)
     _topk_kernel[(rows, chunks)](x, cval, cid, pmax, psum, pthr, counters, lp, tokens, V, k, chunks,
                                  BITS=_value_bits(x.dtype), CHUNK=chunk, TILE=min(chunk, SEL_TILE), MP=mp,
-                                 MT=min(mp, SEL_TILE), KP=kp, CP=triton.next_power_of_2(max(chunks, 2)),
-                                 num_warps=warps)
+                                 MT=min(mp, SEL_TILE), KP=triton.next_power_of_2(max(k, 2)),
+                                 CP=triton.next_power_of_2(max(chunks, 2)), RADIX=radix, num_warps=warps)
     return lp, tokens
 
 
@@ -763,20 +642,22 @@ def accept(tree, target_logits, temperature, floor, seeds, step):
     cfg = CONFIGS[_arch(x.device)]
     block = min(cfg["block_v"], triton.next_power_of_2(V))
     rows = B * N1
-    split, chunk = _split(rows, V, block, cfg["programs"])
+    unroll = max(1, min(cfg["unroll_v"], triton.cdiv(V, block)))
+    split, chunk = _split(rows, V, block * unroll, cfg["programs"])
     pval = torch.empty(rows, split, dtype=torch.float32, device=x.device)
     pidx = torch.empty(rows, split, dtype=torch.int32, device=x.device)
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
     _sample_kernel[(rows, split)](
         x, tree.num_nodes, seeds.contiguous(), step.contiguous(), floor if floor is not None else pval, pval, pidx,
         V, N1, chunk, split, inv_t, GREEDY=temperature == 0, HAS_FLOOR=floor is not None, BLOCK=block,
-        num_warps=cfg["warps_v"], enable_fp_fusion=False)  # x / T and the noise rounded as in torch
+        UNROLL=unroll, num_warps=cfg["warps_v"], enable_fp_fusion=False)  # x / T and the noise rounded as in torch
     path = torch.empty(B, L + 1, dtype=torch.int32, device=x.device)
     path_len = torch.empty(B, dtype=torch.int32, device=x.device)
     next_token = torch.empty(B, dtype=torch.int64, device=x.device)
-    NP1 = triton.next_power_of_2(max(N1, L + 1))
+    NP1, SP = triton.next_power_of_2(max(N1, L + 1)), triton.next_power_of_2(split)
+    max_partials, max_nodes = cfg["walk_one_warp"]
     _walk_kernel[(B,)](pval, pidx, tree.tokens, tree.parents, path, path_len, next_token, N1, L, split,
-                       NP1=NP1, SP=triton.next_power_of_2(split), num_warps=4)
+                       NP1=NP1, SP=SP, num_warps=1 if NP1 * SP <= max_partials and NP1 <= max_nodes else 4)
     return path, path_len, next_token
 
 
