@@ -39,10 +39,10 @@ BACKEND = dict(draft_topk="triton", tree_build="triton", accept="triton", compac
 
 
 def hbm_read_GBps():
-    x = torch.randn(2 << 30, dtype=torch.bfloat16, device=DEVICE)  # 4 GiB
-    ms = triton.testing.do_bench(lambda: x.sum(), warmup=50, rep=300, return_mode="median")
+    x = torch.randn(1 << 30, dtype=torch.bfloat16, device=DEVICE)  # 2 GiB
+    ms = triton.testing.do_bench(lambda: x.sum(), warmup=20, rep=100, return_mode="median")
     del x
-    return (4 << 30) / ms / 1e6
+    return (2 << 30) / ms / 1e6
 
 
 class Case:
@@ -119,7 +119,7 @@ def check(case):
 
 
 def bench_ms(fn):
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
 
 
 def graph_of(fn):
@@ -184,7 +184,8 @@ def draft_logits(dist, L, g):
 
 SELECT_SWEEP = {name: dict(topk=tuple((*r[:3], name) for r in dd.CONFIGS[90]["topk"])) for name in SELECTS}
 STEP_SWEEP = {**SELECT_SWEEP, "radix_chunk2048": dict(topk=((dd.MAX_BUDGET, 2048, 4, "radix"),))}
-ACCEPT_SWEEP = {**{f"unroll{u}": dict(unroll_v=u) for u in (1, 2, 4)}, "walk_warps4": dict(walk_one_warp=(0, 0))}
+ACCEPT_SWEEP = {**{f"unroll{u}": dict(unroll_v=u) for u in (1, 2, 4)}, "walk_warps4": dict(walk_one_warp=(0, 0)),
+                **{f"programs{p}": dict(programs=p) for p in (528, 2112)}}
 SWEEP_BUDGETS = (8, 64, 512)
 
 
@@ -224,7 +225,6 @@ def measure(case, read_GBps, sweeps):
         tree = ops.build_tree(lp, tok, case.root, case.budget)
         path, path_len, _ = ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds, step=case.step0)
         r["topk_graph_us"] = graph_us(lambda: ops.draft_topk(case.draft_logits, case.K))
-        r["torch_topk_us"] = 1e3 * bench_ms(lambda: torch.log_softmax(case.draft_logits.float(), -1).topk(case.K))
         r["build_graph_us"] = graph_us(lambda: ops.build_tree(lp, tok, case.root, case.budget))
         for name, temp in (("greedy", 0.0), ("T1", 1.0)):
             r[f"accept_{name}_graph_us"] = graph_us(
@@ -273,8 +273,10 @@ def cell(us_equal):
 def sweep_tables(rows, topk):
     """The sweeps: top-k alone per distribution and K; the step and the greedy accept per budget (block 8). GPU us
     in a CUDA graph, '!' where the outputs differ from the reference."""
-    md = ["Top-k alone (block 8: 7 rows), each select at every K (the default config picks per K):", "",
-          "| dist | K | " + " | ".join(SELECTS) + " |", "|" + "---|" * (2 + len(SELECTS))]
+    md = []
+    if topk:
+        md += ["Top-k alone (block 8: 7 rows), each select at every K (the default config picks per K):", "",
+               "| dist | K | " + " | ".join(SELECTS) + " |", "|" + "---|" * (2 + len(SELECTS))]
     for dist, by_k in topk.items():
         for k, row in by_k.items():
             md.append(f"| {dist} | {k} | " + " | ".join(cell(row[n]) for n in SELECTS) + " |")
@@ -305,9 +307,6 @@ def main():
     print(env, flush=True)
     budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else BUDGETS if not args.quick else (8, 64, 512)
     rows, checks, result = [], [], {"env": env}
-    if args.sweep:
-        with ops.using(draft_topk="triton"):
-            result["topk_sweep"] = topk_sweep(torch.Generator(device=DEVICE).manual_seed(0))
     for block in [int(b) for b in args.blocks.split(",")]:
         for budget in budgets:
             t0 = time.perf_counter()
@@ -320,17 +319,28 @@ def main():
             rows[-1]["wall_s"] = round(time.perf_counter() - t0, 1)  # this case's checks and timings, compiles included
             print(checks[-1], "\n", rows[-1], flush=True)
             result.update(checks=checks, results=rows)
-            (out / "tree.json").write_text(json.dumps(result, indent=1))
+            report(out, result)
             del case
             torch.cuda.empty_cache()
+    if args.sweep:
+        with ops.using(draft_topk="triton"):
+            result["topk_sweep"] = topk_sweep(torch.Generator(device=DEVICE).manual_seed(0))
+    report(out, result)
+    print((out / "tree.md").read_text())
+
+
+def report(out, result):
+    """tree.json and tree.md from what has been measured so far."""
+    (out / "tree.json").write_text(json.dumps(result, indent=1))
+    rows, checks, env = result["results"], result["checks"], result["env"]
     md = [f"# DDTree step, batch 1, V = {V}, {LAYERS} layers", "",
           ", ".join(f"{k}: {v:.0f}" if isinstance(v, float) else f"{k}: {v}" for k, v in env.items()), "",
           "Times in microseconds (median, CUDA events, L2 flushed); `*_graph_us` = that op alone captured in a CUDA "
           "graph; step = draft top-K + build + accept + compact with the default configs, "
           f"{len(result['step_kernels'])} launches; host = GPU top-k, copy, heapq, Python walk, 61 index_select "
           "moves (median of 3).", "", table(sorted(rows, key=lambda r: (r["block"], r["budget"]))), ""]
-    if args.sweep:
-        md += sweep_tables(rows, result["topk_sweep"]) + [""]
+    if any("step_select_sweep" in r for r in rows):
+        md += sweep_tables(rows, result.get("topk_sweep", {})) + [""]
     sweeps = [v for r in rows for k, sw in r.items() if k.endswith("_sweep") for v in sw.values()]
     sweeps += [v for by_k in result.get("topk_sweep", {}).values() for row in by_k.values() for v in row.values()]
     md += ["Checks (Triton == torch reference, same run: top-k tokens, build, greedy and T = 1 accept, compaction, "
@@ -338,7 +348,6 @@ def main():
            f"{all(v for c in checks for k, v in c.items() if k.endswith('_equal')) and all(e for _, e in sweeps)}",
            ""]
     (out / "tree.md").write_text("\n".join(md))
-    print("\n".join(md))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
