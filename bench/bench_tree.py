@@ -155,7 +155,7 @@ def launches(fn):
     return [e.name[:60] for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.device_type == cuda]
 
 
-SELECTS = ("radix", "bisect")
+SELECTS = ("radix", "radix5", "radix6", "bisect")
 TOPK_KS = (8, 64, 512)
 DISTS = ("normal", "realistic", "clustered", "ties")
 
@@ -182,7 +182,13 @@ def draft_logits(dist, L, g):
     return x.bfloat16()
 
 
-SELECT_SWEEP = {name: dict(topk=tuple((*r[:3], name) for r in dd.CONFIGS[90]["topk"])) for name in SELECTS}
+def select_override(name):
+    """A config override: every top-k row on this select ("radixN": N-bit digits, "radix": 8)."""
+    method, bits = ("radix", int(name[5:] or 8)) if name.startswith("radix") else (name, 8)
+    return dict(topk=tuple((*r[:3], method) for r in dd.CONFIGS[90]["topk"]), radix_bits=bits)
+
+
+SELECT_SWEEP = {name: select_override(name) for name in SELECTS}
 STEP_SWEEP = {**SELECT_SWEEP, "radix_chunk2048": dict(topk=((dd.MAX_BUDGET, 2048, 4, "radix"),))}
 ACCEPT_SWEEP = {**{f"unroll{u}": dict(unroll_v=u) for u in (1, 2, 4)}, "walk_warps4": dict(walk_one_warp=(0, 0)),
                 **{f"programs{p}": dict(programs=p) for p in (528, 2112)}}
@@ -275,7 +281,8 @@ def sweep_tables(rows, topk):
     in a CUDA graph, '!' where the outputs differ from the reference."""
     md = []
     if topk:
-        md += ["Top-k alone (block 8: 7 rows), each select at every K (the default config picks per K):", "",
+        md += ["Top-k alone (block 8: 7 rows), each select at every K (the default config picks per K; radixN: "
+               "N-bit digits, radix: 8):", "",
                "| dist | K | " + " | ".join(SELECTS) + " |", "|" + "---|" * (2 + len(SELECTS))]
     for dist, by_k in topk.items():
         for k, row in by_k.items():

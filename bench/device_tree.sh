@@ -4,9 +4,9 @@
 # on CPUs, not here). Usage (device): bash bench/device_tree.sh [bench-s] [tests-s]; results under $OUT.
 source bench/device_env.sh
 mkdir -p "$OUT/tree"
-timeout "${1:-145}" python bench/bench_tree.py --out "$OUT/tree" --sweep 2>&1 | tee "$OUT/tree_bench.log" \
+timeout "${1:-150}" python bench/bench_tree.py --out "$OUT/tree" --sweep 2>&1 | tee "$OUT/tree_bench.log" \
   | grep -v "^{\|^ {\|^normal\|^realistic\|^clustered\|^ties" | tail -60
 echo "bench exit $? at ${SECONDS}s"
-timeout "${2:-70}" python -m pytest -q -n 8 -rf --tb=short -p no:cacheprovider --durations=5 -k "not sm120" \
+timeout "${2:-60}" python -m pytest -q -n 8 -rf --tb=short -p no:cacheprovider --durations=5 -k "not sm120" \
   tests/test_tree_ops.py tests/test_lossless_sampling.py >"$OUT/tree_gpu_tests.log" 2>&1
 echo "pytest exit $? at ${SECONDS}s"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tree_gpu_tests.log" | tail -12

@@ -144,20 +144,22 @@ def topk_rows(gen, V):
 
 
 def force_topk(monkeypatch, select, chunk=None):
-    """Make the Triton top-k find each K-th largest by `select` ("radix" or "bisect") at every K, with this chunk
-    and 4 warps if given."""
+    """Make the Triton top-k find each K-th largest by `select` ("radix" (8-bit digits), "radix5" or "bisect") at
+    every K, with this chunk and 4 warps if given."""
     from triton_kernels import ddtree as dd
 
+    method, bits = ("radix", int(select[5:] or 8)) if select.startswith("radix") else (select, 8)
     for cfg in dd.CONFIGS.values():
-        rows = ((dd.MAX_BUDGET, chunk, 4, select),) if chunk else tuple((*r[:3], select) for r in cfg["topk"])
+        rows = ((dd.MAX_BUDGET, chunk, 4, method),) if chunk else tuple((*r[:3], method) for r in cfg["topk"])
         monkeypatch.setitem(cfg, "topk", rows)
+        monkeypatch.setitem(cfg, "radix_bits", bits)
 
 
 TOPK_METHODS = ["radix", "bisect"]
 
 
 @requires_triton
-@pytest.mark.parametrize("method", TOPK_METHODS)
+@pytest.mark.parametrize("method", TOPK_METHODS + ["radix5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_draft_topk_triton_ties_and_chunks(dtype, method, monkeypatch):
     """Several chunks per row: ties at the K-th value across chunks, winners all in one chunk."""
@@ -340,7 +342,7 @@ cfg = dd.CONFIGS[arch]
 P, I, L = "*fp32", "*i32", "*i64"
 TOPK_SIG = dict(x_ptr="*bf16", cval_ptr=I, cid_ptr=I, pmax_ptr=P, psum_ptr=P, pthr_ptr=I, count_ptr=I, lp_ptr=P,
                 tok_ptr=L, V="i32", K="i32", CHUNKS="i32")
-topk = {k: dd.topk_plan(163840, k, cfg["topk"]) for k in sorted({min(r[0], dd.MAX_BUDGET) for r in cfg["topk"]})}
+topk = {k: dd.topk_plan(163840, k, cfg) for k in sorted({min(r[0], dd.MAX_BUDGET) for r in cfg["topk"]})}
 cases = [  # top-k: each config row at its largest K and K2.6's vocabulary
     *[(dd._topk_kernel, TOPK_SIG, dict(BITS=16, CHUNK=chunk, TILE=min(chunk, dd.SEL_TILE), MP=mp,
        MT=min(mp, dd.SEL_TILE), KP=triton.next_power_of_2(k), CP=triton.next_power_of_2(chunks), RADIX=radix),

@@ -19,18 +19,20 @@ MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few
 
 # Configs as data per arch (compute capability major*10+minor). Top-k rows: (K up to, chunk: lanes a program
 # selects from in one load, least warps, select), the last also for larger K; select: how a chunk and a merge find
-# the K-th largest ("radix": 8-bit digits by histogram, 2-4 steps; "bisect": one reduction per bit, up to 16-32
-# steps; radix spills under Triton 3.6 from K = 256, at 32 lanes a thread). Sampling pass: BLOCK over the
-# vocabulary, its warps, the target program count, loads unrolled per loop step; the walk on one warp up to
-# (partials, nodes), else four. Build: warps of the one-program-per-tree heap loop (its heap lives in registers:
-# one warp keeps every reduction inside shuffles), the budget from which the depth-synchronous build replaces it,
-# and that build's warps. sm_90: measured on the H200 (bench/results/tree_h200.md).
+# the K-th largest ("radix": digits of radix_bits by histogram, 2 steps for bf16 at 8 bits; "bisect": one
+# reduction per bit, up to 16-32 steps; radix spills under Triton 3.6 from K = 256, at 32 lanes a thread).
+# Sampling pass: BLOCK over the vocabulary, its warps, the target program count, loads unrolled per loop step; the
+# walk on one warp up to (partials, nodes), else four. Build: warps of the one-program-per-tree heap loop (its heap
+# lives in registers: one warp keeps every reduction inside shuffles), the budget from which the
+# depth-synchronous build replaces it, and that build's warps. sm_90: measured on the H200
+# (bench/results/tree_h200.md).
 CONFIGS = {
-    90: dict(topk=((16, 2048, 4, "radix"), (128, 4096, 8, "radix"), (MAX_BUDGET, 4096, 8, "bisect")), block_v=2048,
-             warps_v=8, programs=1056, unroll_v=2, walk_one_warp=(2048, 128), build_warps=1, levels_from=8,
-             levels_warps=8),
-    120: dict(topk=((128, 4096, 4, "radix"), (MAX_BUDGET, 4096, 4, "bisect")), block_v=1024, warps_v=4,
-              programs=752, unroll_v=2, walk_one_warp=(2048, 128), build_warps=1, levels_from=64, levels_warps=2),
+    90: dict(topk=((16, 2048, 4, "radix"), (128, 4096, 8, "radix"), (MAX_BUDGET, 4096, 8, "bisect")), radix_bits=8,
+             block_v=2048, warps_v=8, programs=1056, unroll_v=2, walk_one_warp=(2048, 128), build_warps=1,
+             levels_from=8, levels_warps=8),
+    120: dict(topk=((128, 4096, 4, "radix"), (MAX_BUDGET, 4096, 4, "bisect")), radix_bits=8, block_v=1024,
+              warps_v=4, programs=752, unroll_v=2, walk_one_warp=(2048, 128), build_warps=1, levels_from=64,
+              levels_warps=2),
 }
 
 
@@ -90,10 +92,10 @@ def _sort(x, LOGN: tl.constexpr, DESC: tl.constexpr):
 def _threshold(o, K, lo, hi, BITS: tl.constexpr, RADIX: tl.constexpr):
     """(thr, need): the K-th largest of ordered int32 values o (only their top BITS bits vary within a sign for
     this dtype) as the largest thr with count(o >= thr) >= K, thr's low 32 - BITS bits zero; and how many of the
-    values equal to thr are among the K. RADIX: by 8-bit digits (_radix_threshold); else by bisection on the top
-    BITS bits between lo and hi (count(o >= lo << (32 - BITS)) >= K)."""
-    if RADIX:
-        thr, above = _radix_threshold(o, K, BITS)
+    values equal to thr are among the K. RADIX > 0: by digits of RADIX bits (_radix_threshold); 0: by bisection
+    on the top BITS bits between lo and hi (count(o >= lo << (32 - BITS)) >= K)."""
+    if RADIX > 0:
+        thr, above = _radix_threshold(o, K, BITS, RADIX)
     else:
         lo = tl.zeros([], tl.int64) + lo
         hi = tl.zeros([], tl.int64) + hi
@@ -108,27 +110,27 @@ def _threshold(o, K, lo, hi, BITS: tl.constexpr, RADIX: tl.constexpr):
 
 
 @triton.jit
-def _radix_threshold(o, K, BITS: tl.constexpr):
-    """(thr, count above thr) as _threshold gives them, by ceil(BITS / 8) digits of the unsigned key (o's top BITS
-    bits with the top one flipped), most significant first (the first holds the remainder bits): a histogram of
-    the digit among the values that match the digits chosen so far, then the largest digit whose suffix count
-    still reaches the rank wanted; the values above it leave the rank. Digits are cut from o directly (the flip
-    goes on the first digit and on the scalar prefix), so no second [n] key stays live."""
-    D: tl.constexpr = 8
+def _radix_threshold(o, K, BITS: tl.constexpr, D: tl.constexpr):
+    """(thr, count above thr) as _threshold gives them, by ceil(BITS / D) digits of D >= 5 bits (tl.histogram
+    wants a bin per lane of a warp) of the unsigned key (o's top BITS bits with the top one flipped), most
+    significant first (the first holds the remainder bits): a histogram of the digit among the values that match
+    the digits chosen so far, then the largest digit whose suffix count still reaches the rank wanted; the values
+    above it leave the rank. Digits are cut from o directly (the flip goes on the first digit and on the scalar
+    prefix), so no second [n] key stays live."""
     STEPS: tl.constexpr = (BITS + D - 1) // D
     TOP: tl.constexpr = BITS - D * (STEPS - 1)  # the first digit's width
-    bins = tl.arange(0, 1 << D)  # [256]
+    bins = tl.arange(0, 1 << D)  # [2^D]
     prefix = tl.zeros([], tl.int32)  # the digits chosen so far
     rank = tl.zeros([], tl.int32) + K  # the rank wanted among the values matching prefix
     for j in tl.static_range(STEPS):
         if j == 0:
-            h = tl.histogram(((o >> (32 - TOP)) & ((1 << TOP) - 1)) ^ (1 << (TOP - 1)), 1 << D)  # [256]
+            h = tl.histogram(((o >> (32 - TOP)) & ((1 << TOP) - 1)) ^ (1 << (TOP - 1)), 1 << D)  # [2^D]
         else:
             low = 32 - BITS + D * (STEPS - 1 - j)  # the digit's lowest bit in o
             above = (o >> (low + D)) & ((1 << (BITS - D * (STEPS - j))) - 1)  # [n] the key bits above the digit
             flip = 1 << (BITS - D * (STEPS - j) - 1)
             h = tl.histogram((o >> low) & ((1 << D) - 1), 1 << D, mask=above == (prefix ^ flip))
-        at_least = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # [256] matching values with digit >= bin
+        at_least = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # [2^D] matching values with digit >= bin
         best = tl.max(tl.where(at_least >= rank, bins, 0), 0)
         rank -= tl.sum(tl.where(bins > best, h, 0), 0)
         prefix = (prefix << D) | best
@@ -572,9 +574,11 @@ def _value_bits(dtype):
     return {torch.bfloat16: 16, torch.float16: 19}.get(dtype, 32)
 
 
-def topk_plan(V, k, rows):
-    """The top-k launch for K = k over V lanes from config rows (K up to, chunk, least warps, select): chunk
-    lanes (at least K; chunks x K candidates fit one merge), chunks a row, merge lanes, warps, radix or not."""
+def topk_plan(V, k, cfg):
+    """The top-k launch for K = k over V lanes from the config's rows (K up to, chunk, least warps, select): chunk
+    lanes (at least K; chunks x K candidates fit one merge), chunks a row, merge lanes, warps, radix digit bits
+    (0: bisection)."""
+    rows = cfg["topk"]
     kp = triton.next_power_of_2(max(k, 2))
     chunk, least_warps, select = next((r[1:] for r in rows if k <= r[0]), rows[-1][1:])
     chunk = max(min(chunk, triton.next_power_of_2(V)), kp,
@@ -583,7 +587,8 @@ def topk_plan(V, k, rows):
         raise ValueError(f"draft_topk (triton): V = {V} with k = {k} needs chunks of {chunk} > {MAX_CHUNK}")
     chunks = triton.cdiv(V, chunk)
     mp = triton.next_power_of_2(chunks * k)
-    return chunk, chunks, mp, min(16, max(least_warps, max(chunk, mp) // 1024)), select == "radix"
+    warps = min(16, max(least_warps, max(chunk, mp) // 1024))
+    return chunk, chunks, mp, warps, cfg["radix_bits"] if select == "radix" else 0
 
 
 def draft_topk(logits, k):
@@ -591,7 +596,7 @@ def draft_topk(logits, k):
     B, L, V = x.shape
     dev = x.device
     rows = B * L
-    chunk, chunks, mp, warps, radix = topk_plan(V, k, CONFIGS[_arch(dev)]["topk"])
+    chunk, chunks, mp, warps, radix = topk_plan(V, k, CONFIGS[_arch(dev)])
     cval = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
     cid = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
     pmax = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
