@@ -5,8 +5,8 @@ HBM read ceiling, and for budgets 8..512 at blocks 8 and 16 (--quick: 8, 64, 512
 the torch references at K2.6 shapes (bf16 logits, V = 163840), times each op alone and the whole step (eager and
 as one CUDA graph replay) and the host path (GPU top-k, copy, heapq, Python walk, per-layer index_select
 compaction over 61 layers), and writes tree.json + tree.md. Each kernel compiles once per shape; block 16 reuses
-block 8's compiles. With --sweep also, at block 8: the two top-k selects alone on four logit distributions and in
-the whole step, and sampling-pass / walk variants of the greedy accept (each checked against the reference).
+block 8's compiles. With --sweep also, at block 8: sampling-pass variants of the greedy accept at budgets 8, 64,
+512 and the top-k alone on four logit distributions (each checked against the reference).
 As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU only; host timer around a synchronised graph
 replay).
 """
@@ -155,7 +155,6 @@ def launches(fn):
     return [e.name[:60] for e in sorted(prof.events(), key=lambda e: e.time_range.start) if e.device_type == cuda]
 
 
-SELECTS = ("radix", "radix5", "radix6", "bisect")
 TOPK_KS = (8, 64, 512)
 DISTS = ("normal", "realistic", "clustered", "ties")
 
@@ -182,15 +181,7 @@ def draft_logits(dist, L, g):
     return x.bfloat16()
 
 
-def select_override(name):
-    """A config override: every top-k row on this select ("radixN": N-bit digits, "radix": 8)."""
-    method, bits = ("radix", int(name[5:] or 8)) if name.startswith("radix") else (name, 8)
-    return dict(topk=tuple((*r[:3], method) for r in dd.CONFIGS[90]["topk"]), radix_bits=bits)
-
-
-SELECT_SWEEP = {name: select_override(name) for name in SELECTS}
-STEP_SWEEP = {**SELECT_SWEEP, "radix_chunk2048": dict(topk=((dd.MAX_BUDGET, 2048, 4, "radix"),))}
-ACCEPT_SWEEP = {**{f"unroll{u}": dict(unroll_v=u) for u in (1, 2, 4)}, "walk_warps4": dict(walk_one_warp=(0, 0)),
+ACCEPT_SWEEP = {**{f"unroll{u}": dict(unroll_v=u) for u in (1, 2, 4)},
                 **{f"programs{p}": dict(programs=p) for p in (528, 2112)}}
 SWEEP_BUDGETS = (8, 64, 512)
 
@@ -212,14 +203,14 @@ def sweep(fn, ref, overrides):
 
 
 def topk_sweep(g):
-    """{dist: {K: {select: (us alone in a CUDA graph, equal to the torch reference)}}} at block 8 (7 rows)."""
+    """{dist: {K: (us of the default top-k alone in a CUDA graph, equal to the torch reference)}} at block 8."""
     out = {}
     for dist in DISTS:
         x = draft_logits(dist, 7, g)
         out[dist] = {}
         for k in TOPK_KS:
             ref = draft_topk_torch(x, k)[1:]
-            out[dist][k] = sweep(lambda: ops.draft_topk(x, k)[1:], ref, SELECT_SWEEP)
+            out[dist][k] = sweep(lambda: ops.draft_topk(x, k)[1:], ref, {"default": {}})["default"]
         print(dist, out[dist], flush=True)
     return out
 
@@ -240,10 +231,6 @@ def measure(case, read_GBps, sweeps):
         for name, temp in (("greedy", 0.0), ("T1", 1.0)):
             r[f"step_graph_{name}_us"] = graph_us(lambda: case.step(temp))
         if sweeps and case.L + 1 == 8 and case.budget in SWEEP_BUDGETS:
-            def step():  # path_len, next_token (the kv cache moves again at each call)
-                return case.step(0.0)[1:]
-
-            r["step_select_sweep"] = sweep(step, step(), STEP_SWEEP)
             ref_acc = accept_torch(tree, case.target_logits, 0.0, None, case.seeds, torch.zeros_like(case.seeds))
             r["accept_greedy_sweep"] = sweep(
                 lambda: ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds, step=case.step0), ref_acc,
@@ -277,24 +264,20 @@ def cell(us_equal):
 
 
 def sweep_tables(rows, topk):
-    """The sweeps: top-k alone per distribution and K; the step and the greedy accept per budget (block 8). GPU us
-    in a CUDA graph, '!' where the outputs differ from the reference."""
+    """The sweeps: the default top-k alone per distribution and K; the greedy accept per sampling-pass variant and
+    budget (block 8). GPU us in a CUDA graph, '!' where the outputs differ from the reference."""
     md = []
     if topk:
-        md += ["Top-k alone (block 8: 7 rows), each select at every K (the default config picks per K; radixN: "
-               "N-bit digits, radix: 8):", "",
-               "| dist | K | " + " | ".join(SELECTS) + " |", "|" + "---|" * (2 + len(SELECTS))]
-    for dist, by_k in topk.items():
-        for k, row in by_k.items():
-            md.append(f"| {dist} | {k} | " + " | ".join(cell(row[n]) for n in SELECTS) + " |")
-    names = [("step_select_sweep", n) for n in STEP_SWEEP] + [("accept_greedy_sweep", n) for n in ACCEPT_SWEEP]
-    md += ["", "Whole step (greedy) with each top-k select at every K (radix_chunk2048: radix on 2048-lane chunks), "
-           "and the greedy accept per sampling-pass variant (block 8):", "",
-           "| budget | " + " | ".join(f"{k.split('_')[0]} {n}" for k, n in names) + " |",
-           "|" + "---|" * (len(names) + 1)]
+        md += ["Top-k alone (block 8: 7 rows, default config) per logit distribution:", "",
+               "| dist | " + " | ".join(f"K = {k}" for k in TOPK_KS) + " |", "|" + "---|" * (1 + len(TOPK_KS))]
+        md += [f"| {dist} | " + " | ".join(cell(by_k[k]) for k in TOPK_KS) + " |" for dist, by_k in topk.items()]
+        md.append("")
+    md += ["Greedy accept alone per sampling-pass variant (block 8):", "",
+           "| budget | " + " | ".join(ACCEPT_SWEEP) + " |", "|" + "---|" * (len(ACCEPT_SWEEP) + 1)]
     for r in rows:
-        if "step_select_sweep" in r:
-            md.append(f"| {r['budget']} | " + " | ".join(cell(r[k][n]) for k, n in names) + " |")
+        if "accept_greedy_sweep" in r:
+            md.append(f"| {r['budget']} | " + " | ".join(cell(r["accept_greedy_sweep"][n]) for n in ACCEPT_SWEEP)
+                      + " |")
     return md
 
 
@@ -346,10 +329,10 @@ def report(out, result):
           "graph; step = draft top-K + build + accept + compact with the default configs, "
           f"{len(result['step_kernels'])} launches; host = GPU top-k, copy, heapq, Python walk, 61 index_select "
           "moves (median of 3).", "", table(sorted(rows, key=lambda r: (r["block"], r["budget"]))), ""]
-    if any("step_select_sweep" in r for r in rows):
+    if any("accept_greedy_sweep" in r for r in rows):
         md += sweep_tables(rows, result.get("topk_sweep", {})) + [""]
     sweeps = [v for r in rows for k, sw in r.items() if k.endswith("_sweep") for v in sw.values()]
-    sweeps += [v for by_k in result.get("topk_sweep", {}).values() for row in by_k.values() for v in row.values()]
+    sweeps += [v for by_k in result.get("topk_sweep", {}).values() for v in by_k.values()]
     md += ["Checks (Triton == torch reference, same run: top-k tokens, build, greedy and T = 1 accept, compaction, "
            "every sweep variant): all equal: "
            f"{all(v for c in checks for k, v in c.items() if k.endswith('_equal')) and all(e for _, e in sweeps)}",

@@ -143,27 +143,10 @@ def topk_rows(gen, V):
     return logits[None]
 
 
-def force_topk(monkeypatch, select, chunk=None):
-    """Make the Triton top-k find each K-th largest by `select` ("radix" (8-bit digits), "radix5" or "bisect") at
-    every K, with this chunk and 4 warps if given."""
-    from triton_kernels import ddtree as dd
-
-    method, bits = ("radix", int(select[5:] or 8)) if select.startswith("radix") else (select, 8)
-    for cfg in dd.CONFIGS.values():
-        rows = ((dd.MAX_BUDGET, chunk, 4, method),) if chunk else tuple((*r[:3], method) for r in cfg["topk"])
-        monkeypatch.setitem(cfg, "topk", rows)
-        monkeypatch.setitem(cfg, "radix_bits", bits)
-
-
-TOPK_METHODS = ["radix", "bisect"]
-
-
 @requires_triton
-@pytest.mark.parametrize("method", TOPK_METHODS + ["radix5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_draft_topk_triton_ties_and_chunks(dtype, method, monkeypatch):
+def test_draft_topk_triton_ties_and_chunks(dtype):
     """Several chunks per row: ties at the K-th value across chunks, winners all in one chunk."""
-    force_topk(monkeypatch, method)
     logits = topk_rows(torch.Generator().manual_seed(3), 5000).to(device=device(), dtype=dtype)
     ref = ops.tree.draft_topk_torch(logits, 70)
     with ops.using(draft_topk="triton"):
@@ -174,12 +157,12 @@ def test_draft_topk_triton_ties_and_chunks(dtype, method, monkeypatch):
 @requires_triton
 @pytest.mark.parametrize("k,chunk,tile,merge", [(5, 1024, 256, 8192), (200, 512, 128, 1024), (300, 1024, 256, 2048),
                                                 (1000, 1024, 1024, 8192)], ids=lambda v: str(v))
-@pytest.mark.parametrize("method", TOPK_METHODS)
-def test_draft_topk_triton_tiles(k, chunk, tile, merge, method, monkeypatch):
+def test_draft_topk_triton_tiles(k, chunk, tile, merge, monkeypatch):
     """Chunks scanned in several tiles, merges over several tiles, chunks grown to fit the merge, K = V."""
     from triton_kernels import ddtree as dd
 
-    force_topk(monkeypatch, method, chunk)
+    for cfg in dd.CONFIGS.values():
+        monkeypatch.setitem(cfg, "topk", ((dd.MAX_BUDGET, chunk, 4),))
     monkeypatch.setattr(dd, "SEL_TILE", tile)
     monkeypatch.setattr(dd, "MAX_MERGE", merge)
     V = 1000 if k == 1000 else 3000
@@ -191,13 +174,9 @@ def test_draft_topk_triton_tiles(k, chunk, tile, merge, method, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton),
-                                     pytest.param("bisect", marks=requires_triton)])
-def test_draft_topk(dtype, backend, monkeypatch):
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])
+def test_draft_topk(dtype, backend):
     """Integer logits: many ties, broken by lower token id; log-probs of log_softmax."""
-    if backend == "bisect":
-        force_topk(monkeypatch, "bisect")
-        backend = "triton"
     gen = torch.Generator().manual_seed(2)
     logits = torch.randint(-4, 4, (2, 3, 300), generator=gen).to(device=device(), dtype=dtype)
     logits[0, 0] = 0.0
@@ -345,8 +324,8 @@ TOPK_SIG = dict(x_ptr="*bf16", cval_ptr=I, cid_ptr=I, pmax_ptr=P, psum_ptr=P, pt
 topk = {k: dd.topk_plan(163840, k, cfg) for k in sorted({min(r[0], dd.MAX_BUDGET) for r in cfg["topk"]})}
 cases = [  # top-k: each config row at its largest K and K2.6's vocabulary
     *[(dd._topk_kernel, TOPK_SIG, dict(BITS=16, CHUNK=chunk, TILE=min(chunk, dd.SEL_TILE), MP=mp,
-       MT=min(mp, dd.SEL_TILE), KP=triton.next_power_of_2(k), CP=triton.next_power_of_2(chunks), RADIX=radix),
-       warps) for k, (chunk, chunks, mp, warps, radix) in topk.items()],
+       MT=min(mp, dd.SEL_TILE), KP=triton.next_power_of_2(k), CP=triton.next_power_of_2(chunks)), warps)
+      for k, (chunk, chunks, mp, warps) in topk.items()],
     (dd._tree_build_kernel, dict(lp_ptr=P, tok_ptr=L, root_ptr=L, o_tok=L, o_par=I, o_dep=I, o_fc=I, o_ns=I, o_mask=I,
      o_num=I, N="i32", K="i32", KS="i32", L="i32", W="i32"), dict(NP=512, NP1=1024, WP=32, ROWS=64),
      cfg["build_warps"]),
@@ -358,9 +337,6 @@ cases = [  # top-k: each config row at its largest K and K2.6's vocabulary
      BLOCK=cfg["block_v"], UNROLL=cfg["unroll_v"]), cfg["warps_v"]),
     (dd._walk_kernel, dict(pval_ptr=P, pidx_ptr=I, tok_ptr=L, par_ptr=I, path_ptr=I, len_ptr=I, next_ptr=L, N1="i32",
      L="i32", SPLIT="i32"), dict(NP1=1024, SP=4), 4),
-    (dd._walk_kernel, dict(pval_ptr=P, pidx_ptr=I, tok_ptr=L, par_ptr=I, path_ptr=I, len_ptr=I, next_ptr=L, N1="i32",
-     L="i32", SPLIT="i32"), dict(NP1=cfg["walk_one_warp"][1], SP=cfg["walk_one_warp"][0] // cfg["walk_one_warp"][1]),
-     1),
     (dd._compact_kernel, dict(kv_ptr="*bf16", starts_ptr=I, path_ptr=I, len_ptr=I, hid_ptr="*bf16", out_ptr="*bf16",
      layers="i32", L1="i32", D="i32", F="i32", s_layer="i64", s_b="i64", s_pos="i64", h_b="i64", h_n="i64"),
      dict(LP=16, BD=1024, BF=256), 8),

@@ -17,22 +17,17 @@ MAX_CHUNK = 16384  # and this many lanes a chunk (in registers at 16 warps; the 
 SEL_TILE = 4096  # lanes one selection scan covers (it packs two counts into 15-bit fields)
 MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few row blocks, few dependent loads
 
-# Configs as data per arch (compute capability major*10+minor). Top-k rows: (K up to, chunk: lanes a program
-# selects from in one load, least warps, select), the last also for larger K; select: how a chunk and a merge find
-# the K-th largest ("radix": digits of radix_bits by histogram, 2 steps for bf16 at 8 bits; "bisect": one
-# reduction per bit, up to 16-32 steps; radix spills under Triton 3.6 from K = 256, at 32 lanes a thread).
-# Sampling pass: BLOCK over the vocabulary, its warps, the target program count, loads unrolled per loop step; the
-# walk on one warp up to (partials, nodes), else four. Build: warps of the one-program-per-tree heap loop (its heap
-# lives in registers: one warp keeps every reduction inside shuffles), the budget from which the
-# depth-synchronous build replaces it, and that build's warps. sm_90: measured on the H200
-# (bench/results/tree_h200.md).
+# Configs as data per arch (compute capability major*10+minor): top-k rows (K up to, chunk: lanes a program
+# selects from in one load, least warps), the last also for larger K; the sampling pass's BLOCK over the
+# vocabulary, its warps, target program count and loads in flight a loop step; warps of the one-program-per-tree
+# heap build (its heap lives in registers: one warp keeps every reduction inside shuffles), the budget from which
+# the depth-synchronous build replaces the heap loop, and that build's warps. sm_90: measured on the H200
+# (bench/results/tree_h200.md); sm_120 takes sm_90's unroll_v, untimed.
 CONFIGS = {
-    90: dict(topk=((16, 2048, 4, "radix"), (128, 4096, 8, "radix"), (MAX_BUDGET, 4096, 8, "bisect")), radix_bits=8,
-             block_v=2048, warps_v=8, programs=1056, unroll_v=2, walk_one_warp=(2048, 128), build_warps=1,
-             levels_from=8, levels_warps=8),
-    120: dict(topk=((128, 4096, 4, "radix"), (MAX_BUDGET, 4096, 4, "bisect")), radix_bits=8, block_v=1024,
-              warps_v=4, programs=752, unroll_v=2, walk_one_warp=(2048, 128), build_warps=1, levels_from=64,
-              levels_warps=2),
+    90: dict(topk=((16, 2048, 4), (MAX_BUDGET, 4096, 8)), block_v=2048, warps_v=8, programs=1056, unroll_v=4,
+             build_warps=1, levels_from=8, levels_warps=8),
+    120: dict(topk=((MAX_BUDGET, 4096, 4),), block_v=1024, warps_v=4, programs=752, unroll_v=4, build_warps=1,
+              levels_from=64, levels_warps=2),
 }
 
 
@@ -89,57 +84,19 @@ def _sort(x, LOGN: tl.constexpr, DESC: tl.constexpr):
 # ---- draft top-k: one launch; chunks select their local top K, the last chunk of a row to arrive merges ----
 
 @triton.jit
-def _threshold(o, K, lo, hi, BITS: tl.constexpr, RADIX: tl.constexpr):
+def _threshold(o, K, lo, hi, BITS: tl.constexpr):
     """(thr, need): the K-th largest of ordered int32 values o (only their top BITS bits vary within a sign for
-    this dtype) as the largest thr with count(o >= thr) >= K, thr's low 32 - BITS bits zero; and how many of the
-    values equal to thr are among the K. RADIX > 0: by digits of RADIX bits (_radix_threshold); 0: by bisection
-    on the top BITS bits between lo and hi (count(o >= lo << (32 - BITS)) >= K)."""
-    if RADIX > 0:
-        thr, above = _radix_threshold(o, K, BITS, RADIX)
-    else:
-        lo = tl.zeros([], tl.int64) + lo
-        hi = tl.zeros([], tl.int64) + hi
-        while lo < hi:
-            mid = lo + (hi - lo + 1) // 2
-            enough = tl.sum((o >= (mid << (32 - BITS)).to(tl.int32)).to(tl.int32), 0) >= K
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid - 1)
-        thr = (lo << (32 - BITS)).to(tl.int32)
-        above = tl.sum((o > thr + ((1 << (32 - BITS)) - 1)).to(tl.int32), 0)
-    return thr, K - above
-
-
-@triton.jit
-def _radix_threshold(o, K, BITS: tl.constexpr, D: tl.constexpr):
-    """(thr, count above thr) as _threshold gives them, by ceil(BITS / D) digits of D >= 5 bits (tl.histogram
-    wants a bin per lane of a warp) of the unsigned key (o's top BITS bits with the top one flipped), most
-    significant first (the first holds the remainder bits): a histogram of the digit among the values that match
-    the digits chosen so far, then the largest digit whose suffix count still reaches the rank wanted; the values
-    above it leave the rank. Digits are cut from o directly (the flip goes on the first digit and on the scalar
-    prefix), so no second [n] key stays live."""
-    STEPS: tl.constexpr = (BITS + D - 1) // D
-    TOP: tl.constexpr = BITS - D * (STEPS - 1)  # the first digit's width
-    bins = tl.arange(0, 1 << D)  # [2^D]
-    prefix = tl.zeros([], tl.int32)  # the digits chosen so far
-    rank = tl.zeros([], tl.int32) + K  # the rank wanted among the values matching prefix
-    for j in tl.static_range(STEPS):
-        if j == 0:
-            h = tl.histogram(((o >> (32 - TOP)) & ((1 << TOP) - 1)) ^ (1 << (TOP - 1)), 1 << D)  # [2^D]
-        else:
-            low = 32 - BITS + D * (STEPS - 1 - j)  # the digit's lowest bit in o
-            above = (o >> (low + D)) & ((1 << (BITS - D * (STEPS - j))) - 1)  # [n] the key bits above the digit
-            flip = 1 << (BITS - D * (STEPS - j) - 1)
-            h = tl.histogram((o >> low) & ((1 << D) - 1), 1 << D, mask=above == (prefix ^ flip))
-        at_least = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # [2^D] matching values with digit >= bin
-        best = tl.max(tl.where(at_least >= rank, bins, 0), 0)
-        rank -= tl.sum(tl.where(bins > best, h, 0), 0)
-        prefix = (prefix << D) | best
-    # prefix: the unsigned key of thr; flip its top bit back and shift it into place
-    if BITS == 32:
-        thr = prefix ^ -2147483648
-    else:
-        thr = (prefix ^ (1 << (BITS - 1))) << (32 - BITS)
-    return thr, K - rank
+    this dtype), by bisection on those top bits between lo and hi (count(o >= lo << (32 - BITS)) >= K), as the
+    largest thr with count(o >= thr) >= K; and how many of the values equal to thr are among the K."""
+    lo = tl.zeros([], tl.int64) + lo
+    hi = tl.zeros([], tl.int64) + hi
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((o >= (mid << (32 - BITS)).to(tl.int32)).to(tl.int32), 0) >= K
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    thr = (lo << (32 - BITS)).to(tl.int32)
+    return thr, K - tl.sum((o > thr + ((1 << (32 - BITS)) - 1)).to(tl.int32), 0)
 
 
 @triton.jit
@@ -166,8 +123,7 @@ def _store_topk(lp_ptr, tok_ptr, out, key, lse, mask):
 
 @triton.jit
 def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr, row, K, CHUNKS,
-                BITS: tl.constexpr, MP: tl.constexpr, MT: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr,
-                RADIX: tl.constexpr):
+                BITS: tl.constexpr, MP: tl.constexpr, MT: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr):
     """Row `row`'s top K among its chunks' candidates (chunk-major, each chunk's in id order: lane order is id
     order), sorted, as log-probs through the log-sum-exp of the chunks' (max, sum exp). The row's K-th largest lies
     between the largest chunk threshold and the largest chunk max. The winners are gathered in the row's first K
@@ -182,7 +138,7 @@ def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr
     i = tl.arange(0, MP)  # [MP]
     o = tl.load(cval_ptr + base + i, mask=i < M, other=-2147483648, cache_modifier=".cg")  # [MP] ordered values
     lo = tl.max(tl.load(pthr_ptr + row * CHUNKS + cs, mask=cs < CHUNKS, other=-2147483648, cache_modifier=".cg"), 0)
-    thr, need = _threshold(o, K, lo >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS, RADIX)
+    thr, need = _threshold(o, K, lo >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS)
     n_gt = tl.zeros([], tl.int32)
     n_eq = tl.zeros([], tl.int32)
     for j in tl.static_range(MP // MT):
@@ -205,7 +161,7 @@ def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr
 @triton.jit(do_not_specialize=["V", "K", "CHUNKS"])
 def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_ptr, lp_ptr, tok_ptr, V, K, CHUNKS,
                  BITS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr, MP: tl.constexpr, MT: tl.constexpr,
-                 KP: tl.constexpr, CP: tl.constexpr, RADIX: tl.constexpr):
+                 KP: tl.constexpr, CP: tl.constexpr):
     """Program (row, c): chunk c's (max, sum exp, K-th largest) and its K best (ordered value, id), in id order (a
     chunk holds at least K lanes; padding lanes rank last), picked in tiles of TILE lanes. The row's last program
     to arrive merges."""
@@ -218,7 +174,7 @@ def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_p
     tl.store(pmax_ptr + row * CHUNKS + c, m)
     tl.store(psum_ptr + row * CHUNKS + c, tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0))
     o = tl.where(offs < V, _ordered(x), -2147483648)  # [CHUNK] int32
-    thr, need = _threshold(o, K, -(1 << (BITS - 1)), tl.max(o, 0) >> (32 - BITS), BITS, RADIX)
+    thr, need = _threshold(o, K, -(1 << (BITS - 1)), tl.max(o, 0) >> (32 - BITS), BITS)
     tl.store(pthr_ptr + row * CHUNKS + c, thr)
     out = (row.to(tl.int64) * CHUNKS + c) * K
     n_gt = tl.zeros([], tl.int32)
@@ -234,7 +190,7 @@ def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_p
     tl.debug_barrier()  # every candidate is stored before the arrival is counted
     if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == CHUNKS - 1:
         _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr, row, K, CHUNKS, BITS, MP, MT,
-                    KP, CP, RADIX)
+                    KP, CP)
         tl.atomic_xchg(count_ptr + row, 0)
 
 
@@ -575,20 +531,18 @@ def _value_bits(dtype):
 
 
 def topk_plan(V, k, cfg):
-    """The top-k launch for K = k over V lanes from the config's rows (K up to, chunk, least warps, select): chunk
-    lanes (at least K; chunks x K candidates fit one merge), chunks a row, merge lanes, warps, radix digit bits
-    (0: bisection)."""
+    """The top-k launch for K = k over V lanes from the config's rows (K up to, chunk, least warps): chunk lanes
+    (at least K; chunks x K candidates fit one merge), chunks a row, merge lanes, warps."""
     rows = cfg["topk"]
     kp = triton.next_power_of_2(max(k, 2))
-    chunk, least_warps, select = next((r[1:] for r in rows if k <= r[0]), rows[-1][1:])
+    chunk, least_warps = next((r[1:] for r in rows if k <= r[0]), rows[-1][1:])
     chunk = max(min(chunk, triton.next_power_of_2(V)), kp,
                 triton.next_power_of_2(triton.cdiv(V, MAX_MERGE // kp)))
     if chunk > MAX_CHUNK:
         raise ValueError(f"draft_topk (triton): V = {V} with k = {k} needs chunks of {chunk} > {MAX_CHUNK}")
     chunks = triton.cdiv(V, chunk)
     mp = triton.next_power_of_2(chunks * k)
-    warps = min(16, max(least_warps, max(chunk, mp) // 1024))
-    return chunk, chunks, mp, warps, cfg["radix_bits"] if select == "radix" else 0
+    return chunk, chunks, mp, min(16, max(least_warps, max(chunk, mp) // 1024))
 
 
 def draft_topk(logits, k):
@@ -596,7 +550,7 @@ def draft_topk(logits, k):
     B, L, V = x.shape
     dev = x.device
     rows = B * L
-    chunk, chunks, mp, warps, radix = topk_plan(V, k, CONFIGS[_arch(dev)])
+    chunk, chunks, mp, warps = topk_plan(V, k, CONFIGS[_arch(dev)])
     cval = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
     cid = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
     pmax = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
@@ -608,7 +562,7 @@ def draft_topk(logits, k):
     _topk_kernel[(rows, chunks)](x, cval, cid, pmax, psum, pthr, counters, lp, tokens, V, k, chunks,
                                  BITS=_value_bits(x.dtype), CHUNK=chunk, TILE=min(chunk, SEL_TILE), MP=mp,
                                  MT=min(mp, SEL_TILE), KP=triton.next_power_of_2(max(k, 2)),
-                                 CP=triton.next_power_of_2(max(chunks, 2)), RADIX=radix, num_warps=warps)
+                                 CP=triton.next_power_of_2(max(chunks, 2)), num_warps=warps)
     return lp, tokens
 
 
@@ -659,10 +613,9 @@ def accept(tree, target_logits, temperature, floor, seeds, step):
     path = torch.empty(B, L + 1, dtype=torch.int32, device=x.device)
     path_len = torch.empty(B, dtype=torch.int32, device=x.device)
     next_token = torch.empty(B, dtype=torch.int64, device=x.device)
-    NP1, SP = triton.next_power_of_2(max(N1, L + 1)), triton.next_power_of_2(split)
-    max_partials, max_nodes = cfg["walk_one_warp"]
+    NP1 = triton.next_power_of_2(max(N1, L + 1))
     _walk_kernel[(B,)](pval, pidx, tree.tokens, tree.parents, path, path_len, next_token, N1, L, split,
-                       NP1=NP1, SP=SP, num_warps=1 if NP1 * SP <= max_partials and NP1 <= max_nodes else 4)
+                       NP1=NP1, SP=triton.next_power_of_2(split), num_warps=4)
     return path, path_len, next_token
 
 
