@@ -162,8 +162,8 @@ DISTS = ("normal", "realistic", "clustered", "ties")
 def draft_logits(dist, L, g):
     """[1, L, V] bf16 drafter-like logits. normal: N(0, 3^2). realistic (synthetic, no drafter here): a N(0, 2^2)
     bulk and a head of 256 tokens at random ids lifted by 14 exp(-r / 12) + U(0, 2) nats, a few clear favourites
-    then a long tail. clustered (adversarial for the bound): the head 10 nats higher, on 256 consecutive ids, so
-    a few segments hold the whole top K and every head token passes the bound (past capacity: the slow path).
+    then a long tail. clustered: the head 10 nats higher, on 256 consecutive ids (the rows that sent the removed
+    segment-bound top-k to its millisecond path: a few chunks hold the whole top K).
     ties (exactness): rows of 0/1 values, of one value, of 700 equal maxima at the end, of N(0, 3^2) on a 1/4 grid."""
     x = torch.randn(1, L, V, generator=g, device=DEVICE) * (3 if dist in ("normal", "ties") else 2)
     if dist == "ties":

@@ -1,5 +1,5 @@
 # DDTree on the H200 (issue #3): the full bench_tree run first (budgets 8..512 at blocks 8 and 16 with the host
-# path beside, the top-k select and sampling-pass sweeps at block 8, Triton == torch checks in the JSON; each
+# path beside, the sampling-pass sweep and the top-k per distribution at block 8, Triton == torch checks; each
 # kernel compiles once per shape), then the GPU tests of the tree ops under xdist (the sm_120 compile check runs
 # on CPUs, not here). Usage (device): bash bench/device_tree.sh [bench-s] [tests-s]; results under $OUT.
 source bench/device_env.sh
