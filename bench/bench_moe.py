@@ -158,7 +158,7 @@ def sweep_configs(M):
 
 ALU_PIPE = {"LOP3", "SHF", "IADD3", "PRMT", "LEA", "SEL", "ISETP", "VIADD", "PLOP3", "P2R", "R2P", "FSEL", "IABS"}
 MEMORY_OPS = ("LDG", "LDGSTS", "LDS", "LDSM", "STS", "BAR", "HMMA", "HGMMA")  # per loop trip, reported apart
-H200_ISSUE = dict(sms=132, clock_hz=1.98e9, read_gbs=4317.0)  # read bandwidth: bench/results/moe_h200.md
+H200_ISSUE = dict(sms=132, clock_hz=1.98e9, read_gbs=4317.0)  # read bandwidth: bench/results/moe_h200_s2.md
 
 
 def _cubin_sass(kernel, signature, constexprs, num_warps, num_stages, arch=90):

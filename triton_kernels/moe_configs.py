@@ -15,9 +15,11 @@ CONFIGS = {
     # the read bandwidth at 8 <= M <= 256, 1.30-2.03x the swap16 entries at every M <= 256), k_ahead above (swap16
     # with K-major words, scales ahead; 52% at M = 512, where BM 8 reads an expert's words twice). Keyed on M at
     # the TP8 shape: at EP8 (48 experts) BM 8 passes 8 tokens an expert from M = 48 on (unmeasured there)
-    # Session 5: the decode path (two launches: no routing pass, no memset, no cast; split-K and top-k sums that
-    # stay zeroed between calls) on the k_swap8_pre kernels up to M = 4, down 2 tiles a program at M = 1 (448
-    # programs), 4 above (predicted, timed in bench/results/moe_h200.md)
+    # session 5 (bench/results/moe_variants_h200_s5.md, H200 08:40 UTC): the decode path (two launches: no routing
+    # pass, memset or cast; split-K and top-k sums that the kernels zero again) on k_swap8_pre's kernels up to
+    # M = 4, down 2 tiles a program at M = 1 (448 programs), 4 above: 20.3 against 27.7 us at M = 1, 31.0 / 46.0
+    # against 35.3 / 50.6 at M = 2 / 4. Not at M = 8 (3-4% faster at TP8, where 64 pairs hit about 60 experts,
+    # but at EP8 they hit about 36: an expert chosen by two tokens is read twice)
     "sm_90": [
         (1, dict(BM=8, panels=(1, 1), decode=True,
                  gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
@@ -39,7 +41,7 @@ CONFIGS = {
                     down=dict(BN=64, waves=2, num_warps=4, num_stages=3, swap=True, lop3=True, scales_ahead=True,
                               tiles=4))),
     ],
-    "sm_120": [  # M <= 4: the decode path, untimed (sm_90's measured gain; compiles within limits)
+    "sm_120": [  # M <= 4: the decode path, untimed here (measured on sm_90; compiles within the limits)
         (4, dict(BM=16, decode=True, gate_up=dict(BN=32, waves=4, num_warps=4, num_stages=3),
                  down=dict(BN=128, waves=4, num_warps=4, num_stages=2))),
         (16, dict(BM=16, gate_up=dict(BN=32, waves=4, num_warps=4, num_stages=3),
@@ -110,21 +112,15 @@ VARIANTS = {
     "k_swap8_pre": dict(panels=(1, 1), BM=8, decode=False,
                         gate_up=dict(prescale=True, scales_ahead=True, num_stages=3, waves=4),
                         down=dict(prescale=True, scales_ahead=True, tiles=4, num_stages=3)),
-    # session 5, the decode path (block b = pair b; splits and pairs add into sums the kernels zero again) on
-    # k_swap8_pre's kernels, down 2 or 4 tiles a program, gate/up splits for 2 CTAs an SM instead of 4 (`w2`),
-    # and with `pdl`
-    "decode_swap8": dict(panels=(1, 1), BM=8, decode=True,
-                         gate_up=dict(prescale=True, scales_ahead=True, num_stages=3, waves=4),
-                         down=dict(prescale=True, scales_ahead=True, tiles=2, num_stages=3)),
-    "decode_swap8_dn4": dict(panels=(1, 1), BM=8, decode=True,
-                             gate_up=dict(prescale=True, scales_ahead=True, num_stages=3, waves=4),
-                             down=dict(prescale=True, scales_ahead=True, tiles=4, num_stages=3)),
-    "decode_swap8_w2": dict(panels=(1, 1), BM=8, decode=True,
-                            gate_up=dict(prescale=True, scales_ahead=True, num_stages=3, waves=2),
-                            down=dict(prescale=True, scales_ahead=True, tiles=2, num_stages=3)),
-    "decode_pdl_swap8": dict(panels=(1, 1), BM=8, decode=True, pdl=True,
-                             gate_up=dict(prescale=True, scales_ahead=True, num_stages=3, waves=4),
-                             down=dict(prescale=True, scales_ahead=True, tiles=2, num_stages=3)),
+    # session 5, the decode path (block b = pair b; splits and pairs add into sums the kernels zero again), measured
+    # on k_swap8_pre's kernels at M = 1 / 2 / 4 / 8 (TP8, us; entries 20.3 / 31.0 / 46.0 / 79.1): down 2 tiles a
+    # program 21.4 / 29.7 / 46.1 / 76.8, 4 tiles 21.8 / 30.4 / 46.1 / 75.6, gate/up splits for 2 CTAs an SM
+    # 21.1 / 29.6 / 44.6 / 77.4, with `pdl` 21.6 / 28.7 / 45.7 / 78.4 (none kept: within the run's 1 us noise of
+    # the entries, or slower). Candidate, not measured: `pdl` with 2 gate/up CTAs an SM, so that 2 down CTAs fit
+    # beside them (registers) and fetch their words while gate/up runs (at 4 gate/up CTAs an SM there is no room)
+    "decode_pdl_w2": dict(panels=(1, 1), BM=8, decode=True, pdl=True,
+                          gate_up=dict(prescale=True, scales_ahead=True, num_stages=3, waves=2),
+                          down=dict(prescale=True, scales_ahead=True, tiles=2, num_stages=3)),
     # `pdl` (top level): programmatic dependent launch of the two GEMMs and of the cast to x's dtype (the down
     # kernel's programs start while the gate/up kernel's last ones run, and ask L2 for their words before waiting
     # for h; the cast starts while down runs); with the decode path (measured in round 3 with a memset and a cast,
