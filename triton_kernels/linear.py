@@ -43,8 +43,31 @@ GEMV = Config("gemv", 32, 256, 4, 3, 2)
 SWAP = Config("swap", 64, 128, 4, 4, 2)
 DEFAULTS = {"sm_90": {1: GEMV, None: SWAP}, "sm_120": {1: GEMV, None: SWAP}}  # when no adopted entry applies
 
-# (N, K) -> {M bucket: Config}, from bench/results/linear_h200.md; shapes or buckets not listed run cuBLAS.
-ADOPTED = {"sm_90": {}, "sm_120": {}}
+C = Config
+# (N, K) -> {M bucket: Config} where the kernel beat cuBLAS by >= 2% (H200, 2026-11-30 08:59 UTC,
+# bench/results/linear_h200.md); shapes or buckets not listed run cuBLAS. sm_120: not measured, nothing adopted.
+ADOPTED = {
+    "sm_90": {
+        (2112, 7168): {1: C("gemv", 32, 256, 4, 3, 2), 2: C("swap", 64, 128, 4, 4, 1), 4: C("swap", 64, 128, 4, 4, 1),
+                       9: C("swap", 64, 128, 4, 4, 1)},  # q_a + kv_a
+        (1536, 1536): {1: C("gemv", 32, 256, 4, 3, 2, True), 2: C("swap", 64, 128, 4, 4, 2)},  # q_b
+        (7168, 1024): {1: C("gemv", 32, 256, 4, 3, 2)},  # o_proj, drafter o
+        (512, 7168): {1: C("gemv", 32, 256, 4, 3, 2), 2: C("dot", 32, 128, 4, 4, 2), 4: C("dot", 32, 128, 4, 4, 2),
+                      9: C("dot", 32, 128, 4, 4, 2)},  # shared expert gate/up
+        (7168, 256): {1: C("gemv", 32, 256, 4, 3, 2, True), 2: C("swap", 64, 256, 4, 3, 2),
+                      4: C("swap", 64, 128, 4, 4, 1), 9: C("swap", 64, 128, 4, 4, 1),
+                      17: C("swap", 64, 128, 4, 4, 1)},  # shared expert down
+        (4608, 7168): {1: C("gemv", 32, 256, 4, 3, 2)},  # dense layer and drafter gate/up
+        (7168, 2304): {1: C("gemv", 32, 256, 4, 3, 2)},  # dense layer and drafter down
+        (20480, 7168): {1: C("gemv", 32, 256, 4, 3, 8), 4: C("swap", 64, 128, 4, 4, 2, True)},  # lm_head shard
+        (1024, 7168): {1: C("gemv", 32, 256, 4, 3, 2), 2: C("swap", 64, 128, 4, 4, 1), 4: C("swap", 64, 128, 4, 4, 1),
+                       9: C("swap", 64, 128, 4, 4, 1)},  # drafter q
+        (128, 7168): {1: C("gemv", 32, 256, 4, 3, 2, True), 2: C("swap", 64, 256, 4, 3, 2),
+                      4: C("swap", 64, 256, 4, 3, 2), 9: C("swap", 64, 256, 4, 3, 2)},  # drafter k, v
+        (7168, 43008): {1: C("gemv", 32, 256, 4, 3, 2)},  # drafter fc
+    },
+    "sm_120": {},
+}
 
 
 @triton.jit
