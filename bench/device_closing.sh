@@ -7,7 +7,7 @@
 source bench/device_env.sh
 mkdir -p "$OUT/moe" "$OUT/tree" "$OUT/step"
 timeout "${1:-55}" python bench/bench_moe.py --out "$OUT/moe" --variants --budget "$(( ${1:-55} - 3 ))" \
-  --ms 1,4,2,8 --names "${5:-k_swap8_pre,decode_pdl_w2}" --breakdown default 2>&1 | grep -v -i warn | tail -14
+  --ms 1,4,2,8 --names "${5:-k_swap8_pre}" --breakdown default 2>&1 | grep -v -i warn | tail -14
 timeout "${2:-50}" python bench/bench_tree.py --out "$OUT/tree" --budgets 8,64 --blocks 8 2>&1 | grep -v -i warn \
   | tail -8
 timeout "${3:-200}" python bench/bench_step.py --out "$OUT/step" --contexts 4096,32768 --buckets 0,8,32,64,128 \

@@ -9,7 +9,7 @@
 # bench/results/moe_h200.md)
 source bench/device_env.sh
 timeout "${1:-60}" python bench/bench_moe.py --out "$OUT" --variants --budget "$(( ${1:-60} - 2 ))" \
-  --ms 1,4,2,8 --names "${4:-k_swap8_pre,decode_pdl_w2}" \
+  --ms 1,4,2,8 --names "${4:-k_swap8_pre}" \
   --breakdown k_swap8_pre,default 2>&1 | grep -v -i warn | tail -14
 timeout "${2:-70}" python bench/bench_moe.py --out "$OUT" --no-sweep --no-tests \
   --sweep-budget "$(( ${2:-70} - 12 ))" 2>&1 | grep -v -i warn | tail -24

@@ -276,8 +276,7 @@ def test_moe_k26_shapes_gpu(M, E, I):
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", ["default", "pre", "k_swap8_pre", "pdl_k_stack_pre", "decode_pdl_k_stack_pre",
-                                     "decode_pdl_w2"])
+@pytest.mark.parametrize("variant", ["default", "pre", "k_swap8_pre", "pdl_k_stack_pre", "decode_pdl_k_stack_pre"])
 def test_moe_round3_variants_in_a_graph_gpu(variant):
     """The entries and the variants (prescaled weights, K-major words, stacked gate/up, BM 8, programmatic
     dependent launch, the decode path) at the TP8 expert shape on 16 experts, eager and replayed three times in a
