@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 5's dense-projection call: the skinny GEMM's GPU tests (bf16, CUDA-graph replay, pdl), then every Triton
+# Session 4's dense-projection call: the skinny GEMM's GPU tests (bf16, CUDA-graph replay, pdl), then every Triton
 # candidate against cuBLAS at one TP8 rank's projection shapes (and the drafter's), M in {1, 2, 4, 9, 17, 33, 65},
 # cold L2, CUDA graphs; one MoE layer's projections as a chain; the TP8 verify at 4k (budgets 0, 32) captured with
 # cuBLAS and with the proposed table. At most 4 files come back under $OUT.

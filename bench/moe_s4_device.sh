@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Session 5's MoE device call (issue #5, M = 1): the decode path (two launches, sums zeroed again by the kernels)
+# Session 4's MoE device call (issue #5, M = 1): the decode path (two launches, sums zeroed again by the kernels)
 # against the previous entry (k_swap8_pre) at M = 1, 4, 2, 8 (TP8, per-kernel times of both at M = 1), then the
 # verdict table: the entries at every M at the TP8 and EP8 shapes beside the torch dequantise-then-matmul path and
 # the bf16 grouped baseline, then the GPU-only tests of tests/test_moe_kernel.py (bf16 at the K2.6 shapes, the
 # entries and variants replayed in CUDA graphs). At most 8 files come back under $OUT.
-# Usage (device): bash bench/moe_s5_device.sh [variants-s] [verdict-s] [tests-s] [variant names]
+# Usage (device): bash bench/moe_s4_device.sh [variants-s] [verdict-s] [tests-s] [variant names]
 # (the 08:40 UTC run, at 1f19e1a, named k_swap8_pre,decode_swap8,decode_swap8_dn4,decode_swap8_w2,decode_pdl_swap8;
 # bench/results/moe_h200.md)
 source bench/device_env.sh
