@@ -15,12 +15,12 @@ CONFIGS = {
     # the read bandwidth at 8 <= M <= 256, 1.30-2.03x the swap16 entries at every M <= 256), k_ahead above (swap16
     # with K-major words, scales ahead; 52% at M = 512, where BM 8 reads an expert's words twice). Keyed on M at
     # the TP8 shape: at EP8 (48 experts) BM 8 passes 8 tokens an expert from M = 48 on (unmeasured there)
-    # session 5 (bench/results/moe_variants_h200_s5.md, H200 08:40 UTC): the decode path (two launches: no routing
+    # session 4 (bench/results/moe_variants_h200_s4.md, H200 08:40 UTC): the decode path (two launches: no routing
     # pass, memset or cast; split-K and top-k sums that the kernels zero again) on k_swap8_pre's kernels up to
     # M = 4, down 2 tiles a program at M = 1 (448 programs), 4 above: 20.3 against 27.7 us at M = 1, 31.0 / 46.0
     # against 35.3 / 50.6 at M = 2 / 4. Not at M = 8 (3-4% faster at TP8, where 64 pairs hit about 60 experts,
     # but at EP8 they hit about 36: an expert chosen by two tokens is read twice). M = 1 (09:03-09:11 UTC, three
-    # calls, bench/results/moe_variants_h200_s5b.md): with `pdl` and 2 gate/up CTAs an SM, so that 2 down CTAs fit
+    # calls, bench/results/moe_variants_h200_s4b.md): with `pdl` and 2 gate/up CTAs an SM, so that 2 down CTAs fit
     # beside them and ask L2 for their words while gate/up runs: 20.0 / 19.5 / 19.3-19.6 against 20.7 / 20.4 /
     # 20.3-20.5 us for the decode entry without; slower at M = 2 (32.0 against 30.4) and 4 (50.6 against 45.7)
     "sm_90": [
@@ -115,13 +115,13 @@ VARIANTS = {
     "k_swap8_pre": dict(panels=(1, 1), BM=8, decode=False,
                         gate_up=dict(prescale=True, scales_ahead=True, num_stages=3, waves=4),
                         down=dict(prescale=True, scales_ahead=True, tiles=4, num_stages=3)),
-    # session 5, the decode path (block b = pair b; splits and pairs add into sums the kernels zero again), measured
+    # session 4, the decode path (block b = pair b; splits and pairs add into sums the kernels zero again), measured
     # on k_swap8_pre's kernels at M = 1 / 2 / 4 / 8 (TP8, us; entries 20.3 / 31.0 / 46.0 / 79.1): down 2 tiles a
     # program 21.4 / 29.7 / 46.1 / 76.8, 4 tiles 21.8 / 30.4 / 46.1 / 75.6, gate/up splits for 2 CTAs an SM
     # 21.1 / 29.6 / 44.6 / 77.4, with `pdl` 21.6 / 28.7 / 45.7 / 78.4 (none kept: within the run's 1 us noise of
     # the entries, or slower). `pdl` with 2 gate/up CTAs an SM (2 down CTAs fit beside them, registers, and fetch
     # their words while gate/up runs; at 4 gate/up CTAs an SM there is no room) became the M = 1 entry (above)
-    # session 5, M = 1 probes on the decode entry (H200 09:10-09:11 UTC, us at M = 1 against the entry's 20.4 / 20.3
+    # session 4, M = 1 probes on the decode entry (H200 09:10-09:11 UTC, us at M = 1 against the entry's 20.4 / 20.3
     # and `pdl` with 2 gate/up CTAs an SM at 19.5 / 19.3, now the entry): gate/up `waves` 8 21.6, gate/up BN 32
     # 23.5, one down tile a program 21.3-21.6, `pdl` with waves 2 and one down tile 22.1-22.4, `pdl` with waves 3
     # 23.4, `pdl` waves 2 at 4 stages 20.3-20.5, `pdl` waves 1 at 4 stages 21.6-22.2 (all removed)
