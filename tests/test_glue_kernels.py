@@ -242,3 +242,17 @@ def test_absorb_output_matches_reference(N, H, dv, R):
     w_kv = (torch.randn(H, 16 + dv, R, generator=gen) / R ** 0.5).to(dtype).to(DEV)
     out, ref = absorb_output(o_lat, w_kv[:, 16:]), absorb_output_torch(o_lat, w_kv[:, 16:])
     assert out.shape == (N, H * dv) and rel_err(out, ref) < 5e-3
+
+
+def test_outgrown_arrival_counters_stay_alive():
+    """A graph captured with a counter buffer keeps replaying into it after a larger request replaces it."""
+    import weakref
+
+    from triton_kernels.counters import arrival_counters
+
+    small = arrival_counters("test_outgrown", "cpu", 16)
+    alive = weakref.ref(small)
+    del small
+    large = arrival_counters("test_outgrown", "cpu", 10_000)
+    assert large.numel() >= 10_000 and not large.any()
+    assert alive() is not None and arrival_counters("test_outgrown", "cpu", 1) is large
