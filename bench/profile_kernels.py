@@ -1,7 +1,8 @@
-"""A few launches of the MoE and attention kernels at chosen shapes, for `ncu` to profile (no timing here).
+"""A few launches of the MoE, attention and DDTree kernels at chosen shapes, for `ncu` to profile (no timing here).
 
-Usage (device): ncu --clock-control none --set full -k regex:'_gate_up|_down|_mla_split' \
+Usage (device): ncu --clock-control none --set full -k regex:'_gate_up|_down|_mla_split|_topk|_sample|_walk' \
     python bench/profile_kernels.py [--moe-m 1 64] [--moe-variant NAME] [--attn L,H,T ...] [--attn-config 64,64,8,2,512,1]
+    [--tree BUDGET,BLOCK ...]
 """
 
 import argparse
@@ -10,6 +11,7 @@ import torch
 
 import bench_attention as ba
 import bench_moe as bm
+import bench_tree as bt
 from triton_kernels.mla_attention import mla_attention
 from triton_kernels.moe_w4a16 import moe
 
@@ -33,11 +35,21 @@ def run_attention(L, H, T, config=None):
     torch.cuda.synchronize()
 
 
+def run_tree(budget, block):
+    """Two greedy DDTree steps (draft top-k, build, accept, compaction) of bench_tree's case at batch 1."""
+    case = bt.Case(budget, block)
+    with bt.ops.using(**bt.BACKEND):
+        for _ in range(2):
+            case.step()
+    torch.cuda.synchronize()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--moe-m", type=int, nargs="*", default=[1, 64])
     parser.add_argument("--attn", nargs="*", default=["32768,8,1", "32768,64,32"])
     parser.add_argument("--moe-variant", help="a moe_configs.VARIANTS name instead of the default config")
+    parser.add_argument("--tree", nargs="*", default=[], help="BUDGET,BLOCK cases of the DDTree step")
     parser.add_argument("--attn-config", help="BM,BN,warps,stages,DV,unchain (0/1) instead of the default config")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -47,6 +59,8 @@ def main():
     config = config[:5] + (bool(config[5]),) if config else None
     for case in args.attn:
         run_attention(*map(int, case.split(",")), config=config)
+    for case in args.tree:
+        run_tree(*map(int, case.split(",")))
 
 
 if __name__ == "__main__":
