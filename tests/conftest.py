@@ -1,4 +1,7 @@
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -52,3 +55,14 @@ def rel_err(out, ref):
 
 requires_triton = pytest.mark.skipif(not (gpu() or interpreting()), reason="needs CUDA or TRITON_INTERPRET=1")
 requires_gpu = pytest.mark.skipif(not gpu(), reason="needs CUDA")
+
+
+def compiled_in_child(code, *args, env=None):
+    """Run the Python program `code` (with args) in a child process without TRITON_INTERPRET, where kernels compile
+    ahead of time (under the interpreter they are interpreter objects), and return its last stdout line as JSON."""
+    child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-c", code, *args], env=child_env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

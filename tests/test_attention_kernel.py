@@ -1,17 +1,14 @@
 """Triton MLA attention (+ write_kv) vs the fp32 torch reference: random trees, ragged batches, splits, sm_120 fit."""
 
 import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import ops
 from ops.attention import mla_attention_torch, pack_tree_mask, write_kv_torch
-from tests.conftest import gpu, kernel_dtypes, rel_err, requires_gpu, requires_triton
+from tests.conftest import compiled_in_child, gpu, kernel_dtypes, rel_err, requires_gpu, requires_triton
 
 SCALE = 0.1446802  # K2.6 softmax scale (ModelConfig.softmax_scale)
 
@@ -224,11 +221,7 @@ SM90_SHARED_LIMIT = 232_448  # bytes of shared memory per block on sm_90 (227 KB
 
 def aot_report(mode, arch, configs=None):
     """Compile configs of the split kernel for sm_<arch> in a child process (the interpreter cannot compile)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [mode, str(arch)] + ([json.dumps(configs)] if configs else [])
-    proc = subprocess.run([sys.executable, "-c", AOT_CHECK, *args], env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return compiled_in_child(AOT_CHECK, mode, str(arch), *([json.dumps(configs)] if configs else []))
 
 
 @pytest.mark.parametrize("mode", ["tree", "causal"])

@@ -1,10 +1,5 @@
 """Triton RMSNorm, RoPE and router against their torch references (interpreter on CPU, compiled on a GPU)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -13,7 +8,7 @@ from ops.moe import route_torch
 from ops.norm import rms_norm_torch
 from ops.rope import apply_rope_torch
 from triton_kernels.aot import SM120_SHARED_LIMIT
-from tests.conftest import TRITON_DEVICE, kernel_dtypes, rel_err, requires_triton
+from tests.conftest import TRITON_DEVICE, compiled_in_child, kernel_dtypes, rel_err, requires_triton
 
 DEV = TRITON_DEVICE
 
@@ -133,12 +128,9 @@ def sm120_resources():
 
 
 def test_glue_kernels_compile_for_sm120():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json; from tests.test_glue_kernels import sm120_resources as r; "
             "print(json.dumps([vars(x) for x in r()]))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for res in json.loads(proc.stdout.strip().splitlines()[-1]):
+    for res in compiled_in_child(code):
         assert res["shared"] <= SM120_SHARED_LIMIT and res["spill_bytes"] == 0, res
 
 

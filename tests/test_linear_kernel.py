@@ -1,18 +1,13 @@
 """The dense-projection skinny GEMM (`triton_kernels/linear.py`) against the fp32 reference, its launch plan, the
 per-shape adoption behind `ops.linear`, and its sm_120 configs' resources (interpreter on CPU, compiled on a GPU)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import ops
 from triton_kernels import linear as lk
 from triton_kernels.aot import SM120_SHARED_LIMIT
-from tests.conftest import TRITON_DEVICE, kernel_dtypes, rel_err, requires_gpu, requires_triton
+from tests.conftest import TRITON_DEVICE, compiled_in_child, kernel_dtypes, rel_err, requires_gpu, requires_triton
 
 DEV = TRITON_DEVICE
 C = lk.Config
@@ -170,10 +165,7 @@ def sm120_resources():
 
 
 def test_linear_configs_compile_for_sm120():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json; from tests.test_linear_kernel import sm120_resources as r; "
             "print(json.dumps(r()))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for res in json.loads(proc.stdout.strip().splitlines()[-1]):
+    for res in compiled_in_child(code):
         assert res["shared"] <= SM120_SHARED_LIMIT and res["spill_bytes"] == 0, res

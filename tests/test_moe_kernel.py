@@ -1,16 +1,11 @@
 """The Triton W4A16 MoE (triton_kernels/moe_w4a16.py) against the fp32 reference ops.moe_torch."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import ops
 from ops.moe import PackedExperts, moe_torch
-from tests.conftest import gpu, kernel_dtypes, rel_err, requires_gpu, requires_triton
+from tests.conftest import compiled_in_child, gpu, kernel_dtypes, rel_err, requires_gpu, requires_triton
 
 moe_w4a16 = pytest.importorskip("triton_kernels.moe_w4a16")
 
@@ -337,11 +332,7 @@ def test_inline_ptx_variants_compile(variant, M):
     """sm_90 entries and variants with inline PTX (lop3, L2 prefetch, grid dependency control), which the
     interpreter cannot run, assemble for sm_90 and sm_120 without spills (the swapped BM 16 entry is wgmma with
     register weights on sm_90)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", PTX_COMPILE, variant, str(M)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert all(res["spill_bytes"] == 0 for res in json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert all(res["spill_bytes"] == 0 for res in compiled_in_child(PTX_COMPILE, variant, str(M)))
 
 
 def test_sm120_configs_fit():
@@ -352,10 +343,7 @@ def test_sm120_configs_fit():
     from triton_kernels.aot import SM120_SHARED_LIMIT
     from triton_kernels.moe_configs import CONFIGS
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", AOT_CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = compiled_in_child(AOT_CHECK)
     assert len(results) == 2 * len(CONFIGS["sm_120"])
     for name, max_m, res in results:
         assert res["shared"] <= SM120_SHARED_LIMIT and res["spill_bytes"] == 0, (name, max_m, res)

@@ -2,11 +2,6 @@
 the Triton kernels against the torch references (exact for integer outputs), degenerate trees, and the sm_120
 compile check."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -14,7 +9,7 @@ import ops
 from ops.attention import tree_mask_dense
 from ops.tree import Tree, sampling_floor
 from spec.tree_ref import build_tree_heapq, walk
-from tests.conftest import gpu, requires_triton
+from tests.conftest import compiled_in_child, gpu, requires_triton
 
 TREE_FIELDS = ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "num_nodes")
 
@@ -354,11 +349,8 @@ def test_sm120_kernels_fit():
     """Compile every DDTree kernel for sm_120 at its largest shapes (child process: the interpreter cannot)."""
     from triton_kernels.aot import SM120_SHARED_LIMIT
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run([sys.executable, "-c", SM_CHECK, "120"], env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for name, (shared, registers, spills) in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+    report = compiled_in_child(SM_CHECK, "120", env={"TRITON_DEFAULT_FP_FUSION": "1"})
+    for name, (shared, registers, spills) in report.items():
         assert shared <= SM120_SHARED_LIMIT and spills == 0, (name, shared, registers, spills)
 
 
