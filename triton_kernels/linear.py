@@ -103,6 +103,14 @@ def _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K: tl.constexpr):
     tl.extra.cuda.gdc_wait()
 
 
+@triton.jit
+def _split_range(split, k_per_split, K, BLOCK_K: tl.constexpr):
+    """(start, end, end of the whole BLOCK_K tiles) of K split `split` (whole tiles: all of them when EVEN_K)."""
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    return k_start, k_end, k_start + (k_end - k_start) // BLOCK_K * BLOCK_K
+
+
 @triton.jit(do_not_specialize=["splits"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, splits, stride_wn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
@@ -114,9 +122,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, sp
     # columns past N are clamped, not masked, so the weight loads stay unmasked (pipelined)
     w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn  # [BN, 1]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K  # whole tiles (all of them when EVEN_K)
+    k_start, k_end, k_full = _split_range(split, k_per_split, K, BLOCK_K)
     if PDL:
         _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K)
     for k in tl.range(k_start, k_full, BLOCK_K, num_stages=STAGES):
@@ -159,9 +165,7 @@ def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, 
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K  # whole tiles (all of them when EVEN_K)
+    k_start, k_end, k_full = _split_range(split, k_per_split, K, BLOCK_K)
     if PDL:
         _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K)
     for k in range(k_start, k_full, BLOCK_K):
