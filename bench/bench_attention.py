@@ -4,9 +4,10 @@ Standalone: `python bench/bench_attention.py --out DIR [--tune] [--quick]` measu
 bandwidth: a sum over 4 GiB; bf16 matmul rate: 8192^3) and the sweep T x context x H at B=1, checks each
 case against the fp32 reference, and writes attention.json + attention.md. --tune also times candidate
 configs and split counts per case; --focus a short tune at 32k/128k; --round2 the round-2 options (all split
-counts, bf16 partials, small configs, the whole-wave split rule) beside the default, also at the verify step's shapes (STEP_CASES: T = budget + 1, cache padded past the length);
---defaults the committed defaults alone at 32k/128k and STEP_CASES (the short re-measure). As a pytest-benchmark
-sweep: `pytest bench/bench_attention.py` (GPU only).
+counts, bf16 partials, small configs, the whole-wave split rule) beside the default; --defaults the committed
+defaults alone at 32k/128k (the short re-measure); --step also split counts and the fused merge at the 4k step
+shapes. Every mode also times the verify step's shapes (STEP_CASES: T = budget + 1 at 32k and 4k, the cache padded
+past the length as in bench_step.py). As a pytest-benchmark sweep: `pytest bench/bench_attention.py` (GPU only).
 
 Each case captures one CUDA graph of R launches over R different caches (R * cache >= 256 MiB, so every
 launch finds its cache cold in L2, as the model's layers would) and reports graph time / R.
@@ -55,7 +56,14 @@ ROUND2_SMALL = {  # --round2, 16 < T*H <= 64: "small", mma.sync tiles; "dv256", 
 HALF_PARTIALS_MAX_ROWS = 64  # --tune also times bf16 per-split outputs where T*H is at most this (merge-heavy cases)
 # --round2: (context, H, T, pad) as in bench_step.py's TP8 verify: length context + T in a cache of
 # context + T + pad entries (its cache is sized for the largest context and bucket)
-STEP_CASES = ((32768, 8, 33, 97), (32768, 8, 9, 121), (32768, 8, 65, 65), (32768, 8, 1, 129), (4096, 8, 33, 28769))
+STEP_CACHE = 32898  # entries of bench_step.py's cache (32k context + the largest tree + 1)
+STEP_CASES = ((32768, 8, 33, 97), (32768, 8, 9, 121), (32768, 8, 65, 65), (32768, 8, 1, 129)) + tuple(
+    (4096, 8, T, STEP_CACHE - 4096 - T) for T in (1, 9, 33, 65))  # 4k: budgets 0, 8, 32, 64 (issue #7's step)
+# --step: split counts timed at the 4k step shapes (by T), with the merge kernel and (fused) without: the last split
+# program of each query tile merges (bf16 partials). Counts are for the actual ~4.1k entries (the kernel splits
+# the length, not the padded cache): at T 1, 129 splits is one 32-entry tile each (the default's 258 busy ones)
+STEP_SPLITS = {1: (8, 16, 32, 64, 129), 9: (16, 33, 66), 33: (13, 26), 65: (7, 14)}
+STEP_FUSED = {1: (4, 8, 16, 32, 64), 9: (8, 16, 33, 66), 33: (13, 26), 65: (7, 14)}
 WAVES_RULE = (8, True)  # --round2 "waves": mk.SPLIT_RULE candidate (length window, whole-wave counts)
 
 
@@ -200,6 +208,47 @@ def round2_runs(row, sms):
     return runs
 
 
+def step_runs(row, sms):
+    """--step candidates (label, config, splits, partials, fused) at a 4k step shape: the default, the STEP_SPLITS
+    counts (also with bf16 partials where the default's are fp32) and the STEP_FUSED counts with the fused merge."""
+    T = row["T"]
+    cfg, splits, partials = default_choice(T * row["H"], row["B"], row["L"] + row.get("pad", 0), sms)
+    dt = getattr(torch, partials)
+    runs = [("default", cfg, splits, dt, False)] + [(f"S{n}", cfg, n, dt, False) for n in STEP_SPLITS[T]]
+    if dt != torch.bfloat16:
+        runs += [(f"bf16 S{n}", cfg, n, torch.bfloat16, False) for n in STEP_SPLITS[T]]
+    return runs + [(f"fused S{n}", cfg, n, torch.bfloat16, True) for n in STEP_FUSED[T]]
+
+
+def step_rows():
+    return [{"L": L + T, "B": 1, "T": T, "H": H, "pad": pad} for L, H, T, pad in STEP_CASES if L < 8192]
+
+
+def step_jobs(sms):
+    """The kernel variants --step runs: (H, config, splits, causal, 16-bit partials[, fused])."""
+    jobs = set()
+    for row in step_rows():
+        for _, cfg, splits, dt, fused in step_runs(row, sms):
+            half = dt == torch.bfloat16
+            jobs.add((row["H"], cfg, 2, False, half, True) if fused else
+                     (row["H"], cfg, 1 if splits == 1 else mk.merge_blocks(splits)[0], False, half))
+    return jobs
+
+
+def step_table(report):
+    """Lines: each --step run's time (x roofline) per 4k step shape."""
+    rows = [r for r in report["cases"] if r.get("step")]
+    if not rows:
+        return []
+    lines = ["", "Step shapes at 4k (--step): us (x roofline) per run; S = splits, fused = the last split of a query "
+             "tile merges (no merge kernel), bf16 = 16-bit partials", "", "| L | H | T | runs |", "|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{t['per_sm']}: {t['us']:.1f} ({t['us'] / r['roofline_us']:.2f}x)" if "us" in t else
+                 f"{t['per_sm']}: {t.get('error', '-')[:60]}" for t in r["step"]]
+        lines.append(f"| {r['L']} (+{r['pad']}) | {r['H']} | {r['T']} | " + "; ".join(cells) + " |")
+    return lines
+
+
 def merge_time_us(B, rows, splits, partials):
     """The merge kernel alone for one case's split count (graph of 8 launches over the same partials, so L2-warm
     like the partials the split kernel has just written): the share of the merge in the default's time."""
@@ -219,9 +268,11 @@ def tune_case(row, runs):
     q, caches, lens, mask = make_inputs(L, H, T, B, causal=row["causal"], pad=row.get("pad", 0))
     ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE).double()
     results = []
-    for label, cfg, splits, dt in runs:
+    for label, cfg, splits, dt, *fused in runs:
         entry = {"config": list(cfg), "splits": splits, "per_sm": label, "partials": str(dt).split(".")[-1]}
         kwargs = dict(num_splits=splits, config=cfg, partials=dt)
+        if fused and fused[0]:
+            entry["fused"] = kwargs["fused"] = True
         try:
             out = mk.mla_attention(q, caches[0], lens, mask, SCALE, **kwargs)
             entry["rel_err"] = ((out.double() - ref).norm() / ref.norm()).item()
@@ -258,7 +309,7 @@ def markdown(report):
         lines.append(f"| {r['L']}{pad} | {r['H']} | {r['T']}{kind} | {r['us']:.1f} | {r['GBps']:.0f} | {r['frac_read_bw']:.2f} "
                      f"| {r['TFLOPs']:.0f} | {r['roofline_us']:.1f} | {r['x_roofline']:.2f} | {best_s} | {best_x} | {torch_s} "
                      f"| {r['rel_err']:.1e} |")
-    return "\n".join(lines + round2_table(report)) + "\n"
+    return "\n".join(lines + round2_table(report) + step_table(report)) + "\n"
 
 
 def round2_table(report):
@@ -330,20 +381,20 @@ def summary(report):
 
 def _warm(job):
     """Compile one kernel variant (run in a worker so compiles overlap; the main process hits Triton's disk cache)."""
-    H, cfg, splits, causal, half = job
+    H, cfg, splits, causal, half, *fused = job  # fused: (True,) for the --step fused-merge variants
     try:
-        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32)
+        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32, bool(fused))
     except Exception as exc:  # recorded; the sweep reports the same failure where it matters
         return f"{job}: {exc}"[:300]
     return None
 
 
-def _run_tiny(H, cfg, splits, causal, partials):
+def _run_tiny(H, cfg, splits, causal, partials, fused=False):
     q = torch.randn(1, 1, H, 576, dtype=torch.bfloat16, device="cuda")
     kv = torch.randn(1, 256, 576, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((1,), 256, dtype=torch.int32, device="cuda")
     mask = None if causal else random_tree_mask(1, 1, 0)
-    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials)
+    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials, fused=fused)
     torch.cuda.synchronize()
 
 
@@ -384,13 +435,13 @@ def compile_order(jobs):
     """Jobs with one per split-kernel variant first, so the later ones (merge variants) find it in the cache."""
     first, rest = {}, []
     for job in sorted(jobs):
-        H, cfg, splits, causal, half = job
-        key = (H, cfg, splits == 1, causal, half)
+        H, cfg, splits, causal, half = job[:5]
+        key = (H, cfg, splits == 1, causal, half, *job[5:])
         rest.append(job) if key in first else first.setdefault(key, job)
     return list(first.values()) + rest
 
 
-def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, round2=False):
+def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, round2=False, step=False):
     report = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -399,14 +450,20 @@ def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, ro
     print("ceilings", report["ceilings"], flush=True)
     cases = [(L, H, T, False, 0) for L in contexts for H in heads for T in tree_sizes]
     cases += [] if focus else [(L, H, T, True, 0) for L, H, T in PREFILL]
-    cases += [(L + T, H, T, False, pad) for L, H, T, pad in STEP_CASES] if focus else []
+    cases += [(L + T, H, T, False, pad) for L, H, T, pad in STEP_CASES]
     for L, H, T, causal, pad in cases:
         row = run_case(L, H, T, report["ceilings"], causal=causal, time_torch=not focus, pad=pad)
         report["cases"].append(row)
         print(json.dumps(row), flush=True)
         (out / "attention.json").write_text(json.dumps(report, indent=1))
         torch.cuda.empty_cache()
-    # after all defaults (a faulting candidate cannot cost them); round 2: the step's shapes, then the fewest rows first
+    # after all defaults (a faulting candidate cannot cost them); --step: the 4k step shapes' candidates first
+    for row in report["cases"] if step else []:
+        if row.get("pad") and row["L"] < 8192:
+            row["step"] = tune_case(row, step_runs(row, report["sms"]))
+            print("step", row["L"], row["T"], json.dumps(row["step"]), flush=True)
+            (out / "attention.json").write_text(json.dumps(report, indent=1))
+    # round 2: the step's shapes, then the fewest rows first
     order = report["cases"]
     if round2:
         order = sorted(order, key=lambda r: (not r.get("pad"), r["T"] * r["H"], r["L"]))
@@ -439,6 +496,8 @@ def main(argv=None):
                              "whole waves) and STEP_CASES")
     parser.add_argument("--defaults", action="store_true",
                         help="the committed defaults alone at 32k/128k and STEP_CASES (no tuning, torch or prefill)")
+    parser.add_argument("--step", action="store_true",
+                        help="also time step_runs (split counts, bf16 partials, the fused merge) at the 4k STEP_CASES")
     parser.add_argument("--budget", type=float, help="seconds from the start after which no further case is tuned")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling kernel variants up front")
     parser.add_argument("--with-tests", action="store_true", help="first run tests/test_attention_kernel.py here")
@@ -459,13 +518,14 @@ def main(argv=None):
     contexts = CONTEXTS[2:] if args.quick else CONTEXTS
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    extra = round2_jobs(contexts, HEADS, TREE_SIZES, mk.num_sms(torch.device("cuda"))) if args.round2 else ()
+    sms = mk.num_sms(torch.device("cuda"))
+    extra = (round2_jobs(contexts, HEADS, TREE_SIZES, sms) if args.round2 else set()) | (step_jobs(sms) if args.step else set())
     print("precompiled", precompile(HEADS, TREE_SIZES, args.tune and not args.round2, args.workers,
                                     prefill=not args.focus, table=FOCUS if args.focus else CANDIDATES, extra=extra),
           "variants in", f"{time.time() - start:.0f}s", flush=True)
     deadline = start + args.budget if args.budget else None
     report = sweep(contexts, HEADS, TREE_SIZES, args.tune, args.out, focus=args.focus, deadline=deadline,
-                   round2=args.round2)
+                   round2=args.round2, step=args.step)
     (args.out / "attention.json").write_text(json.dumps(report, indent=1))
     (args.out / "attention.md").write_text(markdown(report))
     print(markdown(report))

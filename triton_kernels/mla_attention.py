@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_kernels.counters import arrival_counters
+
 D_LAT = 512  # value dim: the latent c
 D_PE = 64  # rope part of an entry
 ENTRY = D_LAT + D_PE
@@ -112,13 +114,37 @@ def _softmax_step(s, v, m_i, l_i, acc, live, UNCHAIN: tl.constexpr):
     return m_new, l_i, acc
 
 
+@triton.jit
+def _merge_own_tile(o_part_ptr, lse_part_ptr, out_ptr, b, offs_m, m_ok, offs_own, rows, num_splits,
+                    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """FUSED: the last program of a query tile to arrive combines every split's (o, lse) of its rows [BM] and value
+    columns [DV] into out (.cg loads: the other programs' partials at L2, not a stale L1)."""
+    m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for s in range(num_splits):
+        part_row = (b.to(tl.int64) * num_splits + s) * rows + offs_m  # [BM]
+        lse = tl.load(lse_part_ptr + part_row, mask=m_ok, other=float("-inf"), cache_modifier=".cg")  # [BM]
+        o = tl.load(o_part_ptr + part_row[:, None] * 512 + offs_own[None, :], mask=(m_ok & (lse > float("-inf")))[:, None],
+                    other=0.0, cache_modifier=".cg").to(tl.float32)  # [BM, DV]
+        m_new = tl.maximum(m, lse)
+        keep = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)  # [BM]
+        acc = acc * keep[:, None] + w[:, None] * o
+        w_sum = w_sum * keep + w
+        m = m_new
+    out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+    o_rows = out_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 512
+    tl.store(o_rows + offs_own[None, :], out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+
+
 @triton.jit(do_not_specialize=["T", "rows_kb"])
 def _mla_split_kernel(
-    q_ptr, kv_ptr, lens_ptr, mask_ptr, out_ptr, o_part_ptr, lse_part_ptr,
+    q_ptr, kv_ptr, lens_ptr, mask_ptr, out_ptr, o_part_ptr, lse_part_ptr, count_ptr,
     T, rows_kb, sm_scale_log2,
     H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DO: tl.constexpr,
-    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr,
+    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, FUSED: tl.constexpr,
 ):
     SPLIT_V: tl.constexpr = BLOCK_DV < 512  # NV programs per query tile, each owning BLOCK_DV value columns
     NV: tl.constexpr = 512 // BLOCK_DV
@@ -145,14 +171,15 @@ def _mla_split_kernel(
     start = pid_s * split_len
     end = tl.minimum(start + split_len, kv_end)
     n_full = tl.maximum(tl.minimum(end, tree_start) - start, 0) // BLOCK_N  # tiles with every entry visible
+    q_ok = m_ok & (start + 0 * offs_m < end)  # an empty split (no entry) loads no query and stores no o, only lse = -inf
 
     q_rows = q_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 576
-    q_own = tl.load(q_rows + offs_own[None, :], mask=m_ok[:, None], other=0.0)  # [BM, DV]
+    q_own = tl.load(q_rows + offs_own[None, :], mask=q_ok[:, None], other=0.0)  # [BM, DV]
     if SPLIT_V:
-        q_other = tl.load(q_rows + offs_other[None, :], mask=m_ok[:, None], other=0.0)  # [BM, DO]
+        q_other = tl.load(q_rows + offs_other[None, :], mask=q_ok[:, None], other=0.0)  # [BM, DO]
     else:
         q_other = tl.zeros([BLOCK_M, BLOCK_DO], dtype=q_ptr.dtype.element_ty)  # unused
-    q_pe = tl.load(q_rows + 512 + offs_pe[None, :], mask=m_ok[:, None], other=0.0)  # [BM, 64]
+    q_pe = tl.load(q_rows + 512 + offs_pe[None, :], mask=q_ok[:, None], other=0.0)  # [BM, 64]
     kv_base = kv_ptr + b.to(tl.int64) * rows_kb * 576  # rows_kb: cache stride in entries; keeps 16-byte alignment
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -190,9 +217,16 @@ def _mla_split_kernel(
     else:
         part_row = (b.to(tl.int64) * num_splits + pid_s) * rows + offs_m  # [BM]
         tl.store(o_part_ptr + part_row[:, None] * 512 + offs_own[None, :], o.to(o_part_ptr.dtype.element_ty),
-                 mask=m_ok[:, None])
+                 mask=q_ok[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # [BM] log2-sum-exp of the split
         tl.store(lse_part_ptr + part_row, lse, mask=m_ok & (pid_v + 0 * offs_m == 0))
+        if FUSED:  # the last of the query tile's num_splits programs to arrive merges them (counter reset after)
+            tile = b * tl.num_programs(0) + tl.program_id(0)
+            tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
+            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == num_splits - 1:
+                _merge_own_tile(o_part_ptr, lse_part_ptr, out_ptr, b, offs_m, m_ok, offs_own, rows, num_splits,
+                                BLOCK_M, BLOCK_DV)
+                tl.atomic_xchg(count_ptr + tile, 0)
 
 
 @triton.jit(do_not_specialize=["rows", "num_splits"])
@@ -212,7 +246,8 @@ def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, rows, num_splits,
         s_ok = s0 + offs_s < num_splits
         part = part0 + (s0 + offs_s) * rows  # [BS]
         lse = tl.load(lse_part_ptr + part, mask=s_ok, other=float("-inf"))  # [BS]
-        o = tl.load(o_part_ptr + part[:, None] * 512 + offs_d[None, :], mask=s_ok[:, None], other=0.0)  # [BS, BD]
+        o_ok = s_ok & (lse > float("-inf"))  # an empty split stored no o
+        o = tl.load(o_part_ptr + part[:, None] * 512 + offs_d[None, :], mask=o_ok[:, None], other=0.0)  # [BS, BD]
         o = o.to(tl.float32)
         m_new = tl.maximum(m, tl.max(lse, 0))
         keep = tl.exp2(m - m_new)
@@ -326,12 +361,13 @@ def _check(q, kv_cache, value_dim):
 
 
 def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, num_splits=None, config=None,
-                  partials=None):
+                  partials=None, fused=False):
     """Triton twin of ops.mla_attention: q [B, T, H, 576], kv_cache [B, L_max, 576], cache_lens [B] int32,
     tree_mask [B, T, ceil(T/32)] int32 or None (causal), -> [B, T, H, 512] in q's dtype.
 
     num_splits (splits per sequence), config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)) and partials
-    (dtype of the per-split outputs: torch.float32 or q.dtype) override the defaults.
+    (dtype of the per-split outputs: torch.float32 or q.dtype) override the defaults. fused: the last split of a
+    query tile to finish merges the splits (one launch, no merge kernel; needs BLOCK_DV 512).
     """
     _check(q, kv_cache, value_dim)
     B, T, H, _ = q.shape
@@ -340,8 +376,8 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     entry = entry_for(rows, arch)
     block_m, block_n, warps, stages, block_dv, unchain = config or entry.config
     tail_stages = TAIL_STAGES[arch] or stages
-    if block_dv not in (256, 512):
-        raise ValueError(f"mla_attention (triton): BLOCK_DV must be 256 or 512, got {block_dv}")
+    if block_dv not in (256, 512) or (fused and block_dv != 512):
+        raise ValueError(f"mla_attention (triton): BLOCK_DV must be 256 or 512 (512 if fused), got {block_dv}")
     if partials not in (None, torch.float32, q.dtype):
         raise ValueError(f"mla_attention (triton): partials must be torch.float32 or q's {q.dtype}, got {partials}")
     partials = partials or entry.partials or q.dtype
@@ -358,14 +394,16 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         lse_part = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q.device)
     causal = tree_mask is None
     mask = cache_lens if causal else tree_mask.contiguous()
+    fused = fused and not direct
+    counts = arrival_counters("attention", q.device, B * grid_m) if fused else cache_lens
     _mla_split_kernel[(grid_m, num_splits, B)](
-        q, kv_cache, cache_lens, mask, out, o_part, lse_part,
+        q, kv_cache, cache_lens, mask, out, o_part, lse_part, counts,
         T, kv_cache.stride(0) // ENTRY, scale * 1.4426950408889634,
         H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv,
         BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16, TAIL_STAGES=tail_stages, UNCHAIN=unchain,
-        num_warps=warps, num_stages=stages,
+        FUSED=fused, num_warps=warps, num_stages=stages,
     )
-    if not direct:
+    if not direct and not fused:
         block_s, block_d = merge_blocks(num_splits)
         _merge_kernel[(rows, D_LAT // block_d, B)](
             o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d,
