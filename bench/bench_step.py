@@ -33,6 +33,7 @@ from model.parallel import Parallel
 from spec.drafter import DFlashDrafter, DrafterConfig
 from spec.engine import root_tree
 from spec.graphs import DEFAULT_BUCKETS, DraftGraphs, StepGraphs, draft_eligibility, eligibility, parse_buckets
+from triton_kernels import pdl
 
 CONTEXTS = (4096, 32768)
 DFLASH_K25 = dict(num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
@@ -352,10 +353,12 @@ def main():
     parser.add_argument("--long-buckets", default=None,
                         help="buckets to time at contexts after the first (default: all of --buckets)")
     parser.add_argument("--no-overlap", action="store_true", help="the shared expert on the main stream")
+    parser.add_argument("--no-pdl", action="store_true", help="plain launches (triton_kernels.pdl.ENABLED off)")
     args = parser.parse_args()
     import triton
 
     model_module.OVERLAP_SHARED_EXPERT = not args.no_overlap
+    pdl.ENABLED = not args.no_pdl
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -367,7 +370,7 @@ def main():
                 python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 drafter_note="Kimi-K2.5-DFlash shape, TP8 rank 0 like the target (8 of 64 query heads, 1 of 8 "
                              "key/value heads, 1/8 of the MLP), scoring with the target's lm_head shard",
-                overlap_shared_expert=not args.no_overlap)
+                overlap_shared_expert=not args.no_overlap, pdl=not args.no_pdl)
     meta["read_GBps"] = bw = read_GBps()
     t0 = time.perf_counter()
     target = build_target()

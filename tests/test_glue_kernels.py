@@ -101,7 +101,8 @@ def test_router_matches_reference(M, E, D, top_k, n_group, topk_group, norm):
 
 
 def sm120_resources():
-    """Resources of each glue kernel compiled for sm_120 (needs real @triton.jit objects: no interpreter)."""
+    """Resources of each glue kernel compiled for sm_120 with programmatic dependent launch, as the GPU runs them
+    (needs real @triton.jit objects: no interpreter)."""
     from triton_kernels.absorb import _absorb_output_kernel, _absorb_query_kernel
     from triton_kernels.aot import compile_for
     from triton_kernels.glue import _rms_norm_kernel, _rope_kernel
@@ -109,21 +110,21 @@ def sm120_resources():
 
     return [
         compile_for(_rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", stride_x="i32",
-                                           stride_out="i32", D="i32", eps="fp32"), dict(BLOCK_D=8192), num_warps=8),
+                                           stride_out="i32", D="i32", eps="fp32"), dict(BLOCK_D=8192, PDL=True), num_warps=8),
         compile_for(_rope_kernel, dict(x_ptr="*bf16", pos_ptr="*i64", freq_ptr="*fp32", out_ptr="*bf16",
                                        stride_xn="i32", stride_xh="i32", H="i32", factor="fp32"),
-                    dict(HALF=32, BLOCK_H=64)),
+                    dict(HALF=32, BLOCK_H=64, PDL=True)),
         compile_for(_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", M="i32", E="i32", D="i32",
-                                         d_per_split="i32"), dict(BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D),
+                                         d_per_split="i32"), dict(BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, PDL=True),
                     num_stages=3, aligned=True),
         compile_for(_absorb_query_kernel, dict(qn_ptr="*bf16", qp_ptr="*bf16", w_ptr="*bf16", pos_ptr="*i64",
                                                freq_ptr="*fp32", out_ptr="*bf16", N="i32", H="i32", stride_qn="i32",
                                                stride_qnh="i32", stride_qp="i32", stride_qph="i32", stride_wh="i32",
                                                stride_wd="i32", factor="fp32"),
-                    dict(DN=128, R=512, HALF=32, BLOCK_N=16, BLOCK_C=64), aligned=True),
+                    dict(DN=128, R=512, HALF=32, BLOCK_N=16, BLOCK_C=64, PDL=True), aligned=True),
         compile_for(_absorb_output_kernel, dict(o_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", N="i32", H="i32",
                                                 stride_on="i32", stride_oh="i32", stride_wh="i32", stride_wd="i32"),
-                    dict(R=512, DV=128, BLOCK_N=64, BLOCK_D=32, BLOCK_K=128), aligned=True),
+                    dict(R=512, DV=128, BLOCK_N=64, BLOCK_D=32, BLOCK_K=128, PDL=True), aligned=True),
     ]
 
 

@@ -138,7 +138,7 @@ def test_linear_kernel_rejects_what_it_cannot_run():
 
 def sm120_resources():
     """Resources of every sm_120 config (defaults and adopted) for sm_120 at K2.6-like strides, per BLOCK_M it
-    can run with (needs real @triton.jit objects: no interpreter)."""
+    can run with, with programmatic dependent launch as the GPU runs them (needs real @triton.jit objects)."""
     from triton_kernels.aot import compile_for
 
     configs = set(lk.DEFAULTS["sm_120"].values())
@@ -152,12 +152,12 @@ def sm120_resources():
             if cfg.kind == "gemv":
                 res = compile_for(lk._gemv_kernel, common,
                                   dict(stride_wn=7168, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
-                                       STAGES=p.stages, PDL=cfg.pdl),
+                                       STAGES=p.stages, PDL=True),
                                   num_warps=cfg.warps, aligned=True, divisible=("N", "K", "k_per_split"))
             else:
                 res = compile_for(lk._dot_kernel, dict(common, M="i32"),
                                   dict(stride_xm=7168, stride_wn=7168, BLOCK_M=p.block_m, BLOCK_N=cfg.block_n,
-                                       BLOCK_K=cfg.block_k, EVEN_K=True, SWAP=cfg.kind == "swap", PDL=cfg.pdl),
+                                       BLOCK_K=cfg.block_k, EVEN_K=True, SWAP=cfg.kind == "swap", PDL=True),
                                   num_warps=cfg.warps, num_stages=p.stages, aligned=True,
                                   divisible=("N", "K", "k_per_split"))
             out.append(dict(config=list(cfg), block_m=p.block_m, **vars(res)))

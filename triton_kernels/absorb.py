@@ -6,13 +6,16 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_kernels import pdl
 from triton_kernels.glue import rope_pairs
 
 
 @triton.jit
 def _absorb_query_kernel(qn_ptr, qp_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, N, H, stride_qn, stride_qnh,
                          stride_qp, stride_qph, stride_wh, stride_wd, factor, DN: tl.constexpr, R: tl.constexpr,
-                         HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+                         HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     h, pid_c, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < N)[:, None]
@@ -35,7 +38,8 @@ def _absorb_query_kernel(qn_ptr, qp_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, N, H
 @triton.jit
 def _absorb_output_kernel(o_ptr, w_ptr, out_ptr, N, H, stride_on, stride_oh, stride_wh, stride_wd,
                           R: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     h, pid_d, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < N)[:, None]
@@ -70,7 +74,8 @@ def absorb_query(q_nope, q_pe, w_uk, positions, inv_freq, attention_factor):
         _absorb_query_kernel[(H, R // 64, triton.cdiv(N, QUERY_BLOCK_N))](
             q_nope, q_pe, w_uk, positions, inv_freq.float().contiguous(), out, N, H, q_nope.stride(0),
             q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), w_uk.stride(0), w_uk.stride(1),
-            float(attention_factor), DN=dn, R=R, HALF=half, BLOCK_N=QUERY_BLOCK_N, BLOCK_C=64)
+            float(attention_factor), DN=dn, R=R, HALF=half, BLOCK_N=QUERY_BLOCK_N, BLOCK_C=64,
+            **pdl.options(q_nope))
     return out
 
 
@@ -86,5 +91,6 @@ def absorb_output(o_lat, w_uv):
         block_n = _block_n(N)
         _absorb_output_kernel[(H, dv // 32, triton.cdiv(N, block_n))](
             o_lat, w_uv, out, N, H, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1),
-            R=R, DV=dv, BLOCK_N=block_n, BLOCK_D=32, BLOCK_K=128, num_stages=2)
+            R=R, DV=dv, BLOCK_N=block_n, BLOCK_D=32, BLOCK_K=128, num_stages=2,
+            **pdl.options(o_lat))
     return out

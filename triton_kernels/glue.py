@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_kernels import pdl
+
 
 @triton.jit
 def rope_pairs(src, dst, angle, factor, mask, ty):
@@ -24,7 +26,9 @@ def rope_pairs(src, dst, angle, factor, mask, ty):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, D, eps, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, D, eps, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     ok = offs < D
@@ -45,12 +49,14 @@ def rms_norm(x, weight, eps):
     if rows.shape[0]:
         block = triton.next_power_of_2(D)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), D, D, eps, BLOCK_D=block,
-                                           num_warps=8 if block >= 4096 else 4)
+                                           num_warps=8 if block >= 4096 else 4, **pdl.options(x))
     return out
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     ok = offs < D
@@ -72,13 +78,14 @@ def add_rms_norm(x, residual, weight, eps):
     if x.numel():
         block = triton.next_power_of_2(D)
         _add_rms_norm_kernel[(x.numel() // D,)](x, residual, weight, h, out, D, eps, BLOCK_D=block,
-                                                 num_warps=8 if block >= 4096 else 4)
+                                                 num_warps=8 if block >= 4096 else 4, **pdl.options(x))
     return h, out
 
 
 @triton.jit
 def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, stride_xn, stride_xh, H, factor,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_i = tl.arange(0, HALF)
@@ -99,13 +106,14 @@ def apply_rope(x, positions, inv_freq, attention_factor=1.0):
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if N:
         _rope_kernel[(N,)](x, positions, inv_freq.float().contiguous(), out, x.stride(0), x.stride(1), H,
-                           float(attention_factor), HALF=R // 2, BLOCK_H=triton.next_power_of_2(H))
+                           float(attention_factor), HALF=R // 2, BLOCK_H=triton.next_power_of_2(H), **pdl.options(x))
     return out
 
 
 @triton.jit
 def _write_latent_kernel(ckv_ptr, w_ptr, pos_ptr, freq_ptr, starts_ptr, kv_ptr, T, stride_ckv, stride_kb, eps,
-                         factor, R: tl.constexpr, HALF: tl.constexpr):
+                         factor, R: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     n = tl.program_id(0)
     b = n // T
     src = ckv_ptr + n.to(tl.int64) * stride_ckv
@@ -136,11 +144,12 @@ def write_latent(kv_cache, ckv, norm_weight, eps, positions, inv_freq, attention
         _write_latent_kernel[(ckv.shape[0],)](ckv, norm_weight, positions, inv_freq.float().contiguous(), starts,
                                               kv_cache, ckv.shape[0] // starts.shape[0], ckv.stride(0),
                                               kv_cache.stride(0), eps,
-                                              float(attention_factor), R=R, HALF=half)
+                                              float(attention_factor), R=R, HALF=half, **pdl.options(ckv))
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < I
@@ -158,5 +167,5 @@ def mlp(x, gate_up_weight, down_weight):
     M, I = gate_up.shape[0], gate_up.shape[1] // 2
     act = torch.empty(M, I, dtype=gate_up.dtype, device=x.device)
     if M:
-        _silu_mul_kernel[(M, triton.cdiv(I, 1024))](gate_up, act, I, BLOCK=1024)
+        _silu_mul_kernel[(M, triton.cdiv(I, 1024))](gate_up, act, I, BLOCK=1024, **pdl.options(x))
     return linear(act, down_weight)

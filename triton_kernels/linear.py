@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from triton_kernels import pdl
 from triton_kernels.counters import arrival_counters
 from triton_kernels.moe_configs import arch_of
 
@@ -94,13 +95,14 @@ def _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K: tl.constexpr):
     """Under programmatic dependent launch the program may start before the previous kernel ends: ask L2 for
     the first two [BN, BK] weight tiles of its K range (constant data, one PTX prefetch per 128-byte line), then
     wait for the previous grid before anything reads x or writes (y, partials and counters may reuse its
-    memory)."""
+    memory), then let the next kernel launch (triton_kernels/pdl.py)."""
     lines = tl.arange(0, BLOCK_K // 64) * 64  # [BK / 64] line starts (64 bf16 a line)
     for t in tl.static_range(2):
         k = tl.minimum(k_start + t * BLOCK_K + lines, k_end - 1)
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_rows + k[None, :]],
                                   dtype=tl.int32, is_pure=False, pack=1)
     tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -237,16 +239,17 @@ def linear_kernel(x, weight, cfg=None):
     part = torch.empty(p.splits * M * N if p.splits > 1 else 1, dtype=torch.float32, device=x.device)
     counters = arrival_counters("linear", x.device, p.tiles)
     even_k = K % cfg.block_k == 0
-    pdl = cfg.pdl and x.is_cuda  # PTX prefetch and grid-dependency control: not interpretable
-    launch = dict(num_warps=cfg.warps, **({"launch_pdl": True} if pdl else {}))
+    # PTX prefetch and grid-dependency control (not interpretable): where the table measured it, or on the chain
+    use_pdl = x.is_cuda and (cfg.pdl or pdl.active(x))
+    launch = dict(num_warps=cfg.warps, **({"launch_pdl": True} if use_pdl else {}))
     if cfg.kind == "gemv":
         _gemv_kernel[(p.tiles, p.splits)](x, weight, y, part, counters, N, K, p.k_per_split, p.splits,
                                           weight.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                          EVEN_K=even_k, STAGES=p.stages, PDL=pdl, **launch)
+                                          EVEN_K=even_k, STAGES=p.stages, PDL=use_pdl, **launch)
     else:
         _dot_kernel[(p.tiles, p.splits)](x, weight, y, part, counters, M, N, K, p.k_per_split, p.splits,
                                          x.stride(0), weight.stride(0), BLOCK_M=p.block_m, BLOCK_N=cfg.block_n,
-                                         BLOCK_K=cfg.block_k, EVEN_K=even_k, SWAP=cfg.kind == "swap", PDL=pdl,
+                                         BLOCK_K=cfg.block_k, EVEN_K=even_k, SWAP=cfg.kind == "swap", PDL=use_pdl,
                                          num_stages=p.stages, **launch)
     return y
 

@@ -10,13 +10,17 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_kernels import pdl
+
 BLOCK_M, BLOCK_E, BLOCK_D = 16, 32, 256
 SELECT_WARPS = 1  # one warp: every reduction of the select stays in shuffles (8% faster, bench_glue, H200)
 
 
 @triton.jit
 def _logits_kernel(x_ptr, w_ptr, part_ptr, M, E, D, d_per_split,
-                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     pid_e, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -37,7 +41,8 @@ def _logits_kernel(x_ptr, w_ptr, part_ptr, M, E, D, d_per_split,
 @triton.jit
 def _select_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, M, E, splits, group_size, n_group, topk_group,
                    top_k, scaling, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
+                   BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     m = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
@@ -102,10 +107,11 @@ def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm
     if M == 0:
         return weights, ids
     _logits_kernel[(triton.cdiv(E, BLOCK_E), triton.cdiv(M, BLOCK_M), splits)](
-        x, gate_weight, part, M, E, D, d_per_split, BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, num_stages=3)
+        x, gate_weight, part, M, E, D, d_per_split, BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, num_stages=3,
+        **pdl.options(x))
     _select_kernel[(M,)](part, bias.float().contiguous(), weights, ids, M, E, splits, E // n_group, n_group,
                          topk_group, top_k, float(scaling_factor), NORM=bool(norm_topk_prob),
                          BLOCK_E=triton.next_power_of_2(E), BLOCK_G=triton.next_power_of_2(n_group),
                          BLOCK_K=triton.next_power_of_2(top_k), BLOCK_S=triton.next_power_of_2(splits),
-                         num_warps=SELECT_WARPS)
+                         num_warps=SELECT_WARPS, **pdl.options(x))
     return weights, ids

@@ -1,0 +1,33 @@
+"""Programmatic dependent launch (PDL) along the chain of small kernels of a decode or verify step.
+
+A step is hundreds of short kernels in a row; between two of them the GPU idles while the second launches and
+ramps up. Launched with PDL (sm_90 and newer), a kernel's programs may start while the kernel before it still
+runs: each program first waits (`gdc_wait`) until the previous grid has completed and its writes are visible,
+before it reads or writes anything, then at once lets the next kernel launch (`gdc_launch_dependents`). The
+next kernel's launch and ramp then overlap this one's work. Where the release sits does not affect correctness
+(a dependent still waits for the whole grid before its own first access), only how early it takes SM slots.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = True  # False: plain launches everywhere (bench_step.py --no-pdl, for A/B timing)
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """First statement of a kernel on the chain: wait for the previous grid, then release the next one."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def active(t):
+    """Whether kernels reading tensor `t` launch with PDL (CUDA, compute capability 9.0 or newer)."""
+    return ENABLED and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+def options(t):
+    """Launch keywords and the PDL constexpr for a kernel on the chain: `kernel[grid](..., **options(x))`."""
+    return dict(PDL=True, launch_pdl=True) if active(t) else dict(PDL=False)
