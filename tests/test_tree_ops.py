@@ -157,7 +157,7 @@ def test_draft_topk_triton_tiles(k, chunk, tile, merge, monkeypatch):
     from triton_kernels import ddtree as dd
 
     for cfg in dd.CONFIGS.values():
-        monkeypatch.setitem(cfg, "topk", ((dd.MAX_BUDGET, chunk, 4),))
+        monkeypatch.setitem(cfg, "topk", ((dd.MAX_BUDGET, chunk, 4, tile, None),))
     monkeypatch.setattr(dd, "SEL_TILE", tile)
     monkeypatch.setattr(dd, "MAX_MERGE", merge)
     V = 1000 if k == 1000 else 3000
@@ -318,9 +318,9 @@ TOPK_SIG = dict(x_ptr="*bf16", cval_ptr=I, cid_ptr=I, pmax_ptr=P, psum_ptr=P, pt
                 tok_ptr=L, V="i32", K="i32", CHUNKS="i32")
 topk = {k: dd.topk_plan(163840, k, cfg) for k in sorted({min(r[0], dd.MAX_BUDGET) for r in cfg["topk"]})}
 cases = [  # top-k: each config row at its largest K and K2.6's vocabulary
-    *[(dd._topk_kernel, TOPK_SIG, dict(BITS=16, CHUNK=chunk, TILE=min(chunk, dd.SEL_TILE), MP=mp,
-       MT=min(mp, dd.SEL_TILE), KP=triton.next_power_of_2(k), CP=triton.next_power_of_2(chunks)), warps)
-      for k, (chunk, chunks, mp, warps) in topk.items()],
+    *[(dd._topk_kernel, TOPK_SIG, dict(BITS=16, CHUNK=chunk, TILE=tile, MP=mp, MT=min(mp, dd.SEL_TILE),
+       KP=triton.next_power_of_2(k), CP=triton.next_power_of_2(chunks)), warps)
+      for k, (chunk, chunks, mp, warps, tile, _) in topk.items()],
     (dd._tree_build_kernel, dict(lp_ptr=P, tok_ptr=L, root_ptr=L, o_tok=L, o_par=I, o_dep=I, o_fc=I, o_ns=I, o_mask=I,
      o_num=I, N="i32", K="i32", KS="i32", L="i32", W="i32"), dict(NP=512, NP1=1024, WP=32, ROWS=64),
      cfg["build_warps"]),

@@ -18,15 +18,17 @@ SEL_TILE = 4096  # lanes one selection scan covers (it packs two counts into 15-
 MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few row blocks, few dependent loads
 
 # Configs as data per arch (compute capability major*10+minor): top-k rows (K up to, chunk: lanes a program
-# selects from in one load, least warps), the last also for larger K; the sampling pass's BLOCK over the
+# selects from in one load, least warps, lanes a selection scan takes at once, register cap or None), the last
+# also for larger K; the sampling pass's BLOCK over the
 # vocabulary, its warps, target program count and loads in flight a loop step; warps of the one-program-per-tree
 # heap build (its heap lives in registers: one warp keeps every reduction inside shuffles), the budget from which
 # the depth-synchronous build replaces the heap loop, and that build's warps. sm_90: measured on the H200
 # (bench/results/tree_h200.md); sm_120 takes sm_90's unroll_v, untimed.
 CONFIGS = {
-    90: dict(topk=((16, 2048, 4), (MAX_BUDGET, 4096, 8)), block_v=2048, warps_v=8, programs=1056, unroll_v=4,
+    90: dict(topk=((8, 2048, 4, 2048, None), (64, 4096, 8, 2048, 64), (MAX_BUDGET, 4096, 8, SEL_TILE, None)),
+             block_v=2048, warps_v=8, programs=1056, unroll_v=4,
              build_warps=1, levels_from=8, levels_warps=8),
-    120: dict(topk=((MAX_BUDGET, 4096, 4),), block_v=1024, warps_v=4, programs=752, unroll_v=4, build_warps=1,
+    120: dict(topk=((MAX_BUDGET, 4096, 4, SEL_TILE, None),), block_v=1024, warps_v=4, programs=752, unroll_v=4, build_warps=1,
               levels_from=64, levels_warps=2),
 }
 
@@ -174,7 +176,9 @@ def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_p
     tl.store(pmax_ptr + row * CHUNKS + c, m)
     tl.store(psum_ptr + row * CHUNKS + c, tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0))
     o = tl.where(offs < V, _ordered(x), -2147483648)  # [CHUNK] int32
-    thr, need = _threshold(o, K, -(1 << (BITS - 1)), tl.max(o, 0) >> (32 - BITS), BITS)
+    # KP >= K disjoint groups: their KP maxima are KP lanes >= the least of them, so the K-th largest is too
+    lo = tl.min(tl.max(tl.reshape(o, [KP, CHUNK // KP]), 1), 0)
+    thr, need = _threshold(o, K, lo >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS)
     tl.store(pthr_ptr + row * CHUNKS + c, thr)
     out = (row.to(tl.int64) * CHUNKS + c) * K
     n_gt = tl.zeros([], tl.int32)
@@ -531,18 +535,20 @@ def _value_bits(dtype):
 
 
 def topk_plan(V, k, cfg):
-    """The top-k launch for K = k over V lanes from the config's rows (K up to, chunk, least warps): chunk lanes
-    (at least K; chunks x K candidates fit one merge), chunks a row, merge lanes, warps."""
+    """The top-k launch for K = k over V lanes from the config's rows (K up to, chunk, least warps, scan tile,
+    register cap): chunk lanes (at least K; chunks x K candidates fit one merge), chunks a row, merge lanes,
+    warps, scan tile lanes, register cap."""
     rows = cfg["topk"]
     kp = triton.next_power_of_2(max(k, 2))
-    chunk, least_warps = next((r[1:] for r in rows if k <= r[0]), rows[-1][1:])
+    chunk, least_warps, tile, maxnreg = next((r[1:] for r in rows if k <= r[0]), rows[-1][1:])
     chunk = max(min(chunk, triton.next_power_of_2(V)), kp,
                 triton.next_power_of_2(triton.cdiv(V, MAX_MERGE // kp)))
     if chunk > MAX_CHUNK:
         raise ValueError(f"draft_topk (triton): V = {V} with k = {k} needs chunks of {chunk} > {MAX_CHUNK}")
     chunks = triton.cdiv(V, chunk)
     mp = triton.next_power_of_2(chunks * k)
-    return chunk, chunks, mp, min(16, max(least_warps, max(chunk, mp) // 1024))
+    return (chunk, chunks, mp, min(16, max(least_warps, max(chunk, mp) // 1024)), min(chunk, tile, SEL_TILE),
+            maxnreg)
 
 
 def draft_topk(logits, k):
@@ -550,7 +556,7 @@ def draft_topk(logits, k):
     B, L, V = x.shape
     dev = x.device
     rows = B * L
-    chunk, chunks, mp, warps = topk_plan(V, k, CONFIGS[_arch(dev)])
+    chunk, chunks, mp, warps, tile, maxnreg = topk_plan(V, k, CONFIGS[_arch(dev)])
     cval = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
     cid = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
     pmax = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
@@ -560,9 +566,9 @@ def draft_topk(logits, k):
     tokens = torch.empty(B, L, k, dtype=torch.int64, device=dev)
     counters = arrival_counters("ddtree_topk", dev, rows)
     _topk_kernel[(rows, chunks)](x, cval, cid, pmax, psum, pthr, counters, lp, tokens, V, k, chunks,
-                                 BITS=_value_bits(x.dtype), CHUNK=chunk, TILE=min(chunk, SEL_TILE), MP=mp,
-                                 MT=min(mp, SEL_TILE), KP=triton.next_power_of_2(max(k, 2)),
-                                 CP=triton.next_power_of_2(max(chunks, 2)), num_warps=warps)
+                                 BITS=_value_bits(x.dtype), CHUNK=chunk, TILE=tile, MP=mp, MT=min(mp, SEL_TILE),
+                                 KP=triton.next_power_of_2(max(k, 2)), CP=triton.next_power_of_2(max(chunks, 2)),
+                                 num_warps=warps, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     return lp, tokens
 
 
