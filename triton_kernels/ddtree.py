@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_kernels import pdl
 from triton_kernels.counters import arrival_counters
 
 MAX_BUDGET = 512  # the build packs slot and rank into 9 bits each
@@ -19,17 +20,17 @@ MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few
 
 # Configs as data per arch (compute capability major*10+minor): top-k rows (K up to, chunk: lanes a program
 # selects from in one load, least warps, lanes a selection scan takes at once, register cap or None), the last
-# also for larger K; the sampling pass's BLOCK over the
-# vocabulary, its warps, target program count and loads in flight a loop step; warps of the one-program-per-tree
-# heap build (its heap lives in registers: one warp keeps every reduction inside shuffles), the budget from which
-# the depth-synchronous build replaces the heap loop, and that build's warps. sm_90: measured on the H200
-# (bench/results/tree_h200.md); sm_120 takes sm_90's unroll_v, untimed.
+# also for larger K; the sampling pass's BLOCK over the vocabulary, its warps, target program count and loads in
+# flight a loop step, and whether its last program per tree walks (else a walk launch); warps of the
+# one-program-per-tree heap build (its heap lives in registers: one warp keeps every reduction inside shuffles),
+# the budget from which the depth-synchronous build replaces the heap loop, and that build's warps. sm_90:
+# measured on the H200 (bench/results/tree_h200.md); sm_120 takes sm_90's unroll_v, untimed.
 CONFIGS = {
     90: dict(topk=((8, 2048, 4, 2048, None), (64, 4096, 8, 2048, 64), (MAX_BUDGET, 4096, 8, SEL_TILE, None)),
-             block_v=2048, warps_v=8, programs=1056, unroll_v=4,
-             build_warps=1, levels_from=8, levels_warps=8),
-    120: dict(topk=((MAX_BUDGET, 4096, 4, SEL_TILE, None),), block_v=1024, warps_v=4, programs=752, unroll_v=4, build_warps=1,
-              levels_from=64, levels_warps=2),
+             block_v=2048, warps_v=8, programs=1056, unroll_v=4, walk_fused=False, build_warps=1, levels_from=8,
+             levels_warps=8),
+    120: dict(topk=((MAX_BUDGET, 4096, 4, SEL_TILE, None),), block_v=1024, warps_v=4, programs=752, unroll_v=4,
+              walk_fused=False, build_warps=1, levels_from=64, levels_warps=2),
 }
 
 
@@ -163,10 +164,11 @@ def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr
 @triton.jit(do_not_specialize=["V", "K", "CHUNKS"])
 def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_ptr, lp_ptr, tok_ptr, V, K, CHUNKS,
                  BITS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr, MP: tl.constexpr, MT: tl.constexpr,
-                 KP: tl.constexpr, CP: tl.constexpr):
+                 KP: tl.constexpr, CP: tl.constexpr, PDL: tl.constexpr):
     """Program (row, c): chunk c's (max, sum exp, K-th largest) and its K best (ordered value, id), in id order (a
     chunk holds at least K lanes; padding lanes rank last), picked in tiles of TILE lanes. The row's last program
     to arrive merges."""
+    pdl.enter(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     x_row = x_ptr + row.to(tl.int64) * V
@@ -247,7 +249,8 @@ def _dead_key():
 @triton.jit(do_not_specialize=["N", "K", "KS", "L", "W"])
 def _tree_build_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_ns, o_mask, o_num,
                        N, K, KS, L, W, NP: tl.constexpr, NP1: tl.constexpr, WP: tl.constexpr,
-                       ROWS: tl.constexpr):
+                       ROWS: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     b = tl.program_id(0)
     lp_b = lp_ptr + b.to(tl.int64) * L * KS
     tok_b = tok_ptr + b.to(tl.int64) * L * KS
@@ -313,10 +316,11 @@ def _lfields(key):
 @triton.jit(do_not_specialize=["N", "K", "KS", "L", "W"])
 def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_ns, o_mask, o_num, s_int, s_flt,
                         N, K, KS, L, W, NP: tl.constexpr, NP1: tl.constexpr, WP: tl.constexpr,
-                        ROWS: tl.constexpr, LOG: tl.constexpr):
+                        ROWS: tl.constexpr, LOG: tl.constexpr, PDL: tl.constexpr):
     """U = the best N nodes of depth <= d, sorted (lanes < NP; position = lane + 1; the root is position 0).
     Round d adds the depth-d children of U's depth-(d-1) nodes in batches of NP: sort the batch, merge, keep N.
     Keys order by (score, parent position in the round's U, rank): the heap's order, ties included."""
+    pdl.enter(PDL)
     b = tl.program_id(0)
     lp_b = lp_ptr + b.to(tl.int64) * L * KS
     tok_b = tok_ptr + b.to(tl.int64) * L * KS
@@ -410,12 +414,16 @@ def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_
 
 # ---- accept: per-node sampling over vocabulary splits, then one program per tree reduces and walks ----
 
-@triton.jit(do_not_specialize=["V", "N1", "CHUNK", "SPLIT", "inv_t"])
+@triton.jit(do_not_specialize=["V", "N1", "CHUNK", "SPLIT", "inv_t", "L"])
 def _sample_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx_ptr, V, N1, CHUNK, SPLIT, inv_t,
-                   GREEDY: tl.constexpr, HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+                   count_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, L,
+                   GREEDY: tl.constexpr, HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
+                   WALK: tl.constexpr, NP1: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
     """Program (b * (N+1) + node, c): the (max key, lowest id) of split c (CHUNK lanes, a multiple of BLOCK x
     UNROLL). Each lane keeps its running best (a later lane of the same slot wins only if strictly larger, so the
-    lowest id of equal keys stays), one reduction at the end; UNROLL loads in flight per loop step."""
+    lowest id of equal keys stays), one reduction at the end; UNROLL loads in flight per loop step. WALK: the
+    tree's last program to arrive walks it."""
+    pdl.enter(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     b = row // N1
@@ -453,20 +461,26 @@ def _sample_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx
     m = tl.max(best, 0)
     tl.store(pval_ptr + row * SPLIT + c, m)
     tl.store(pidx_ptr + row * SPLIT + c, tl.min(tl.where(best == m, best_idx, 2147483647), 0))
+    if WALK:
+        tl.debug_barrier()  # the partial is stored before the arrival is counted
+        if tl.atomic_add(count_ptr + b, 1, sem="acq_rel") == N1 * SPLIT - 1:
+            _walk(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, b, N1, L, SPLIT, NP1, SP)
+            tl.atomic_xchg(count_ptr + b, 0)
 
 
-@triton.jit(do_not_specialize=["N1", "L", "SPLIT"])
-def _walk_kernel(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, N1, L, SPLIT,
-                 NP1: tl.constexpr, SP: tl.constexpr):
-    b = tl.program_id(0)
+@triton.jit
+def _walk(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, b, N1, L, SPLIT, NP1: tl.constexpr,
+          SP: tl.constexpr):
+    """Tree b: each node's sample from its splits' partials, then the walk from the root."""
     nodes = tl.arange(0, NP1)  # [NP1]
     cs = tl.arange(0, SP)  # [SP]
     part = (b * N1 + nodes) * SPLIT
     ok = (nodes < N1)[:, None] & (cs < SPLIT)[None, :]
-    v = tl.load(pval_ptr + part[:, None] + cs[None, :], mask=ok, other=float("-inf"))  # [NP1, SP] in one load
+    v = tl.load(pval_ptr + part[:, None] + cs[None, :], mask=ok, other=float("-inf"),
+                cache_modifier=".cg")  # [NP1, SP] in one load
     m = tl.max(v, 1)
     first = tl.min(tl.where(v == m[:, None], cs[None, :], SP), 1)  # the earlier split (lower token ids) wins ties
-    sampled = tl.load(pidx_ptr + part + first, mask=nodes < N1, other=0)  # [NP1]
+    sampled = tl.load(pidx_ptr + part + first, mask=nodes < N1, other=0, cache_modifier=".cg")  # [NP1]
     toks = tl.load(tok_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
     pars = tl.load(par_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
     path_b = path_ptr + b * (L + 1)
@@ -485,11 +499,21 @@ def _walk_kernel(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_p
     tl.store(next_ptr + b, tl.sum(tl.where(nodes == cur, sampled, 0), 0).to(tl.int64))
 
 
+@triton.jit(do_not_specialize=["N1", "L", "SPLIT"])
+def _walk_kernel(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, N1, L, SPLIT,
+                 NP1: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
+    _walk(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, tl.program_id(0), N1, L, SPLIT, NP1,
+          SP)
+
+
 # ---- compaction: programs (layer, b) move cache rows, programs (layers + chunk, b) gather hidden rows ----
 
 @triton.jit(do_not_specialize=["layers", "L1", "D", "F", "s_layer", "s_b", "s_pos", "h_b", "h_n"])
 def _compact_kernel(kv_ptr, starts_ptr, path_ptr, len_ptr, hid_ptr, out_ptr, layers, L1, D, F,
-                    s_layer, s_b, s_pos, h_b, h_n, LP: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr):
+                    s_layer, s_b, s_pos, h_b, h_n, LP: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl.enter(PDL)
     p = tl.program_id(0)
     b = tl.program_id(1)
     i = tl.arange(0, LP)  # [LP] path position
@@ -568,7 +592,8 @@ def draft_topk(logits, k):
     _topk_kernel[(rows, chunks)](x, cval, cid, pmax, psum, pthr, counters, lp, tokens, V, k, chunks,
                                  BITS=_value_bits(x.dtype), CHUNK=chunk, TILE=tile, MP=mp, MT=min(mp, SEL_TILE),
                                  KP=triton.next_power_of_2(max(k, 2)), CP=triton.next_power_of_2(max(chunks, 2)),
-                                 num_warps=warps, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+                                 num_warps=warps, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
+                                 **pdl.options(x))
     return lp, tokens
 
 
@@ -594,9 +619,10 @@ def build_tree(logprobs, tokens, root_tokens, budget):
         s_int = torch.empty(B, 4 * NP, dtype=torch.int32, device=dev)
         s_flt = torch.empty(B, NP, dtype=torch.float32, device=dev)
         _tree_levels_kernel[(B,)](*args, s_int, s_flt, N, min(KS, N), KS, L, W, **sizes, LOG=NP.bit_length() - 1,
-                                  num_warps=cfg["levels_warps"])
+                                  num_warps=cfg["levels_warps"], **pdl.options(lp))
     else:
-        _tree_build_kernel[(B,)](*args, N, min(KS, N), KS, L, W, **sizes, num_warps=cfg["build_warps"])
+        _tree_build_kernel[(B,)](*args, N, min(KS, N), KS, L, W, **sizes, num_warps=cfg["build_warps"],
+                                 **pdl.options(lp))
     return tokens_out, parents, depths, mask, first_child, next_sibling, num_nodes
 
 
@@ -612,16 +638,19 @@ def accept(tree, target_logits, temperature, floor, seeds, step):
     pval = torch.empty(rows, split, dtype=torch.float32, device=x.device)
     pidx = torch.empty(rows, split, dtype=torch.int32, device=x.device)
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
-    _sample_kernel[(rows, split)](
-        x, tree.num_nodes, seeds.contiguous(), step.contiguous(), floor if floor is not None else pval, pval, pidx,
-        V, N1, chunk, split, inv_t, GREEDY=temperature == 0, HAS_FLOOR=floor is not None, BLOCK=block,
-        UNROLL=unroll, num_warps=cfg["warps_v"], enable_fp_fusion=False)  # x / T and the noise rounded as in torch
     path = torch.empty(B, L + 1, dtype=torch.int32, device=x.device)
     path_len = torch.empty(B, dtype=torch.int32, device=x.device)
     next_token = torch.empty(B, dtype=torch.int64, device=x.device)
-    NP1 = triton.next_power_of_2(max(N1, L + 1))
-    _walk_kernel[(B,)](pval, pidx, tree.tokens, tree.parents, path, path_len, next_token, N1, L, split,
-                       NP1=NP1, SP=triton.next_power_of_2(split), num_warps=4)
+    walk = (path_len if not cfg["walk_fused"] else arrival_counters("ddtree_accept", x.device, B), tree.tokens,
+            tree.parents, path, path_len, next_token, L)
+    sizes = dict(NP1=triton.next_power_of_2(max(N1, L + 1)), SP=triton.next_power_of_2(split))
+    _sample_kernel[(rows, split)](
+        x, tree.num_nodes, seeds.contiguous(), step.contiguous(), floor if floor is not None else pval, pval, pidx,
+        V, N1, chunk, split, inv_t, *walk, GREEDY=temperature == 0, HAS_FLOOR=floor is not None, BLOCK=block,
+        UNROLL=unroll, WALK=cfg["walk_fused"], **sizes, num_warps=cfg["warps_v"],
+        enable_fp_fusion=False, **pdl.options(x))  # x / T and the noise rounded as in torch
+    if not cfg["walk_fused"]:
+        _walk_kernel[(B,)](pval, pidx, *walk[1:-1], N1, L, split, **sizes, num_warps=4, **pdl.options(x))
     return path, path_len, next_token
 
 
@@ -636,5 +665,6 @@ def compact(kv, starts, path, path_len, hidden):
     grid = (layers + triton.cdiv(F, BF), B)
     _compact_kernel[grid](kv, starts, path.contiguous(), path_len, hidden, out, layers, L1, D, F,
                           kv.stride(0), kv.stride(1), kv.stride(2), hidden.stride(0), hidden.stride(1),
-                          LP=triton.next_power_of_2(L1), BD=min(1024, triton.next_power_of_2(D)), BF=BF, num_warps=8)
+                          LP=triton.next_power_of_2(L1), BD=min(1024, triton.next_power_of_2(D)), BF=BF, num_warps=8,
+                          **pdl.options(kv))
     return out
