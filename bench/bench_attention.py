@@ -217,7 +217,14 @@ def step_runs(row, sms):
     runs = [("default", cfg, splits, dt, False)] + [(f"S{n}", cfg, n, dt, False) for n in STEP_SPLITS[T]]
     if dt != torch.bfloat16:
         runs += [(f"bf16 S{n}", cfg, n, torch.bfloat16, False) for n in STEP_SPLITS[T]]
+    runs += [("tma", cfg, splits, dt, False, True)] if T > 1 else []
     return runs + [(f"fused S{n}", cfg, n, torch.bfloat16, True) for n in STEP_FUSED[T]]
+
+
+def tma_runs(row, sms):
+    """--tma: the default config and split count with the unmasked loop's tiles loaded through TMA."""
+    cfg, splits, partials = default_choice(row["T"] * row["H"], row["B"], row["L"] + row.get("pad", 0), sms)
+    return [("tma", cfg, splits, getattr(torch, partials), False, True)]
 
 
 def step_rows():
@@ -228,11 +235,25 @@ def step_jobs(sms):
     """The kernel variants --step runs: (H, config, splits, causal, 16-bit partials[, fused])."""
     jobs = set()
     for row in step_rows():
-        for _, cfg, splits, dt, fused in step_runs(row, sms):
+        for _, cfg, splits, dt, fused, *tma in step_runs(row, sms):
             half = dt == torch.bfloat16
             jobs.add((row["H"], cfg, 2, False, half, True) if fused else
-                     (row["H"], cfg, 1 if splits == 1 else mk.merge_blocks(splits)[0], False, half))
+                     (row["H"], cfg, 1 if splits == 1 else mk.merge_blocks(splits)[0], False, half, False, *tma))
+    for H in HEADS:  # --tma's variants (64-row config: fp32 partials above 64 rows, bf16 up to it)
+        jobs |= {(H, mk.pick_config(64), 2, False, half, False, True) for half in (False, True)}
     return jobs
+
+
+def tma_table(report):
+    """Lines: the default beside --tma's run per case."""
+    rows = [r for r in report["cases"] if r.get("tma")]
+    lines = ["", "TMA loads in the unmasked loop (--tma): default us -> tma us (x roofline)", "",
+             "| L | H | T | default us | tma us | tma x roofline |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r["tma"][0]
+        tma_s = f"{t['us']:.1f} | {t['us'] / r['roofline_us']:.2f}" if "us" in t else f"{t.get('error', '-')[:80]} | -"
+        lines.append(f"| {r['L']} | {r['H']} | {r['T']} | {r['us']:.1f} | {tma_s} |")
+    return lines if rows else []
 
 
 def step_table(report):
@@ -268,11 +289,12 @@ def tune_case(row, runs):
     q, caches, lens, mask = make_inputs(L, H, T, B, causal=row["causal"], pad=row.get("pad", 0))
     ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE).double()
     results = []
-    for label, cfg, splits, dt, *fused in runs:
+    for label, cfg, splits, dt, *flags in runs:  # flags: (fused[, tma]) of the --step and --tma runs
         entry = {"config": list(cfg), "splits": splits, "per_sm": label, "partials": str(dt).split(".")[-1]}
         kwargs = dict(num_splits=splits, config=cfg, partials=dt)
-        if fused and fused[0]:
-            entry["fused"] = kwargs["fused"] = True
+        for name, on in zip(("fused", "tma"), flags):
+            if on:
+                entry[name] = kwargs[name] = True
         try:
             out = mk.mla_attention(q, caches[0], lens, mask, SCALE, **kwargs)
             entry["rel_err"] = ((out.double() - ref).norm() / ref.norm()).item()
@@ -309,7 +331,7 @@ def markdown(report):
         lines.append(f"| {r['L']}{pad} | {r['H']} | {r['T']}{kind} | {r['us']:.1f} | {r['GBps']:.0f} | {r['frac_read_bw']:.2f} "
                      f"| {r['TFLOPs']:.0f} | {r['roofline_us']:.1f} | {r['x_roofline']:.2f} | {best_s} | {best_x} | {torch_s} "
                      f"| {r['rel_err']:.1e} |")
-    return "\n".join(lines + round2_table(report) + step_table(report)) + "\n"
+    return "\n".join(lines + round2_table(report) + step_table(report) + tma_table(report)) + "\n"
 
 
 def round2_table(report):
@@ -381,20 +403,20 @@ def summary(report):
 
 def _warm(job):
     """Compile one kernel variant (run in a worker so compiles overlap; the main process hits Triton's disk cache)."""
-    H, cfg, splits, causal, half, *fused = job  # fused: (True,) for the --step fused-merge variants
+    H, cfg, splits, causal, half, *flags = job  # flags: (fused[, tma]) for the --step and --tma variants
     try:
-        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32, bool(fused))
+        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32, *flags)
     except Exception as exc:  # recorded; the sweep reports the same failure where it matters
         return f"{job}: {exc}"[:300]
     return None
 
 
-def _run_tiny(H, cfg, splits, causal, partials, fused=False):
+def _run_tiny(H, cfg, splits, causal, partials, fused=False, tma=False):
     q = torch.randn(1, 1, H, 576, dtype=torch.bfloat16, device="cuda")
     kv = torch.randn(1, 256, 576, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((1,), 256, dtype=torch.int32, device="cuda")
     mask = None if causal else random_tree_mask(1, 1, 0)
-    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials, fused=fused)
+    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials, fused=fused, tma=tma)
     torch.cuda.synchronize()
 
 
@@ -441,7 +463,7 @@ def compile_order(jobs):
     return list(first.values()) + rest
 
 
-def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, round2=False, step=False):
+def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, round2=False, step=False, tma=False):
     report = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -462,6 +484,11 @@ def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, ro
         if row.get("pad") and row["L"] < 8192:
             row["step"] = tune_case(row, step_runs(row, report["sms"]))
             print("step", row["L"], row["T"], json.dumps(row["step"]), flush=True)
+            (out / "attention.json").write_text(json.dumps(report, indent=1))
+    for row in report["cases"] if tma else []:  # --tma: the 64-row config's sweep cases at 32k
+        if row["L"] == 32768 and row["T"] * row["H"] > 16 and not row.get("pad") and not row["causal"]:
+            row["tma"] = tune_case(row, tma_runs(row, report["sms"]))
+            print("tma", row["L"], row["H"], row["T"], json.dumps(row["tma"]), flush=True)
             (out / "attention.json").write_text(json.dumps(report, indent=1))
     # round 2: the step's shapes, then the fewest rows first
     order = report["cases"]
@@ -498,6 +525,9 @@ def main(argv=None):
                         help="the committed defaults alone at 32k/128k and STEP_CASES (no tuning, torch or prefill)")
     parser.add_argument("--step", action="store_true",
                         help="also time step_runs (split counts, bf16 partials, the fused merge) at the 4k STEP_CASES")
+    parser.add_argument("--contexts", type=int, nargs="+", help="the sweep's contexts instead of the mode's")
+    parser.add_argument("--tma", action="store_true",
+                        help="also time the default with TMA loads (tma=True) at the 64-row config's 32k cases")
     parser.add_argument("--budget", type=float, help="seconds from the start after which no further case is tuned")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling kernel variants up front")
     parser.add_argument("--with-tests", action="store_true", help="first run tests/test_attention_kernel.py here")
@@ -515,17 +545,18 @@ def main(argv=None):
         print(tests.stdout[-3000:], flush=True)
     args.focus = args.focus or args.round2 or args.defaults
     args.tune, args.quick = (args.tune or args.focus) and not args.defaults, args.quick or args.focus
-    contexts = CONTEXTS[2:] if args.quick else CONTEXTS
+    contexts = args.contexts or (CONTEXTS[2:] if args.quick else CONTEXTS)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     sms = mk.num_sms(torch.device("cuda"))
-    extra = (round2_jobs(contexts, HEADS, TREE_SIZES, sms) if args.round2 else set()) | (step_jobs(sms) if args.step else set())
+    extra = (round2_jobs(contexts, HEADS, TREE_SIZES, sms) if args.round2 else set()) | (
+        step_jobs(sms) if args.step or args.tma else set())
     print("precompiled", precompile(HEADS, TREE_SIZES, args.tune and not args.round2, args.workers,
                                     prefill=not args.focus, table=FOCUS if args.focus else CANDIDATES, extra=extra),
           "variants in", f"{time.time() - start:.0f}s", flush=True)
     deadline = start + args.budget if args.budget else None
     report = sweep(contexts, HEADS, TREE_SIZES, args.tune, args.out, focus=args.focus, deadline=deadline,
-                   round2=args.round2, step=args.step)
+                   round2=args.round2, step=args.step, tma=args.tma)
     (args.out / "attention.json").write_text(json.dumps(report, indent=1))
     (args.out / "attention.md").write_text(markdown(report))
     print(markdown(report))

@@ -189,6 +189,29 @@ def test_fused_merge_matches_reference(B, T, H, lens, kind, splits, config, dtyp
         mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=2, config=(32, 32, 4, 2, 256, False), fused=True)
 
 
+TMA_CASES = [  # B, T, H, lens, tree kind, num_splits, config (None: the launcher's): the unmasked loop through TMA
+    (2, 16, 8, [200, 17], "deep", 2, BIG),
+    (2, 5, 3, [150, 70], "wide", 3, UNCHAINED),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
+@pytest.mark.parametrize("B,T,H,lens,kind,splits,config", TMA_CASES,
+                         ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-S{c[5]}" for c in TMA_CASES])
+def test_tma_loads_match_reference(B, T, H, lens, kind, splits, config, dtype):
+    """tma=True: the tiles wholly inside the prefix come through tensor descriptors over the cache's rows (a larger
+    cache's first B sequences, so the descriptor spans rows of another sequence too)."""
+    from triton_kernels.mla_attention import mla_attention
+
+    q, kv, cache_lens, mask = make_case(B, T, H, lens, kind, dtype, device(), seed=B * 10 + T)
+    config = None if gpu() and dtype != torch.float32 else config
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=splits, config=config, tma=True)
+    ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < bound(dtype)
+
+
 @requires_triton
 def test_registered_behind_the_op():
     q, kv, cache_lens, mask = make_case(2, 5, 8, [12, 70], "deep", torch.float16, device(), seed=3)
@@ -230,8 +253,8 @@ import json, sys
 from triton_kernels.aot import compile_for
 from triton_kernels.mla_attention import CONFIGS, TAIL_STAGES, _mla_split_kernel
 sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "lens_ptr": "*i32", "mask_ptr": "*i32", "out_ptr": "*bf16",
-       "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "count_ptr": "*i32", "T": "i32", "rows_kb": "i32",
-       "sm_scale_log2": "fp32"}
+       "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "count_ptr": "*i32", "lat_desc": "constexpr",
+       "pe_desc": "constexpr", "T": "i32", "rows_kb": "i32", "sm_scale_log2": "fp32"}
 causal, arch = sys.argv[1] == "causal", int(sys.argv[2])
 configs = [tuple(c) for c in json.loads(sys.argv[3])] if len(sys.argv) > 3 else [e.config for e in CONFIGS[arch]]
 report = []
@@ -239,7 +262,8 @@ for block_m, block_n, warps, stages, block_dv, unchain in configs:
     res = compile_for(_mla_split_kernel, sig,
                       {"H": 8, "CAUSAL": causal, "DIRECT": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
                        "BLOCK_DV": block_dv, "BLOCK_DO": 512 - block_dv if block_dv < 512 else 16,
-                       "TAIL_STAGES": TAIL_STAGES[arch] or stages, "UNCHAIN": unchain, "FUSED": not causal},
+                       "TAIL_STAGES": TAIL_STAGES[arch] or stages, "UNCHAIN": unchain, "FUSED": not causal,
+                       "TMA": False, "lat_desc": None, "pe_desc": None},
                       arch=arch, num_warps=warps, num_stages=stages, aligned=True)
     report.append([block_m, block_n, res.shared, res.registers, res.spill_bytes])
 print(json.dumps(report))

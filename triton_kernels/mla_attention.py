@@ -81,9 +81,23 @@ def _scores(q_own, q_other, q_pe, kv_base, offs_n, n_ok, offs_own, offs_other, o
     if SPLIT_V:
         k_other = tl.load(kv_base + row + offs_other[None, :], mask=n_ok[:, None], other=0.0)  # [BN, DO]
         s_rest += tl.dot(q_other, tl.trans(k_other))
+    return _sum_scores(q_own, k_own, s_rest, sm_scale_log2, UNCHAIN), k_own
+
+
+@triton.jit
+def _tma_scores(q_own, q_pe, lat_desc, pe_desc, row, sm_scale_log2, UNCHAIN: tl.constexpr):
+    """_scores for a tile wholly inside the cache, loaded through tensor descriptors (TMA): no address registers."""
+    k_own = lat_desc.load([row, 0])  # [BN, 512]
+    k_pe = pe_desc.load([row, 0])  # [BN, 64]
+    return _sum_scores(q_own, k_own, tl.dot(q_pe, tl.trans(k_pe)), sm_scale_log2, UNCHAIN), k_own
+
+
+@triton.jit
+def _sum_scores(q_own, k_own, s_rest, sm_scale_log2, UNCHAIN: tl.constexpr):
+    """(q_own k_own^T + s_rest) * scale, [BM, BN] fp32."""
     if UNCHAIN:  # scaled before the sum: `dot + x` would become the dot's accumulator, chaining the two dots
-        return tl.dot(q_own, tl.trans(k_own)) * sm_scale_log2 + s_rest * sm_scale_log2, k_own
-    return (tl.dot(q_own, tl.trans(k_own)) + s_rest) * sm_scale_log2, k_own
+        return tl.dot(q_own, tl.trans(k_own)) * sm_scale_log2 + s_rest * sm_scale_log2
+    return (tl.dot(q_own, tl.trans(k_own)) + s_rest) * sm_scale_log2
 
 
 @triton.jit
@@ -140,11 +154,11 @@ def _merge_own_tile(o_part_ptr, lse_part_ptr, out_ptr, b, offs_m, m_ok, offs_own
 
 @triton.jit(do_not_specialize=["T", "rows_kb"])
 def _mla_split_kernel(
-    q_ptr, kv_ptr, lens_ptr, mask_ptr, out_ptr, o_part_ptr, lse_part_ptr, count_ptr,
+    q_ptr, kv_ptr, lens_ptr, mask_ptr, out_ptr, o_part_ptr, lse_part_ptr, count_ptr, lat_desc, pe_desc,
     T, rows_kb, sm_scale_log2,
     H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DO: tl.constexpr,
-    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, FUSED: tl.constexpr,
+    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, FUSED: tl.constexpr, TMA: tl.constexpr,
 ):
     SPLIT_V: tl.constexpr = BLOCK_DV < 512  # NV programs per query tile, each owning BLOCK_DV value columns
     NV: tl.constexpr = 512 // BLOCK_DV
@@ -188,9 +202,13 @@ def _mla_split_kernel(
     offs_tile = tl.arange(0, BLOCK_N)
     n_all = tl.full([BLOCK_N], 1, tl.int1)
     for i in range(n_full):
-        offs_n = start + i * BLOCK_N + offs_tile  # [BN]
-        s, v = _scores(q_own, q_other, q_pe, kv_base, offs_n, n_all, offs_own, offs_other, offs_pe, sm_scale_log2,
-                       SPLIT_V, UNCHAIN)
+        if TMA:  # descriptors over the cache as [rows, 576]: [BN, 512] latent and [BN, 64] rope tiles
+            s, v = _tma_scores(q_own, q_pe, lat_desc, pe_desc, b * rows_kb + start + i * BLOCK_N, sm_scale_log2,
+                               UNCHAIN)
+        else:
+            offs_n = start + i * BLOCK_N + offs_tile  # [BN]
+            s, v = _scores(q_own, q_other, q_pe, kv_base, offs_n, n_all, offs_own, offs_other, offs_pe,
+                           sm_scale_log2, SPLIT_V, UNCHAIN)
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN)
     for j0 in tl.range(start + n_full * BLOCK_N, end, BLOCK_N, num_stages=TAIL_STAGES):  # the last few tiles
         offs_n = j0 + offs_tile  # [BN]
@@ -361,13 +379,14 @@ def _check(q, kv_cache, value_dim):
 
 
 def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, num_splits=None, config=None,
-                  partials=None, fused=False):
+                  partials=None, fused=False, tma=False):
     """Triton twin of ops.mla_attention: q [B, T, H, 576], kv_cache [B, L_max, 576], cache_lens [B] int32,
     tree_mask [B, T, ceil(T/32)] int32 or None (causal), -> [B, T, H, 512] in q's dtype.
 
     num_splits (splits per sequence), config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)) and partials
     (dtype of the per-split outputs: torch.float32 or q.dtype) override the defaults. fused: the last split of a
-    query tile to finish merges the splits (one launch, no merge kernel; needs BLOCK_DV 512).
+    query tile to finish merges the splits (one launch, no merge kernel; needs BLOCK_DV 512). tma: the unmasked
+    loop loads its tiles through tensor descriptors (TMA; needs BLOCK_DV 512).
     """
     _check(q, kv_cache, value_dim)
     B, T, H, _ = q.shape
@@ -376,8 +395,8 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     entry = entry_for(rows, arch)
     block_m, block_n, warps, stages, block_dv, unchain = config or entry.config
     tail_stages = TAIL_STAGES[arch] or stages
-    if block_dv not in (256, 512) or (fused and block_dv != 512):
-        raise ValueError(f"mla_attention (triton): BLOCK_DV must be 256 or 512 (512 if fused), got {block_dv}")
+    if block_dv not in (256, 512) or ((fused or tma) and block_dv != 512):
+        raise ValueError(f"mla_attention (triton): BLOCK_DV must be 256 or 512 (512 if fused or tma), got {block_dv}")
     if partials not in (None, torch.float32, q.dtype):
         raise ValueError(f"mla_attention (triton): partials must be torch.float32 or q's {q.dtype}, got {partials}")
     partials = partials or entry.partials or q.dtype
@@ -396,12 +415,13 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     mask = cache_lens if causal else tree_mask.contiguous()
     fused = fused and not direct
     counts = arrival_counters("attention", q.device, B * grid_m) if fused else cache_lens
+    lat_desc, pe_desc = _descriptors(kv_cache, block_n) if tma else (None, None)
     _mla_split_kernel[(grid_m, num_splits, B)](
-        q, kv_cache, cache_lens, mask, out, o_part, lse_part, counts,
+        q, kv_cache, cache_lens, mask, out, o_part, lse_part, counts, lat_desc, pe_desc,
         T, kv_cache.stride(0) // ENTRY, scale * 1.4426950408889634,
         H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv,
         BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16, TAIL_STAGES=tail_stages, UNCHAIN=unchain,
-        FUSED=fused, num_warps=warps, num_stages=stages,
+        FUSED=fused, TMA=tma, num_warps=warps, num_stages=stages,
     )
     if not direct and not fused:
         block_s, block_d = merge_blocks(num_splits)
@@ -409,6 +429,17 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
             o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d,
         )
     return out
+
+
+def _descriptors(kv_cache, block_n):
+    """Tensor descriptors over kv_cache's rows as one [rows, 576] matrix: [BN, 512] latent and [BN, 64] rope tiles."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = (kv_cache.shape[0] - 1) * (kv_cache.stride(0) // ENTRY) + kv_cache.shape[1]
+    lat = kv_cache.as_strided((rows, D_LAT), (ENTRY, 1))
+    pe = kv_cache.as_strided((rows, D_PE), (ENTRY, 1), kv_cache.storage_offset() + D_LAT)
+    return (TensorDescriptor(lat, [rows, D_LAT], [ENTRY, 1], [block_n, D_LAT]),
+            TensorDescriptor(pe, [rows, D_PE], [ENTRY, 1], [block_n, D_PE]))
 
 
 def write_kv(kv_cache, entries, starts):
