@@ -463,6 +463,15 @@ def compile_order(jobs):
     return list(first.values()) + rest
 
 
+def run_default(report, L, H, T, causal, pad, focus, out):
+    """Time one case's default and add it to the report (written at once)."""
+    row = run_case(L, H, T, report["ceilings"], causal=causal, time_torch=not focus, pad=pad)
+    report["cases"].append(row)
+    print(json.dumps(row), flush=True)
+    (out / "attention.json").write_text(json.dumps(report, indent=1))
+    torch.cuda.empty_cache()
+
+
 def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, round2=False, step=False, tma=False):
     report = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -473,13 +482,10 @@ def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, ro
     cases = [(L, H, T, False, 0) for L in contexts for H in heads for T in tree_sizes]
     cases += [] if focus else [(L, H, T, True, 0) for L, H, T in PREFILL]
     cases += [(L + T, H, T, False, pad) for L, H, T, pad in STEP_CASES]
-    for L, H, T, causal, pad in cases:
-        row = run_case(L, H, T, report["ceilings"], causal=causal, time_torch=not focus, pad=pad)
-        report["cases"].append(row)
-        print(json.dumps(row), flush=True)
-        (out / "attention.json").write_text(json.dumps(report, indent=1))
-        torch.cuda.empty_cache()
-    # after all defaults (a faulting candidate cannot cost them); --step: the 4k step shapes' candidates first
+    late = [c for c in cases if c[0] > 65536] if step or tma else []  # --step/--tma: 128k after their candidates
+    for L, H, T, causal, pad in [c for c in cases if c not in late]:
+        run_default(report, L, H, T, causal, pad, focus, out)
+    # after the defaults of their cases (a faulting candidate cannot cost them); --step: the 4k step shapes
     for row in report["cases"] if step else []:
         if row.get("pad") and row["L"] < 8192:
             row["step"] = tune_case(row, step_runs(row, report["sms"]))
@@ -490,6 +496,8 @@ def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, ro
             row["tma"] = tune_case(row, tma_runs(row, report["sms"]))
             print("tma", row["L"], row["H"], row["T"], json.dumps(row["tma"]), flush=True)
             (out / "attention.json").write_text(json.dumps(report, indent=1))
+    for L, H, T, causal, pad in late:
+        run_default(report, L, H, T, causal, pad, focus, out)
     # round 2: the step's shapes, then the fewest rows first
     order = report["cases"]
     if round2:
