@@ -68,24 +68,26 @@ class Attention(nn.Module):
         self._bind_down_views()
         return self
 
-    def project(self, x):
-        """x: [N, D] -> q_nope [N, H, 128], q_pe [N, H, 64] and the latent projection ckv [N, 576]."""
+    def project(self, x, meta, kv):
+        """x: [N, D] -> q_nope [N, H, 128], q_pe [N, H, 64]; writes the N new latent cache entries into kv. With
+        a q_a projection its norm runs in the same launch as the cache write."""
         cfg = self.cfg
         qa, ckv = ops.linear(x, self.down_proj_weight).split([cfg.q_lora_rank or 0, cfg.cache_entry_dim], -1)
+        latent = (kv, ckv, self.kv_a_layernorm.weight, cfg.latent_norm_eps, meta.positions, self.inv_freq,
+                  self.rope_factor, meta.starts)
         if cfg.q_lora_rank:
-            qa = ops.rms_norm(qa, self.q_a_layernorm.weight, cfg.latent_norm_eps)
-            q = ops.linear(qa, self.q_b_proj.weight)
+            q = ops.linear(ops.write_latent(*latent, q_latent=qa, q_norm_weight=self.q_a_layernorm.weight),
+                           self.q_b_proj.weight)
         else:
+            ops.write_latent(*latent)
             q = ops.linear(x, self.q_proj.weight)
         q = q.view(x.shape[0], self.heads, cfg.qk_head_dim)
-        return (*q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1), ckv)
+        return q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
 
     def forward(self, x, meta, kv):
         """x: [N = B*T, D] normed hidden; kv: this layer's cache [B, L_max, 576]. Returns [N, D] (partial)."""
         cfg, N = self.cfg, x.shape[0]
-        q_nope, q_pe, ckv = self.project(x)
-        ops.write_latent(kv, ckv, self.kv_a_layernorm.weight, cfg.latent_norm_eps, meta.positions, self.inv_freq,
-                         self.rope_factor, meta.starts)
+        q_nope, q_pe = self.project(x, meta, kv)
         w_kv = self.kv_b_proj.weight.view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w_kv[:, : cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim :]
         if self.naive:

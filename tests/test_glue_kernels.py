@@ -105,8 +105,8 @@ def sm120_resources():
     (needs real @triton.jit objects: no interpreter)."""
     from triton_kernels.absorb import _absorb_output_kernel, _absorb_query_kernel
     from triton_kernels.aot import compile_for
-    from triton_kernels.glue import _rms_norm_kernel, _rope_kernel
-    from triton_kernels.router import BLOCK_D, BLOCK_E, BLOCK_M, _logits_kernel
+    from triton_kernels.glue import _rms_norm_kernel, _rope_kernel, _write_latent_kernel
+    from triton_kernels.router import BLOCK_D, BLOCK_E, BLOCK_M, SELECT_WARPS, _logits_kernel, _select_kernel
 
     return [
         compile_for(_rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", stride_x="i32",
@@ -114,9 +114,18 @@ def sm120_resources():
         compile_for(_rope_kernel, dict(x_ptr="*bf16", pos_ptr="*i64", freq_ptr="*fp32", out_ptr="*bf16",
                                        stride_xn="i32", stride_xh="i32", H="i32", factor="fp32"),
                     dict(HALF=32, BLOCK_H=64, PDL=True)),
+        compile_for(_write_latent_kernel, dict(ckv_ptr="*bf16", w_ptr="*bf16", pos_ptr="*i64", freq_ptr="*fp32",
+                                               starts_ptr="*i32", kv_ptr="*bf16", q_ptr="*bf16", qw_ptr="*bf16",
+                                               qout_ptr="*bf16", T="i32", Q="i32", stride_ckv="i32", stride_q="i32",
+                                               stride_kb="i64", eps="fp32", factor="fp32"),
+                    dict(R=512, HALF=32, BLOCK_Q=2048, PDL=True), num_warps=8),
         compile_for(_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", M="i32", E="i32", D="i32",
                                          d_per_split="i32"), dict(BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, PDL=True),
                     num_stages=3, aligned=True),
+        compile_for(_select_kernel, dict(part_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i32",
+                                         M="i32", E="i32", splits="i32", group_size="i32", n_group="i32",
+                                         topk_group="i32", top_k="i32", scaling="fp32"),
+                    dict(NORM=True, BLOCK_E=512, BLOCK_G=1, BLOCK_K=8, BLOCK_S=16, PDL=True), num_warps=SELECT_WARPS),
         compile_for(_absorb_query_kernel, dict(qn_ptr="*bf16", qp_ptr="*bf16", w_ptr="*bf16", pos_ptr="*i64",
                                                freq_ptr="*fp32", out_ptr="*bf16", N="i32", H="i32", stride_qn="i32",
                                                stride_qnh="i32", stride_qp="i32", stride_qph="i32", stride_wh="i32",
@@ -153,26 +162,47 @@ def test_add_rms_norm_matches_reference(M, D, dtype):
 
 @requires_triton
 @pytest.mark.parametrize("dtype", kernel_dtypes())
-def test_write_latent_matches_reference(dtype):
+@pytest.mark.parametrize("Q", [0, 200])
+def test_write_latent_matches_reference(dtype, Q):
+    """Q > 0: the query latent (a width that is not a power of two) is normed in the same launch."""
     from ops.latent import write_latent_torch
     from triton_kernels.glue import write_latent
 
     B, T, L = 3, 5, 40
     gen = torch.Generator().manual_seed(7)
-    ckv = torch.randn(B * T, 700, generator=gen).to(dtype).to(DEV)[:, 100:676]  # rows strided, as the model's
+    proj = torch.randn(B * T, 700 + Q, generator=gen).to(dtype).to(DEV)  # rows strided, as the model's
+    q_latent, ckv = proj[:, 100 : 100 + Q], proj[:, 100 + Q : 676 + Q]
     w = torch.rand(512, generator=gen).to(dtype).to(DEV)
+    q_w = torch.rand(Q, generator=gen).to(dtype).to(DEV) if Q else None
     positions = torch.randint(0, 200000, (B * T,), generator=gen).to(DEV)
     inv_freq = (1.0 / 10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)).to(DEV)
     starts = torch.tensor([0, 17, 35], dtype=torch.int32).to(DEV)
     cache = torch.randn(B, L, 576, generator=gen).to(dtype).to(DEV)
     ref = cache.clone()
-    write_latent(cache, ckv, w, 1e-6, positions, inv_freq, 1.1, starts)
-    write_latent_torch(ref, ckv, w, 1e-6, positions, inv_freq, 1.1, starts)
+    q_args = (q_latent, q_w) if Q else (None, None)
+    q_out = write_latent(cache, ckv, w, 1e-6, positions, inv_freq, 1.1, starts, *q_args)
+    q_ref = write_latent_torch(ref, ckv, w, 1e-6, positions, inv_freq, 1.1, starts, *q_args)
+    if Q:
+        assert q_out.shape == (B * T, Q) and rel_err(q_out, q_ref) < 5e-3
+    else:
+        assert q_out is None and q_ref is None
     written = torch.zeros(B, L, dtype=torch.bool)
     for b, s in enumerate(starts.tolist()):
         written[b, s:s + T] = True
     assert torch.equal(cache[~written.to(DEV)], ref[~written.to(DEV)])  # nothing else touched
     assert rel_err(cache[written.to(DEV)], ref[written.to(DEV)]) < 5e-3
+
+
+def test_write_latent_rejects_a_query_latent_without_its_norm_weight():
+    import ops
+
+    cache, ckv = torch.zeros(1, 4, 576), torch.zeros(2, 576)
+    args = (cache, ckv, torch.ones(512), 1e-6, torch.zeros(2, dtype=torch.int64), torch.ones(32), 1.0,
+            torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="q_latent"):
+        ops.write_latent(*args, q_latent=torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="q_latent"):
+        ops.write_latent(*args, q_latent=torch.zeros(3, 8), q_norm_weight=torch.ones(8))
 
 
 @requires_triton

@@ -111,8 +111,9 @@ def apply_rope(x, positions, inv_freq, attention_factor=1.0):
 
 
 @triton.jit
-def _write_latent_kernel(ckv_ptr, w_ptr, pos_ptr, freq_ptr, starts_ptr, kv_ptr, T, stride_ckv, stride_kb, eps,
-                         factor, R: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr = False):
+def _write_latent_kernel(ckv_ptr, w_ptr, pos_ptr, freq_ptr, starts_ptr, kv_ptr, q_ptr, qw_ptr, qout_ptr, T, Q,
+                         stride_ckv, stride_q, stride_kb, eps, factor, R: tl.constexpr, HALF: tl.constexpr,
+                         BLOCK_Q: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)
     n = tl.program_id(0)
     b = n // T
@@ -128,11 +129,18 @@ def _write_latent_kernel(ckv_ptr, w_ptr, pos_ptr, freq_ptr, starts_ptr, kv_ptr, 
     angle = tl.load(pos_ptr + n).to(tl.float32) * tl.load(freq_ptr + offs_i)  # [HALF]
     # rounded to ckv's dtype first (as the reference's rope output), then stored into the cache's
     rope_pairs(src + R + 2 * offs_i, dst + R + 2 * offs_i, angle, factor, offs_i < HALF, ckv_ptr.dtype.element_ty)
+    if BLOCK_Q > 0:  # the query latent's norm, [Q] -> qout row n
+        offs_q = tl.arange(0, BLOCK_Q)
+        q = tl.load(q_ptr + n.to(tl.int64) * stride_q + offs_q, mask=offs_q < Q, other=0.0).to(tl.float32)
+        qw = tl.load(qw_ptr + offs_q, mask=offs_q < Q, other=0.0).to(tl.float32)
+        q = q * (1.0 / tl.sqrt(tl.sum(q * q, 0) / Q + eps)) * qw
+        tl.store(qout_ptr + n.to(tl.int64) * Q + offs_q, q.to(qout_ptr.dtype.element_ty), mask=offs_q < Q)
 
 
-def write_latent(kv_cache, ckv, norm_weight, eps, positions, inv_freq, attention_factor, starts):
-    """See `ops.latent.write_latent`: norm + rope + cache write of [B*T, R + P] rows in one launch.
-    R and P/2 must be powers of two (512 and 32 for K2.6)."""
+def write_latent(kv_cache, ckv, norm_weight, eps, positions, inv_freq, attention_factor, starts, q_latent=None,
+                 q_norm_weight=None):
+    """See `ops.latent.write_latent`: norm + rope + cache write of [B*T, R + P] rows, and the optional query
+    latent's norm, in one launch. R and P/2 must be powers of two (512 and 32 for K2.6)."""
     R, half = norm_weight.shape[0], inv_freq.shape[0]
     if R & (R - 1) or half & (half - 1):
         raise ValueError(f"write_latent (triton): latent {R} and rope pairs {half} must be powers of two")
@@ -140,11 +148,21 @@ def write_latent(kv_cache, ckv, norm_weight, eps, positions, inv_freq, attention
         raise ValueError("write_latent (triton): each cache row must be contiguous [L_max, R + P]")
     if ckv.stride(1) != 1:
         ckv = ckv.contiguous()
+    q_out = None
+    q, qw, Q = ckv, norm_weight, 0  # placeholders when there is no query latent (BLOCK_Q = 0 skips them)
+    if q_latent is not None:
+        q = q_latent if q_latent.stride(1) == 1 else q_latent.contiguous()
+        qw, Q = q_norm_weight, q_latent.shape[1]
+        q_out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
+    block_q = triton.next_power_of_2(Q) if Q else 0
     if ckv.shape[0]:
         _write_latent_kernel[(ckv.shape[0],)](ckv, norm_weight, positions, inv_freq.float().contiguous(), starts,
-                                              kv_cache, ckv.shape[0] // starts.shape[0], ckv.stride(0),
-                                              kv_cache.stride(0), eps,
-                                              float(attention_factor), R=R, HALF=half, **pdl.options(ckv))
+                                              kv_cache, q, qw, q_out if q_out is not None else ckv,
+                                              ckv.shape[0] // starts.shape[0], Q, ckv.stride(0), q.stride(0),
+                                              kv_cache.stride(0), eps, float(attention_factor), R=R, HALF=half,
+                                              BLOCK_Q=block_q, num_warps=8 if block_q >= 1024 else 4,
+                                              **pdl.options(ckv))
+    return q_out
 
 
 @triton.jit

@@ -11,9 +11,11 @@ import triton
 import triton.language as tl
 
 from triton_kernels import pdl
+from triton_kernels.ddtree import _ordered
 
 BLOCK_M, BLOCK_E, BLOCK_D = 16, 32, 256
-SELECT_WARPS = 1  # one warp: every reduction of the select stays in shuffles (8% faster, bench_glue, H200)
+LOWEST = tl.constexpr(-(2**63))  # below every select key
+SELECT_WARPS = 2  # 1 warp spills (sm_90 and sm_120: the [splits, E] partials load); see bench_glue
 
 
 @triton.jit
@@ -69,14 +71,19 @@ def _select_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, M, E, splits, group
             kept = kept | (group == g)
             group_score = tl.where(offs_g == g, float("-inf"), group_score)
         choice = tl.where(kept, choice, float("-inf"))
+    # one max a pick: key = choice's order-preserving int32 bits above (2^31 - 1 - expert), so ties go to the
+    # lower expert; padding lanes hold the smallest key
+    key = tl.where(ok, (_ordered(choice).to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64), LOWEST)
     offs_k = tl.arange(0, BLOCK_K)
-    chosen = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for j in range(top_k):  # descending, as torch.topk returns them
-        best = tl.max(choice, 0)
-        e = tl.min(tl.where(choice == best, offs, BLOCK_E), 0)
-        tl.store(ids_ptr + m * top_k + j, e)
-        chosen = tl.where(offs_k == j, tl.sum(tl.where(offs == e, scores, 0.0), 0), chosen)
-        choice = tl.where(offs == e, float("-inf"), choice)
+        best = tl.max(key, 0)
+        e = 2147483647 - (best - ((best >> 32) << 32)).to(tl.int32)
+        ids = tl.where(offs_k == j, e, ids)
+        key = tl.where(offs == e, LOWEST, key)
+    picked = offs_k < top_k
+    tl.store(ids_ptr + m * top_k + offs_k, ids, mask=picked)
+    chosen = tl.where(picked, tl.gather(scores, ids, 0), 0.0)
     if NORM:
         chosen = chosen / (tl.sum(chosen, 0) + 1e-20)
     tl.store(weights_ptr + m * top_k + offs_k, chosen * scaling, mask=offs_k < top_k)
