@@ -60,7 +60,7 @@ STEP_CACHE = 32898  # entries of bench_step.py's cache (32k context + the larges
 STEP_CASES = ((32768, 8, 33, 97), (32768, 8, 9, 121), (32768, 8, 65, 65), (32768, 8, 1, 129)) + tuple(
     (4096, 8, T, STEP_CACHE - 4096 - T) for T in (1, 9, 33, 65))  # 4k: budgets 0, 8, 32, 64 (issue #7's step)
 # --step: split counts timed at the 4k step shapes (by T), with the merge kernel and (fused) without: the last split
-# program of each query tile merges (bf16 partials). Counts are for the actual ~4.1k entries (the kernel splits
+# program of each query tile merges (bf16 partials); also by_length (each sequence's count from its own length). Counts are for the actual ~4.1k entries (the kernel splits
 # the length, not the padded cache): at T 1, 129 splits is one 32-entry tile each (the default's 258 busy ones)
 STEP_SPLITS = {1: (8, 16, 32, 64, 129), 9: (16, 33, 66), 33: (13, 26), 65: (7, 14)}
 STEP_FUSED = {1: (4, 8, 16, 32, 64), 9: (8, 16, 33, 66), 33: (13, 26), 65: (7, 14)}
@@ -218,6 +218,8 @@ def step_runs(row, sms):
     if dt != torch.bfloat16:
         runs += [(f"bf16 S{n}", cfg, n, torch.bfloat16, False) for n in STEP_SPLITS[T]]
     runs += [("tma", cfg, splits, dt, False, True)] if T > 1 else []
+    runs += [("by-length", cfg, None, dt, False, False, True), ("fused by-length", cfg, None, torch.bfloat16, True,
+                                                                 False, True)]
     return runs + [(f"fused S{n}", cfg, n, torch.bfloat16, True) for n in STEP_FUSED[T]]
 
 
@@ -235,10 +237,13 @@ def step_jobs(sms):
     """The kernel variants --step runs: (H, config, splits, causal, 16-bit partials[, fused])."""
     jobs = set()
     for row in step_rows():
-        for _, cfg, splits, dt, fused, *tma in step_runs(row, sms):
+        for _, cfg, splits, dt, fused, *more in step_runs(row, sms):  # more: (tma[, by_length])
             half = dt == torch.bfloat16
-            jobs.add((row["H"], cfg, 2, False, half, True) if fused else
-                     (row["H"], cfg, 1 if splits == 1 else mk.merge_blocks(splits)[0], False, half, False, *tma))
+            if splits is None:  # by_length: the tiny run's cache is as long as the step's
+                jobs.add((row["H"], cfg, 2, False, half, fused, False, True))
+            else:
+                jobs.add((row["H"], cfg, 2, False, half, True) if fused else
+                         (row["H"], cfg, 1 if splits == 1 else mk.merge_blocks(splits)[0], False, half, False, *more))
     for H in HEADS:  # --tma's variants (64-row config: fp32 partials above 64 rows, bf16 up to it)
         jobs |= {(H, mk.pick_config(64), 2, False, half, False, True) for half in (False, True)}
     return jobs
@@ -289,10 +294,10 @@ def tune_case(row, runs):
     q, caches, lens, mask = make_inputs(L, H, T, B, causal=row["causal"], pad=row.get("pad", 0))
     ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE).double()
     results = []
-    for label, cfg, splits, dt, *flags in runs:  # flags: (fused[, tma]) of the --step and --tma runs
+    for label, cfg, splits, dt, *flags in runs:  # flags: (fused[, tma[, by_length]]) of the --step and --tma runs
         entry = {"config": list(cfg), "splits": splits, "per_sm": label, "partials": str(dt).split(".")[-1]}
         kwargs = dict(num_splits=splits, config=cfg, partials=dt)
-        for name, on in zip(("fused", "tma"), flags):
+        for name, on in zip(("fused", "tma", "by_length"), flags):
             if on:
                 entry[name] = kwargs[name] = True
         try:
@@ -411,12 +416,13 @@ def _warm(job):
     return None
 
 
-def _run_tiny(H, cfg, splits, causal, partials, fused=False, tma=False):
+def _run_tiny(H, cfg, splits, causal, partials, fused=False, tma=False, by_length=False):
     q = torch.randn(1, 1, H, 576, dtype=torch.bfloat16, device="cuda")
-    kv = torch.randn(1, 256, 576, dtype=torch.bfloat16, device="cuda")
+    kv = torch.randn(1, STEP_CACHE if by_length else 256, 576, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((1,), 256, dtype=torch.int32, device="cuda")
     mask = None if causal else random_tree_mask(1, 1, 0)
-    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials, fused=fused, tma=tma)
+    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=None if by_length else splits, config=cfg, partials=partials,
+                     fused=fused, tma=tma, by_length=by_length)
     torch.cuda.synchronize()
 
 

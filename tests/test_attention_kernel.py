@@ -189,6 +189,22 @@ def test_fused_merge_matches_reference(B, T, H, lens, kind, splits, config, dtyp
         mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=2, config=(32, 32, 4, 2, 256, False), fused=True)
 
 
+@requires_triton
+@pytest.mark.parametrize("fused", [False, True], ids=["merge", "fused"])
+def test_split_count_by_length_matches_reference(fused):
+    """by_length: sequences of one batch in different length buckets split into different counts, on the device."""
+    from triton_kernels.mla_attention import entry_for, mla_attention, num_sms, split_table
+
+    q, kv, cache_lens, mask = make_case(3, 3, 4, [1900, 200, 100], "wide", torch.float16, device(), seed=5)
+    uppers, counts = split_table(entry_for(12, 90), 12, 3, kv.shape[1], num_sms(q.device), 90, 2)
+    per_seq = [counts[max(i for i, u in enumerate(uppers) if n <= u)] for n in (1900, 200, 100)]
+    assert len(set(per_seq)) > 1, per_seq
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, partials=torch.float16, by_length=True, fused=fused)
+    ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 1e-2
+
+
 TMA_CASES = [  # B, T, H, lens, tree kind, num_splits, config (None: the launcher's): the unmasked loop through TMA
     (2, 16, 8, [200, 17], "deep", 2, BIG),
     (2, 5, 3, [150, 70], "wide", 3, UNCHAINED),
@@ -254,7 +270,7 @@ from triton_kernels.aot import compile_for
 from triton_kernels.mla_attention import CONFIGS, TAIL_STAGES, _mla_split_kernel
 sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "lens_ptr": "*i32", "mask_ptr": "*i32", "out_ptr": "*bf16",
        "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "count_ptr": "*i32", "lat_desc": "constexpr",
-       "pe_desc": "constexpr", "T": "i32", "rows_kb": "i32", "sm_scale_log2": "fp32"}
+       "pe_desc": "constexpr", "table_ptr": "*i32", "T": "i32", "rows_kb": "i32", "sm_scale_log2": "fp32"}
 causal, arch = sys.argv[1] == "causal", int(sys.argv[2])
 configs = [tuple(c) for c in json.loads(sys.argv[3])] if len(sys.argv) > 3 else [e.config for e in CONFIGS[arch]]
 report = []
@@ -263,7 +279,7 @@ for block_m, block_n, warps, stages, block_dv, unchain in configs:
                       {"H": 8, "CAUSAL": causal, "DIRECT": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
                        "BLOCK_DV": block_dv, "BLOCK_DO": 512 - block_dv if block_dv < 512 else 16,
                        "TAIL_STAGES": TAIL_STAGES[arch] or stages, "UNCHAIN": unchain, "FUSED": not causal,
-                       "TMA": False, "lat_desc": None, "pe_desc": None},
+                       "TMA": False, "lat_desc": None, "pe_desc": None, "BUCKETS": 0 if causal else 16},
                       arch=arch, num_warps=warps, num_stages=stages, aligned=True)
     report.append([block_m, block_n, res.shared, res.registers, res.spill_bytes])
 print(json.dumps(report))

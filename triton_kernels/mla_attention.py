@@ -65,6 +65,8 @@ TAIL_STAGES = {90: 1, 120: None}  # None: the config's stages
 MERGE_MAX_SPLITS_BLOCK = 256  # splits combined per step of the merge (one step up to this many)
 MERGE_ELEMENTS = 8192  # partial values per merge program and step: BLOCK_S x BLOCK_D
 MIN_TILES_PER_SPLIT = 4  # a split reads at least this many KV tiles
+LENGTH_BUCKETS = 16  # by_length: split counts for lengths up to L_max, L_max / sqrt(2), ... L_max / 181 (a power of 2)
+_TABLES = {}  # (device, table) -> its int32 tensor, kept alive for the CUDA graphs that captured it
 
 
 @triton.jit
@@ -154,11 +156,12 @@ def _merge_own_tile(o_part_ptr, lse_part_ptr, out_ptr, b, offs_m, m_ok, offs_own
 
 @triton.jit(do_not_specialize=["T", "rows_kb"])
 def _mla_split_kernel(
-    q_ptr, kv_ptr, lens_ptr, mask_ptr, out_ptr, o_part_ptr, lse_part_ptr, count_ptr, lat_desc, pe_desc,
+    q_ptr, kv_ptr, lens_ptr, mask_ptr, out_ptr, o_part_ptr, lse_part_ptr, count_ptr, lat_desc, pe_desc, table_ptr,
     T, rows_kb, sm_scale_log2,
     H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DO: tl.constexpr,
     TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, FUSED: tl.constexpr, TMA: tl.constexpr,
+    BUCKETS: tl.constexpr,
 ):
     SPLIT_V: tl.constexpr = BLOCK_DV < 512  # NV programs per query tile, each owning BLOCK_DV value columns
     NV: tl.constexpr = 512 // BLOCK_DV
@@ -181,7 +184,13 @@ def _mla_split_kernel(
     if CAUSAL:  # entries past this tile's last token are invisible to all its rows
         t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // H, T - 1)
         kv_end = tree_start + t_last + 1
-    split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    busy_splits = num_splits
+    if BUCKETS > 0:  # by_length: this sequence's split count from table [upper lengths (descending) ; counts]
+        k = tl.arange(0, BUCKETS)
+        fits = length <= tl.load(table_ptr + k)  # [BUCKETS]
+        bucket = tl.maximum(tl.sum(fits.to(tl.int32)) - 1, 0)  # the shortest upper length at or above length
+        busy_splits = tl.sum(tl.where(k == bucket, tl.load(table_ptr + BUCKETS + k), 0))  # the later splits: empty
+    split_len = tl.cdiv(tl.cdiv(kv_end, busy_splits), BLOCK_N) * BLOCK_N
     start = pid_s * split_len
     end = tl.minimum(start + split_len, kv_end)
     n_full = tl.maximum(tl.minimum(end, tree_start) - start, 0) // BLOCK_N  # tiles with every entry visible
@@ -359,6 +368,25 @@ def default_splits(entry, rows, B, max_len, sms, arch, value_bytes, every=False,
     return min(sorted(counts), key=cost)
 
 
+@functools.lru_cache(maxsize=1024)
+def split_table(entry, rows, B, max_len, sms, arch, value_bytes):
+    """by_length: (upper lengths, split counts) of LENGTH_BUCKETS buckets: a sequence of length n uses the count of
+    the shortest upper length max_len / 2^(k/2) at or above n, each the default_splits of that length."""
+    uppers = sorted({max(1, round(max_len / 2 ** (k / 2))) for k in range(LENGTH_BUCKETS)}, reverse=True)
+    counts = [default_splits(entry, rows, B, n, sms, arch, value_bytes) for n in uppers]
+    return tuple(uppers), tuple(counts)
+
+
+def _table_tensor(uppers, counts, device):
+    """[LENGTH_BUCKETS uppers (0-padded) ; counts (1-padded)] int32 on `device`, cached for the process."""
+    pad = LENGTH_BUCKETS - len(uppers)
+    key = (torch.device(device), uppers, counts)
+    if key not in _TABLES:
+        _TABLES[key] = torch.tensor(list(uppers) + [0] * pad + list(counts) + [1] * pad, dtype=torch.int32,
+                                    device=device)
+    return _TABLES[key]
+
+
 def merge_blocks(num_splits):
     """(BLOCK_S, BLOCK_D) of the merge for `num_splits` splits."""
     block_s = min(triton.next_power_of_2(num_splits), MERGE_MAX_SPLITS_BLOCK)
@@ -379,14 +407,15 @@ def _check(q, kv_cache, value_dim):
 
 
 def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, num_splits=None, config=None,
-                  partials=None, fused=False, tma=False):
+                  partials=None, fused=False, tma=False, by_length=False):
     """Triton twin of ops.mla_attention: q [B, T, H, 576], kv_cache [B, L_max, 576], cache_lens [B] int32,
     tree_mask [B, T, ceil(T/32)] int32 or None (causal), -> [B, T, H, 512] in q's dtype.
 
     num_splits (splits per sequence), config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)) and partials
     (dtype of the per-split outputs: torch.float32 or q.dtype) override the defaults. fused: the last split of a
     query tile to finish merges the splits (one launch, no merge kernel; needs BLOCK_DV 512). tma: the unmasked
-    loop loads its tiles through tensor descriptors (TMA; needs BLOCK_DV 512).
+    loop loads its tiles through tensor descriptors (TMA; needs BLOCK_DV 512). by_length (num_splits None): each
+    sequence takes the split count of its own length's bucket (split_table), on the device; the grid has the most.
     """
     _check(q, kv_cache, value_dim)
     B, T, H, _ = q.shape
@@ -400,9 +429,15 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     if partials not in (None, torch.float32, q.dtype):
         raise ValueError(f"mla_attention (triton): partials must be torch.float32 or q's {q.dtype}, got {partials}")
     partials = partials or entry.partials or q.dtype
+    entry = entry._replace(config=(block_m, block_n, warps, stages, block_dv, unchain))
+    table = None
+    if by_length and num_splits is None and tree_mask is not None:
+        uppers, bucket_splits = split_table(entry, rows, B, kv_cache.shape[1], num_sms(q.device), arch,
+                                            partials.itemsize)
+        num_splits = max(bucket_splits)
+        table = _table_tensor(uppers, bucket_splits, q.device) if num_splits > 1 else None
     if num_splits is None:
-        num_splits = default_splits(entry._replace(config=(block_m, block_n, warps, stages, block_dv, unchain)), rows,
-                                    B, kv_cache.shape[1], num_sms(q.device), arch, partials.itemsize)
+        num_splits = default_splits(entry, rows, B, kv_cache.shape[1], num_sms(q.device), arch, partials.itemsize)
     grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
     out = torch.empty(B, T, H, D_LAT, dtype=q.dtype, device=q.device)
     direct = num_splits == 1
@@ -417,11 +452,11 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     counts = arrival_counters("attention", q.device, B * grid_m) if fused else cache_lens
     lat_desc, pe_desc = _descriptors(kv_cache, block_n) if tma else (None, None)
     _mla_split_kernel[(grid_m, num_splits, B)](
-        q, kv_cache, cache_lens, mask, out, o_part, lse_part, counts, lat_desc, pe_desc,
+        q, kv_cache, cache_lens, mask, out, o_part, lse_part, counts, lat_desc, pe_desc, table,
         T, kv_cache.stride(0) // ENTRY, scale * 1.4426950408889634,
         H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv,
         BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16, TAIL_STAGES=tail_stages, UNCHAIN=unchain,
-        FUSED=fused, TMA=tma, num_warps=warps, num_stages=stages,
+        FUSED=fused, TMA=tma, BUCKETS=LENGTH_BUCKETS if table is not None else 0, num_warps=warps, num_stages=stages,
     )
     if not direct and not fused:
         block_s, block_d = merge_blocks(num_splits)
