@@ -472,6 +472,7 @@ def compile_order(jobs):
 def run_default(report, L, H, T, causal, pad, focus, out):
     """Time one case's default and add it to the report (written at once)."""
     row = run_case(L, H, T, report["ceilings"], causal=causal, time_torch=not focus, pad=pad)
+    row["done_at_s"] = round(time.time() - report["start"], 1)  # since the sweep began (for re-measure budgets)
     report["cases"].append(row)
     print(json.dumps(row), flush=True)
     (out / "attention.json").write_text(json.dumps(report, indent=1))
@@ -482,7 +483,8 @@ def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, ro
     report = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "sms": torch.cuda.get_device_properties(0).multi_processor_count, "ceilings": ceilings(), "cases": [],
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count, "start": time.time(),
+        "ceilings": ceilings(), "cases": [],
     }
     print("ceilings", report["ceilings"], flush=True)
     cases = [(L, H, T, False, 0) for L in contexts for H in heads for T in tree_sizes]
