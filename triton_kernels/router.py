@@ -15,7 +15,7 @@ from triton_kernels.ddtree import _ordered
 
 BLOCK_M, BLOCK_E, BLOCK_D = 16, 32, 256
 LOWEST = tl.constexpr(-(2**63))  # below every select key
-SELECT_WARPS = 2  # 1 warp spills (sm_90 and sm_120: the [splits, E] partials load); see bench_glue
+SELECT_WARPS = 4  # fastest at 1-129 rows (bench_glue, H200 10:03 UTC); 1 warp spills on sm_90 and sm_120
 
 
 @triton.jit
