@@ -1,12 +1,13 @@
 """DDTree step on the GPU (draft top-K + tree build + accept + compaction) against the host path.
 
-Standalone: `python bench/bench_tree.py --out DIR [--quick | --budgets 8,64] [--blocks 8,16] [--sweep]` measures the
-HBM read ceiling, and for budgets 8..512 at blocks 8 and 16 (--quick: 8, 64, 512) checks the Triton ops against
-the torch references at K2.6 shapes (bf16 logits, V = 163840), times each op alone and the whole step (eager and
-as one CUDA graph replay) and the host path (GPU top-k, copy, heapq, Python walk, per-layer index_select
-compaction over 61 layers), and writes tree.json + tree.md. Each kernel compiles once per shape; block 16 reuses
-block 8's compiles. With --sweep also, at block 8: sampling-pass variants of the greedy accept at budgets 8, 64,
-512 and the top-k alone on four logit distributions (each checked against the reference).
+Standalone: `python bench/bench_tree.py --out DIR [--quick | --budgets 8,64 | --cases 8:8,64:16] [--blocks 8,16]
+[--sweep]` measures the HBM read ceiling, and for budgets 8..512 at blocks 8 and 16 (--quick: 8, 64, 512; --cases:
+budget:block pairs) checks the Triton ops against the torch references at K2.6 shapes (bf16 logits, V = 163840),
+times each op alone and the whole step (eager and as one CUDA graph replay) and the host path (GPU top-k, copy,
+heapq, Python walk, per-layer index_select compaction over 61 layers), and writes tree.json + tree.md. Each kernel
+compiles once per shape; block 16 reuses block 8's compiles. With --sweep also: at budget 64, block 8, each config
+variant of VARIANTS (the op it changes alone and the whole greedy step, outputs checked against the defaults'), and
+the top-k alone on four logit distributions at block 8 (checked against the reference).
 As a pytest-benchmark sweep: `pytest bench/bench_tree.py` (GPU only; host timer around a synchronised graph
 replay).
 """
@@ -181,24 +182,79 @@ def draft_logits(dist, L, g):
     return x.bfloat16()
 
 
-ACCEPT_SWEEP = {**{f"unroll{u}": dict(unroll_v=u) for u in (1, 2, 4)},
-                **{f"programs{p}": dict(programs=p) for p in (528, 2112)}}
-SWEEP_BUDGETS = (8, 64, 512)
+def _topk_rows(k64_row):
+    return ((8, 2048, 4, 2048, None), (64, *k64_row), (dd.MAX_BUDGET, 4096, 8, dd.SEL_TILE, None))
+
+
+# {name: (the op it changes, overrides of the sm_90 config; "pdl": False launches without PDL)}
+VARIANTS = {
+    "default": ("step", {}),
+    "topk_s4_rows": ("topk", dict(topk=((16, 2048, 4, dd.SEL_TILE, None),
+                                        (dd.MAX_BUDGET, 4096, 8, dd.SEL_TILE, None)))),
+    "topk_no_group_lo": ("topk", dict(topk_group_lo=False)),
+    "topk_tile4096_cap80": ("topk", dict(topk=_topk_rows((4096, 8, 4096, 80)))),
+    "topk_tile2048_nocap": ("topk", dict(topk=_topk_rows((4096, 8, 2048, None)))),
+    "topk_pivots3_cap80": ("topk", dict(topk_pivots=3, topk=_topk_rows((4096, 8, 2048, 80)))),
+    "topk_pivots4_cap80": ("topk", dict(topk_pivots=4, topk=_topk_rows((4096, 8, 2048, 80)))),
+    "levels_warps4": ("build", dict(levels_warps=4)),
+    "levels_warps2": ("build", dict(levels_warps=2)),
+    "walk_fused": ("accept", dict(walk_fused=True)),
+    "unroll2": ("accept", dict(unroll_v=2)),
+    "unroll8": ("accept", dict(unroll_v=8)),
+    "programs528": ("accept", dict(programs=528)),
+    "programs2112": ("accept", dict(programs=2112)),
+    "block1024_w4": ("accept", dict(block_v=1024, warps_v=4)),
+    "no_pdl": ("step", dict(pdl=False)),
+}
 
 
 def sweep(fn, ref, overrides):
     """{name: (GPU us of fn alone in a CUDA graph, fn's outputs equal to ref)} under each override of the sm_90
     config; the config is restored after each."""
+    return {name: under(over, lambda: (round(graph_us(fn), 2), equal(fn(), ref))) for name, over in overrides.items()}
+
+
+def equal(got, ref):
+    return all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def under(over, fn):
+    """fn() with the sm_90 config (and pdl.ENABLED for the key "pdl") overridden, restored after."""
+    from triton_kernels import pdl
+
     cfg = dd.CONFIGS[90]
-    saved = dict(cfg)
-    out = {}
-    for name, over in overrides.items():
-        cfg.update(over)
-        got = fn()
-        equal = all(torch.equal(a, b) for a, b in zip(got, ref))
-        out[name] = (round(graph_us(fn), 2), equal)
+    saved, saved_pdl = dict(cfg), pdl.ENABLED
+    cfg.update({k: v for k, v in over.items() if k != "pdl"})
+    pdl.ENABLED = over.get("pdl", saved_pdl)
+    try:
+        return fn()
+    finally:
         cfg.clear()
         cfg.update(saved)
+        pdl.ENABLED = saved_pdl
+
+
+def variant_sweep(case):
+    """{name: {op: us alone, step: us, equal}} at this case (greedy step, one CUDA graph each)."""
+    with ops.using(**BACKEND):
+        lp, tok = ops.draft_topk(case.draft_logits, case.K)
+        tree = ops.build_tree(lp, tok, case.root, case.budget)
+        path, path_len, _ = ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds, step=case.step0)
+        alone = dict(topk=lambda: ops.draft_topk(case.draft_logits, case.K)[1:],
+                     build=lambda: tuple(vars(ops.build_tree(lp, tok, case.root, case.budget)).values())[:-1],
+                     accept=lambda: ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds, step=case.step0),
+                     step=lambda: case.step()[1:])
+        refs = {op: fn() for op, fn in alone.items()}
+        out = {}
+        for name, (op, over) in VARIANTS.items():
+            def run():
+                r = {"equal": equal(alone[op](), refs[op]) and equal(alone["step"](), refs["step"])}
+                if op != "step":
+                    r[op] = round(graph_us(alone[op]), 2)
+                r["step"] = round(graph_us(case.step), 2)
+                return r
+            out[name] = under(over, run)
+            print(name, out[name], flush=True)
     return out
 
 
@@ -215,7 +271,7 @@ def topk_sweep(g):
     return out
 
 
-def measure(case, read_GBps, sweeps):
+def measure(case, read_GBps):
     r = {"budget": case.budget, "block": case.L + 1}
     with ops.using(**BACKEND):
         lp, tok = ops.draft_topk(case.draft_logits, case.K)
@@ -230,11 +286,6 @@ def measure(case, read_GBps, sweeps):
         r["step_eager_us"] = 1e3 * bench_ms(case.step)
         for name, temp in (("greedy", 0.0), ("T1", 1.0)):
             r[f"step_graph_{name}_us"] = graph_us(lambda: case.step(temp))
-        if sweeps and case.L + 1 == 8 and case.budget in SWEEP_BUDGETS:
-            ref_acc = accept_torch(tree, case.target_logits, 0.0, None, case.seeds, torch.zeros_like(case.seeds))
-            r["accept_greedy_sweep"] = sweep(
-                lambda: ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds, step=case.step0), ref_acc,
-                ACCEPT_SWEEP)
     logit_bytes = case.target_logits.numel() * 2
     r["accept_greedy_GBps"] = logit_bytes / r["accept_greedy_graph_us"] / 1e3
     r["accept_greedy_frac_hbm"] = r["accept_greedy_GBps"] / read_GBps
@@ -263,22 +314,33 @@ def cell(us_equal):
     return f"{us_equal[0]:.3g}" + ("" if us_equal[1] else "!")
 
 
-def sweep_tables(rows, topk):
-    """The sweeps: the default top-k alone per distribution and K; the greedy accept per sampling-pass variant and
-    budget (block 8). GPU us in a CUDA graph, '!' where the outputs differ from the reference."""
+def sweep_tables(result):
+    """The sweeps: each config variant at budget 64 (block 8); the default top-k alone per distribution and K.
+    GPU us in a CUDA graph, '!' where the outputs differ."""
     md = []
-    if topk:
+    if "variants" in result:
+        md += ["Config variants (budget 64, block 8; each changes one op against the defaults: that op alone and the "
+               "whole greedy step, one CUDA graph each):", "", "| variant | op | op alone | step | equal |",
+               "|---|---|---|---|---|"]
+        for name, r in result["variants"].items():
+            op = VARIANTS[name][0]
+            md.append(f"| {name} | {op} | {r.get(op, '')} | {r['step']} | {r['equal']} |")
+        md.append("")
+    if "topk_sweep" in result:
         md += ["Top-k alone (block 8: 7 rows, default config) per logit distribution:", "",
                "| dist | " + " | ".join(f"K = {k}" for k in TOPK_KS) + " |", "|" + "---|" * (1 + len(TOPK_KS))]
-        md += [f"| {dist} | " + " | ".join(cell(by_k[k]) for k in TOPK_KS) + " |" for dist, by_k in topk.items()]
+        md += [f"| {dist} | " + " | ".join(cell(by_k[k]) for k in TOPK_KS) + " |"
+               for dist, by_k in result["topk_sweep"].items()]
         md.append("")
-    md += ["Greedy accept alone per sampling-pass variant (block 8):", "",
-           "| budget | " + " | ".join(ACCEPT_SWEEP) + " |", "|" + "---|" * (len(ACCEPT_SWEEP) + 1)]
-    for r in rows:
-        if "accept_greedy_sweep" in r:
-            md.append(f"| {r['budget']} | " + " | ".join(cell(r["accept_greedy_sweep"][n]) for n in ACCEPT_SWEEP)
-                      + " |")
     return md
+
+
+def cases(args):
+    """[(budget, block)] from --cases, else --budgets (or --quick) x --blocks."""
+    if args.cases:
+        return [tuple(int(v) for v in c.split(":")) for c in args.cases.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else BUDGETS if not args.quick else (8, 64, 512)
+    return [(budget, int(block)) for block in args.blocks.split(",") for budget in budgets]
 
 
 def main():
@@ -288,6 +350,7 @@ def main():
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--budgets", help="comma-separated budgets (default: all, or 8,64,512 with --quick)")
     parser.add_argument("--blocks", default="8,16", help="comma-separated block sizes")
+    parser.add_argument("--cases", help="comma-separated budget:block pairs (in place of --budgets and --blocks)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -295,23 +358,23 @@ def main():
            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "hbm_read_GBps": hbm_read_GBps()}
     print(env, flush=True)
-    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else BUDGETS if not args.quick else (8, 64, 512)
     rows, checks, result = [], [], {"env": env}
-    for block in [int(b) for b in args.blocks.split(",")]:
-        for budget in budgets:
-            t0 = time.perf_counter()
-            case = Case(budget, block)
-            checks.append({"budget": budget, "block": block, **check(case)})
-            rows.append(measure(case, env["hbm_read_GBps"], args.sweep))
-            if len(rows) == 1:
-                with ops.using(**BACKEND):
-                    result["step_kernels"] = launches(case.step)
-            rows[-1]["wall_s"] = round(time.perf_counter() - t0, 1)  # this case's checks and timings, compiles included
-            print(checks[-1], "\n", rows[-1], flush=True)
-            result.update(checks=checks, results=rows)
-            report(out, result)
-            del case
-            torch.cuda.empty_cache()
+    for budget, block in cases(args):
+        t0 = time.perf_counter()
+        case = Case(budget, block)
+        checks.append({"budget": budget, "block": block, **check(case)})
+        rows.append(measure(case, env["hbm_read_GBps"]))
+        if len(rows) == 1:
+            with ops.using(**BACKEND):
+                result["step_kernels"] = launches(case.step)
+        if args.sweep and (budget, block) == (64, 8):
+            result["variants"] = variant_sweep(case)
+        rows[-1]["wall_s"] = round(time.perf_counter() - t0, 1)  # this case's checks and timings, compiles included
+        print(checks[-1], "\n", rows[-1], flush=True)
+        result.update(checks=checks, results=rows)
+        report(out, result)
+        del case
+        torch.cuda.empty_cache()
     if args.sweep:
         with ops.using(draft_topk="triton"):
             result["topk_sweep"] = topk_sweep(torch.Generator(device=DEVICE).manual_seed(0))
@@ -329,14 +392,12 @@ def report(out, result):
           "graph; step = draft top-K + build + accept + compact with the default configs, "
           f"{len(result['step_kernels'])} launches; host = GPU top-k, copy, heapq, Python walk, 61 index_select "
           "moves (median of 3).", "", table(sorted(rows, key=lambda r: (r["block"], r["budget"]))), ""]
-    if any("accept_greedy_sweep" in r for r in rows):
-        md += sweep_tables(rows, result.get("topk_sweep", {})) + [""]
-    sweeps = [v for r in rows for k, sw in r.items() if k.endswith("_sweep") for v in sw.values()]
-    sweeps += [v for by_k in result.get("topk_sweep", {}).values() for v in by_k.values()]
+    md += sweep_tables(result)
+    sweeps = [e for by_k in result.get("topk_sweep", {}).values() for _, e in by_k.values()]
+    sweeps += [r["equal"] for r in result.get("variants", {}).values()]
     md += ["Checks (Triton == torch reference, same run: top-k tokens, build, greedy and T = 1 accept, compaction, "
-           "every sweep variant): all equal: "
-           f"{all(v for c in checks for k, v in c.items() if k.endswith('_equal')) and all(e for _, e in sweeps)}",
-           ""]
+           "the top-k per distribution; every variant equal to the defaults): all equal: "
+           f"{all(v for c in checks for k, v in c.items() if k.endswith('_equal')) and all(sweeps)}", ""]
     (out / "tree.md").write_text("\n".join(md))
 
 

@@ -139,9 +139,15 @@ def topk_rows(gen, V):
 
 
 @requires_triton
+@pytest.mark.parametrize("pivots", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_draft_topk_triton_ties_and_chunks(dtype):
-    """Several chunks per row: ties at the K-th value across chunks, winners all in one chunk."""
+def test_draft_topk_triton_ties_and_chunks(dtype, pivots, monkeypatch):
+    """Several chunks per row: ties at the K-th value across chunks, winners all in one chunk; the K-th largest
+    by bisection and by 3 pivots a step."""
+    from triton_kernels import ddtree as dd
+
+    for cfg in dd.CONFIGS.values():
+        monkeypatch.setitem(cfg, "topk_pivots", pivots)
     logits = topk_rows(torch.Generator().manual_seed(3), 5000).to(device=device(), dtype=dtype)
     ref = ops.tree.draft_topk_torch(logits, 70)
     with ops.using(draft_topk="triton"):
@@ -331,7 +337,9 @@ TOPK_SIG = dict(x_ptr="*bf16", cval_ptr=I, cid_ptr=I, pmax_ptr=P, psum_ptr=P, pt
 topk = {k: dd.topk_plan(163840, k, cfg) for k in sorted({min(r[0], dd.MAX_BUDGET) for r in cfg["topk"]})}
 cases = [  # top-k: each config row at its largest K and K2.6's vocabulary
     *[(dd._topk_kernel, TOPK_SIG, dict(BITS=16, CHUNK=chunk, TILE=tile, MP=mp, MT=min(mp, dd.SEL_TILE),
-       KP=triton.next_power_of_2(k), CP=triton.next_power_of_2(chunks), PDL=True), warps)
+       KP=triton.next_power_of_2(k), CP=triton.next_power_of_2(chunks), GROUP_LO=cfg["topk_group_lo"],
+       PIVOTS=cfg["topk_pivots"], PDL=True),
+      warps)
       for k, (chunk, chunks, mp, warps, tile, _) in topk.items()],
     (dd._tree_build_kernel, dict(lp_ptr=P, tok_ptr=L, root_ptr=L, o_tok=L, o_par=I, o_dep=I, o_fc=I, o_ns=I, o_mask=I,
      o_num=I, N="i32", K="i32", KS="i32", L="i32", W="i32"), dict(NP=512, NP1=1024, WP=32, ROWS=64, PDL=True),

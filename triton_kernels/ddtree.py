@@ -27,10 +27,10 @@ MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few
 # measured on the H200 (bench/results/tree_h200.md); sm_120 takes sm_90's unroll_v, untimed.
 CONFIGS = {
     90: dict(topk=((8, 2048, 4, 2048, None), (64, 4096, 8, 2048, 64), (MAX_BUDGET, 4096, 8, SEL_TILE, None)),
-             block_v=2048, warps_v=8, programs=1056, unroll_v=4, walk_fused=False, build_warps=1, levels_from=8,
-             levels_warps=8),
-    120: dict(topk=((MAX_BUDGET, 4096, 4, SEL_TILE, None),), block_v=1024, warps_v=4, programs=752, unroll_v=4,
-              walk_fused=False, build_warps=1, levels_from=64, levels_warps=2),
+             topk_group_lo=True, topk_pivots=1, block_v=2048, warps_v=8, programs=1056, unroll_v=4, walk_fused=False,
+             build_warps=1, levels_from=8, levels_warps=8),
+    120: dict(topk=((MAX_BUDGET, 4096, 4, SEL_TILE, None),), topk_group_lo=True, topk_pivots=1, block_v=1024,
+              warps_v=4, programs=752, unroll_v=4, walk_fused=False, build_warps=1, levels_from=64, levels_warps=2),
 }
 
 
@@ -87,17 +87,32 @@ def _sort(x, LOGN: tl.constexpr, DESC: tl.constexpr):
 # ---- draft top-k: one launch; chunks select their local top K, the last chunk of a row to arrive merges ----
 
 @triton.jit
-def _threshold(o, K, lo, hi, BITS: tl.constexpr):
+def _threshold(o, K, lo, hi, BITS: tl.constexpr, PIVOTS: tl.constexpr):
     """(thr, need): the K-th largest of ordered int32 values o (only their top BITS bits vary within a sign for
-    this dtype), by bisection on those top bits between lo and hi (count(o >= lo << (32 - BITS)) >= K), as the
-    largest thr with count(o >= thr) >= K; and how many of the values equal to thr are among the K."""
+    this dtype), by search on those top bits between lo and hi (count(o >= lo << (32 - BITS)) >= K), as the
+    largest thr with count(o >= thr) >= K; and how many of the values equal to thr are among the K. A step
+    counts o at PIVOTS evenly spaced values of (lo, hi] in one reduction (several counts: 16-bit fields of an
+    int64; o has fewer than 2^15 lanes) and keeps the range between the last pivot with enough and the next."""
     lo = tl.zeros([], tl.int64) + lo
     hi = tl.zeros([], tl.int64) + hi
     while lo < hi:
-        mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((o >= (mid << (32 - BITS)).to(tl.int32)).to(tl.int32), 0) >= K
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
+        if PIVOTS == 1:
+            counts = tl.sum((o >= ((lo + (hi - lo + 1) // 2) << (32 - BITS)).to(tl.int32)).to(tl.int32), 0)
+        else:
+            packed = tl.zeros(o.shape, tl.int64)
+            for i in tl.static_range(PIVOTS):
+                pivot = lo + ((i + 1) * (hi - lo) + PIVOTS) // (PIVOTS + 1)  # in (lo, hi], ascending
+                packed += tl.where(o >= (pivot << (32 - BITS)).to(tl.int32), 1 << (16 * i), 0).to(tl.int64)
+            counts = tl.sum(packed, 0)
+        new_lo = lo
+        new_hi = hi
+        for i in tl.static_range(PIVOTS):  # enough is a prefix of the pivots: lo the last, hi below the first not
+            pivot = lo + ((i + 1) * (hi - lo) + PIVOTS) // (PIVOTS + 1)
+            enough = ((counts >> (16 * i)) & 65535) >= K
+            new_lo = tl.where(enough, pivot, new_lo)
+            new_hi = tl.where(enough, new_hi, tl.minimum(new_hi, pivot - 1))
+        lo = new_lo
+        hi = new_hi
     thr = (lo << (32 - BITS)).to(tl.int32)
     return thr, K - tl.sum((o > thr + ((1 << (32 - BITS)) - 1)).to(tl.int32), 0)
 
@@ -126,7 +141,8 @@ def _store_topk(lp_ptr, tok_ptr, out, key, lse, mask):
 
 @triton.jit
 def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr, row, K, CHUNKS,
-                BITS: tl.constexpr, MP: tl.constexpr, MT: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr):
+                BITS: tl.constexpr, MP: tl.constexpr, MT: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr,
+                PIVOTS: tl.constexpr):
     """Row `row`'s top K among its chunks' candidates (chunk-major, each chunk's in id order: lane order is id
     order), sorted, as log-probs through the log-sum-exp of the chunks' (max, sum exp). The row's K-th largest lies
     between the largest chunk threshold and the largest chunk max. The winners are gathered in the row's first K
@@ -141,7 +157,7 @@ def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr
     i = tl.arange(0, MP)  # [MP]
     o = tl.load(cval_ptr + base + i, mask=i < M, other=-2147483648, cache_modifier=".cg")  # [MP] ordered values
     lo = tl.max(tl.load(pthr_ptr + row * CHUNKS + cs, mask=cs < CHUNKS, other=-2147483648, cache_modifier=".cg"), 0)
-    thr, need = _threshold(o, K, lo >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS)
+    thr, need = _threshold(o, K, lo >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS, PIVOTS)
     n_gt = tl.zeros([], tl.int32)
     n_eq = tl.zeros([], tl.int32)
     for j in tl.static_range(MP // MT):
@@ -164,7 +180,8 @@ def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr
 @triton.jit(do_not_specialize=["V", "K", "CHUNKS"])
 def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_ptr, lp_ptr, tok_ptr, V, K, CHUNKS,
                  BITS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr, MP: tl.constexpr, MT: tl.constexpr,
-                 KP: tl.constexpr, CP: tl.constexpr, PDL: tl.constexpr):
+                 KP: tl.constexpr, CP: tl.constexpr, GROUP_LO: tl.constexpr, PIVOTS: tl.constexpr,
+                 PDL: tl.constexpr):
     """Program (row, c): chunk c's (max, sum exp, K-th largest) and its K best (ordered value, id), in id order (a
     chunk holds at least K lanes; padding lanes rank last), picked in tiles of TILE lanes. The row's last program
     to arrive merges."""
@@ -178,9 +195,10 @@ def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_p
     tl.store(pmax_ptr + row * CHUNKS + c, m)
     tl.store(psum_ptr + row * CHUNKS + c, tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0))
     o = tl.where(offs < V, _ordered(x), -2147483648)  # [CHUNK] int32
-    # KP >= K disjoint groups: their KP maxima are KP lanes >= the least of them, so the K-th largest is too
-    lo = tl.min(tl.max(tl.reshape(o, [KP, CHUNK // KP]), 1), 0)
-    thr, need = _threshold(o, K, lo >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS)
+    lo = tl.full([], -2147483648, tl.int32)
+    if GROUP_LO:  # KP >= K disjoint groups: their KP maxima are KP lanes >= the least of them, so the K-th is too
+        lo = tl.min(tl.max(tl.reshape(o, [KP, CHUNK // KP]), 1), 0)
+    thr, need = _threshold(o, K, lo >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS, PIVOTS)
     tl.store(pthr_ptr + row * CHUNKS + c, thr)
     out = (row.to(tl.int64) * CHUNKS + c) * K
     n_gt = tl.zeros([], tl.int32)
@@ -196,7 +214,7 @@ def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_p
     tl.debug_barrier()  # every candidate is stored before the arrival is counted
     if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == CHUNKS - 1:
         _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr, row, K, CHUNKS, BITS, MP, MT,
-                    KP, CP)
+                    KP, CP, PIVOTS)
         tl.atomic_xchg(count_ptr + row, 0)
 
 
@@ -580,7 +598,8 @@ def draft_topk(logits, k):
     B, L, V = x.shape
     dev = x.device
     rows = B * L
-    chunk, chunks, mp, warps, tile, maxnreg = topk_plan(V, k, CONFIGS[_arch(dev)])
+    cfg = CONFIGS[_arch(dev)]
+    chunk, chunks, mp, warps, tile, maxnreg = topk_plan(V, k, cfg)
     cval = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
     cid = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
     pmax = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
@@ -592,6 +611,7 @@ def draft_topk(logits, k):
     _topk_kernel[(rows, chunks)](x, cval, cid, pmax, psum, pthr, counters, lp, tokens, V, k, chunks,
                                  BITS=_value_bits(x.dtype), CHUNK=chunk, TILE=tile, MP=mp, MT=min(mp, SEL_TILE),
                                  KP=triton.next_power_of_2(max(k, 2)), CP=triton.next_power_of_2(max(chunks, 2)),
+                                 GROUP_LO=cfg["topk_group_lo"], PIVOTS=cfg["topk_pivots"],
                                  num_warps=warps, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
                                  **pdl.options(x))
     return lp, tokens
