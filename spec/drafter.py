@@ -201,14 +201,6 @@ def _bmm_fp32(a, b):
 register("drafter_attention", drafter_attention_torch)
 
 
-def rope_half(x, positions, inv_freq, factor):
-    """Qwen3 RoPE (x[i], x[i + hd/2] rotate by frequency i) through ops.apply_rope. x: [N, H, hd]."""
-    N, H, hd = x.shape
-    pairs = x.view(N, H, 2, hd // 2).transpose(-1, -2).reshape(N, H, hd)
-    out = ops.apply_rope(pairs, positions, inv_freq, factor)
-    return out.view(N, H, hd // 2, 2).transpose(-1, -2).reshape(N, H, hd)
-
-
 # --- the context cache ----------------------------------------------------------------------------------------
 
 class DraftCache:
@@ -242,12 +234,10 @@ class DraftCache:
         self.host_lens = list(host_lens)
 
 
-def _scatter_rows(cache, values, starts):
-    """cache[b, starts[b] + t] = values[b, t]. cache: [B, L_max, ...]; values: [B, T, ...]; starts: [B]."""
-    B, T = values.shape[:2]
-    rows = torch.arange(B, device=values.device)[:, None].expand(B, T)
-    cols = starts.long()[:, None] + torch.arange(T, device=values.device)[None, :]
-    cache[rows, cols] = values.to(cache.dtype)
+def write_rows(k_cache, v_cache, k, v, B, starts):
+    """k_cache[b, starts[b] + t] = k[b*T + t] and likewise v. Caches: [B, L_max, KVH, hd]; k, v: [B*T, KVH, hd]."""
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        ops.write_kv(cache.flatten(2), new.reshape(B, -1, cache.shape[2] * cache.shape[3]), starts)
 
 
 # --- the model ------------------------------------------------------------------------------------------------
@@ -276,7 +266,7 @@ class DrafterAttention(nn.Module):
         """x: [N, D] -> roped, k-normed keys [N, KVH, hd] and values [N, KVH, hd]."""
         cfg = self.cfg
         k = ops.linear(x, self.k_proj.weight).view(x.shape[0], self.kv_heads, cfg.head_dim)
-        k = rope_half(ops.rms_norm(k, self.k_norm.weight, cfg.rms_norm_eps), positions, *rope)
+        k = ops.head_norm_rope(k, self.k_norm.weight, cfg.rms_norm_eps, positions, *rope)
         v = ops.linear(x, self.v_proj.weight).view(x.shape[0], self.kv_heads, cfg.head_dim)
         return k, v
 
@@ -286,10 +276,8 @@ class DrafterAttention(nn.Module):
         B, S, _ = x.shape
         flat = x.reshape(B * S, -1)
         q = ops.linear(flat, self.q_proj.weight).view(B * S, self.heads, cfg.head_dim)
-        q = rope_half(ops.rms_norm(q, self.q_norm.weight, cfg.rms_norm_eps), positions, *rope)
-        k, v = self.keys_values(flat, positions, rope)
-        _scatter_rows(k_cache, k.view(B, S, *k.shape[1:]), starts)
-        _scatter_rows(v_cache, v.view(B, S, *v.shape[1:]), starts)
+        q = ops.head_norm_rope(q, self.q_norm.weight, cfg.rms_norm_eps, positions, *rope)
+        write_rows(k_cache, v_cache, *self.keys_values(flat, positions, rope), B, starts)
         o = drafter_attention(q.view(B, S, *q.shape[1:]), k_cache, v_cache, lens_after, max_len,
                               cfg.head_dim ** -0.5)
         return self.par.all_reduce(ops.linear(o.reshape(B, S, -1), self.o_proj.weight))
@@ -385,8 +373,7 @@ class DFlashDrafter(nn.Module):
         rope = (self.inv_freq, self.rope_factor)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.keys_values(ctx, positions, rope)
-            _scatter_rows(cache.k[i], k.view(B, C, *k.shape[1:]), cache.lens[:B])
-            _scatter_rows(cache.v[i], v.view(B, C, *v.shape[1:]), cache.lens[:B])
+            write_rows(cache.k[i], cache.v[i], k, v, B, cache.lens[:B])
         cache.lens[:B] += counts.to(torch.int32)
         if host_counts is not None:
             cache.set_host_lens([n + c for n, c in zip(cache.host_lens, host_counts)] + cache.host_lens[B:])

@@ -105,7 +105,7 @@ def sm120_resources():
     (needs real @triton.jit objects: no interpreter)."""
     from triton_kernels.absorb import _absorb_output_kernel, _absorb_query_kernel
     from triton_kernels.aot import compile_for
-    from triton_kernels.glue import _rms_norm_kernel, _rope_kernel, _write_latent_kernel
+    from triton_kernels.glue import _head_norm_rope_kernel, _rms_norm_kernel, _rope_kernel, _write_latent_kernel
     from triton_kernels.router import BLOCK_D, BLOCK_E, BLOCK_M, SELECT_WARPS, _logits_kernel, _select_kernel
 
     return [
@@ -119,6 +119,9 @@ def sm120_resources():
                                                qout_ptr="*bf16", T="i32", Q="i32", stride_ckv="i32", stride_q="i32",
                                                stride_kb="i64", eps="fp32", factor="fp32"),
                     dict(R=512, HALF=32, BLOCK_Q=2048, PDL=True), num_warps=8),
+        compile_for(_head_norm_rope_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", pos_ptr="*i64", freq_ptr="*fp32",
+                                                 out_ptr="*bf16", stride_xn="i32", stride_xh="i32", H="i32", eps="fp32",
+                                                 factor="fp32"), dict(HALF=64, BLOCK_H=8, PDL=True)),
         compile_for(_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", M="i32", E="i32", D="i32",
                                          d_per_split="i32"), dict(BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, PDL=True),
                     num_stages=3, aligned=True),
@@ -191,6 +194,32 @@ def test_write_latent_matches_reference(dtype, Q):
         written[b, s:s + T] = True
     assert torch.equal(cache[~written.to(DEV)], ref[~written.to(DEV)])  # nothing else touched
     assert rel_err(cache[written.to(DEV)], ref[written.to(DEV)]) < 5e-3
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", kernel_dtypes())
+@pytest.mark.parametrize("N,H,hd", [(5, 8, 128), (3, 3, 64)])
+def test_head_norm_rope_matches_reference(N, H, hd, dtype):
+    """Rows of a projection's output viewed as heads (strided rows), as the drafter passes them."""
+    from ops.rope import head_norm_rope_torch
+    from triton_kernels.glue import head_norm_rope
+
+    gen = torch.Generator().manual_seed(N * H + hd)
+    x = (3 * torch.randn(N, H * hd + 16, generator=gen)).to(dtype).to(DEV)[:, 16:].view(N, H, hd)
+    w = (1 + 0.1 * torch.randn(hd, generator=gen)).to(dtype).to(DEV)
+    positions = torch.randint(0, 100000, (N,), generator=gen).to(DEV)
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)).to(DEV)
+    out = head_norm_rope(x, w, 1e-6, positions, inv_freq, 1.2)
+    ref = head_norm_rope_torch(x, w, 1e-6, positions, inv_freq, 1.2)
+    assert out.shape == (N, H, hd) and out.is_contiguous() and rel_err(out, ref) < 5e-3
+
+
+def test_head_norm_rope_rejects_mismatched_shapes():
+    import ops
+
+    with pytest.raises(ValueError, match="head_norm_rope"):
+        ops.head_norm_rope(torch.zeros(2, 4, 64), torch.ones(32), 1e-6, torch.zeros(2, dtype=torch.int64),
+                           torch.ones(32))
 
 
 def test_write_latent_rejects_a_query_latent_without_its_norm_weight():

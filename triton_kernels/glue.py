@@ -111,6 +111,43 @@ def apply_rope(x, positions, inv_freq, attention_factor=1.0):
 
 
 @triton.jit
+def _head_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, stride_xn, stride_xh, H, eps, factor,
+                           HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
+    n = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_i = tl.arange(0, HALF)[None, :]
+    ok = offs_h < H
+    src = x_ptr + n * stride_xn + offs_h * stride_xh + offs_i  # [BLOCK_H, HALF]: first halves of the heads
+    lo = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    hi = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)) / (2 * HALF) + eps)  # [BLOCK_H]
+    ty = out_ptr.dtype.element_ty
+    # the norm's output rounded to x's dtype, as the reference's rms_norm returns it
+    lo = (lo * rstd[:, None] * tl.load(w_ptr + offs_i).to(tl.float32)).to(ty).to(tl.float32)
+    hi = (hi * rstd[:, None] * tl.load(w_ptr + HALF + offs_i).to(tl.float32)).to(ty).to(tl.float32)
+    angle = tl.load(pos_ptr + n).to(tl.float32) * tl.load(freq_ptr + offs_i)  # [1, HALF]
+    cos, sin = tl.cos(angle) * factor, tl.sin(angle) * factor
+    dst = out_ptr + n * H * 2 * HALF + offs_h * 2 * HALF + offs_i
+    tl.store(dst, (lo * cos - hi * sin).to(ty), mask=ok)
+    tl.store(dst + HALF, (hi * cos + lo * sin).to(ty), mask=ok)
+
+
+def head_norm_rope(x, norm_weight, eps, positions, inv_freq, attention_factor=1.0):
+    """See `ops.rope.head_norm_rope`: per-head RMSNorm + rotate-half RoPE in one launch. x: [N, H, hd] with a
+    contiguous last dim; hd/2 a power of two."""
+    N, H, hd = x.shape
+    if hd // 2 & (hd // 2 - 1) or x.stride(2) != 1:
+        raise ValueError(f"head_norm_rope (triton): head dim {hd} must be twice a power of two, last dim contiguous")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if N:
+        _head_norm_rope_kernel[(N,)](x, norm_weight, positions, inv_freq.float().contiguous(), out, x.stride(0),
+                                     x.stride(1), H, eps, float(attention_factor), HALF=hd // 2,
+                                     BLOCK_H=triton.next_power_of_2(H), **pdl.options(x))
+    return out
+
+
+@triton.jit
 def _write_latent_kernel(ckv_ptr, w_ptr, pos_ptr, freq_ptr, starts_ptr, kv_ptr, q_ptr, qw_ptr, qout_ptr, T, Q,
                          stride_ckv, stride_q, stride_kb, eps, factor, R: tl.constexpr, HALF: tl.constexpr,
                          BLOCK_Q: tl.constexpr, PDL: tl.constexpr = False):

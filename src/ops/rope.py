@@ -3,6 +3,7 @@ import math
 import torch
 
 from ops._backend import dispatch, register
+from ops.norm import rms_norm_torch
 
 
 def yarn_inv_freq(rope_dim, theta, scaling=None):
@@ -69,4 +70,28 @@ def apply_rope_torch(x, positions, inv_freq, attention_factor=1.0):
     return out.to(x.dtype)
 
 
+def head_norm_rope(x, norm_weight, eps, positions, inv_freq, attention_factor=1.0):
+    """Qwen3's per-head query/key norm, then rotate-half RoPE (x[i], x[i + hd/2] turn by position * inv_freq[i]).
+
+    x: [N, H, hd] (last dim contiguous); norm_weight: [hd]; positions: [N] int; inv_freq: [hd/2] fp32. Returns a
+    contiguous [N, H, hd] in x's dtype: rope(rms_norm(x)), the norm's output rounded to x's dtype first.
+    """
+    if x.dim() != 3 or norm_weight.shape != x.shape[-1:] or positions.shape != x.shape[:1] or \
+            inv_freq.shape[0] * 2 != x.shape[-1]:
+        raise ValueError(
+            f"head_norm_rope: want x [N, H, hd], norm_weight [hd], positions [N], inv_freq [hd/2]; got "
+            f"{tuple(x.shape)}, {tuple(norm_weight.shape)}, {tuple(positions.shape)}, {tuple(inv_freq.shape)}"
+        )
+    return dispatch("head_norm_rope", x.device)(x, norm_weight, eps, positions, inv_freq, attention_factor)
+
+
+def head_norm_rope_torch(x, norm_weight, eps, positions, inv_freq, attention_factor=1.0):
+    N, H, hd = x.shape
+    normed = rms_norm_torch(x, norm_weight, eps)
+    pairs = normed.view(N, H, 2, hd // 2).transpose(-1, -2).reshape(N, H, hd)  # rotate-half as interleaved pairs
+    out = apply_rope_torch(pairs, positions, inv_freq, attention_factor)
+    return out.view(N, H, hd // 2, 2).transpose(-1, -2).reshape(N, H, hd)
+
+
 register("rope", apply_rope_torch, "triton_kernels.glue:apply_rope")
+register("head_norm_rope", head_norm_rope_torch, "triton_kernels.glue:head_norm_rope")
