@@ -240,6 +240,12 @@ def write_rows(k_cache, v_cache, k, v, B, starts):
         ops.write_kv(cache.flatten(2), new.reshape(B, -1, cache.shape[2] * cache.shape[3]), starts)
 
 
+def add_rms_norm(x, residual, weight, eps):
+    """ops.add_rms_norm over [B, S, D] (it takes rows): (x + residual, its norm), both [B, S, D]."""
+    h, normed = ops.add_rms_norm(x.flatten(0, 1), residual.flatten(0, 1), weight, eps)
+    return h.view_as(x), normed.view_as(x)
+
+
 # --- the model ------------------------------------------------------------------------------------------------
 
 def _empty(shape, dtype, device):
@@ -296,13 +302,18 @@ class DrafterLayer(nn.Module):
         self.mlp.gate_up = Tensors(weight=_empty((2 * inter, D), dtype, device))
         self.mlp.down_proj = Tensors(weight=_empty((D, inter), dtype, device))
 
-    def forward(self, h, positions, rope, k_cache, v_cache, starts, lens_after, max_len):
+    def forward(self, h, delta, positions, rope, k_cache, v_cache, starts, lens_after, max_len):
+        """The residual stream arrives as h + delta (delta: the previous layer's MLP output, or None) and leaves
+        the same way, so each residual add runs inside the norm after it. h, delta: [B, S, D]."""
         eps = self.cfg.rms_norm_eps
-        h = h + self.self_attn(ops.rms_norm(h, self.input_layernorm.weight, eps), positions, rope, k_cache,
-                               v_cache, starts, lens_after, max_len)
-        x = ops.rms_norm(h, self.post_attention_layernorm.weight, eps)
+        if delta is None:
+            x = ops.rms_norm(h, self.input_layernorm.weight, eps)
+        else:
+            h, x = add_rms_norm(delta, h, self.input_layernorm.weight, eps)
+        attn = self.self_attn(x, positions, rope, k_cache, v_cache, starts, lens_after, max_len)
+        h, x = add_rms_norm(attn, h, self.post_attention_layernorm.weight, eps)
         mlp = ops.mlp(x.reshape(-1, x.shape[-1]), self.mlp.gate_up.weight, self.mlp.down_proj.weight)
-        return h + self.par.all_reduce(mlp).view_as(h)
+        return h, self.par.all_reduce(mlp).view_as(h)
 
 
 class DFlashDrafter(nn.Module):
@@ -394,9 +405,10 @@ class DFlashDrafter(nn.Module):
         positions = (starts[:, None] + torch.arange(S, device=self.device)).reshape(-1)
         lens_after, max_len = starts + S, max(cache.host_lens[:B]) + S
         rope = (self.inv_freq, self.rope_factor)
+        delta = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, rope, cache.k[i], cache.v[i], starts, lens_after, max_len)
-        h = ops.rms_norm(h[:, 1:], self.norm.weight, self.cfg.rms_norm_eps)
+            h, delta = layer(h, delta, positions, rope, cache.k[i], cache.v[i], starts, lens_after, max_len)
+        h = add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[1][:, 1:]
         return self.target.par.all_gather_last(ops.linear(h, self.target.lm_head.weight))
 
     def init_random_(self, seed=0, std=0.02):
