@@ -233,19 +233,21 @@ def test_sampling_floor_top_k_top_p():
     assert torch.allclose(sampling_floor(logits, 1.0, 0.99, 2), logits[..., 1])
 
 
-def force_walk(monkeypatch, fused):
-    """Make the Triton accept walk in its own launch or in the sampling pass's last program per tree."""
+def force_walk(monkeypatch, walk):
+    """Make the Triton accept walk in its own launch or in the sampling pass's last program per tree, marking the
+    nodes that match their parent's sample first or not."""
     from triton_kernels import ddtree as dd
 
     for cfg in dd.CONFIGS.values():
-        monkeypatch.setitem(cfg, "walk_fused", fused)
+        monkeypatch.setitem(cfg, "walk_fused", walk.startswith("fused"))
+        monkeypatch.setitem(cfg, "walk_pre", not walk.endswith("two"))
 
 
 @requires_triton
-@pytest.mark.parametrize("walk", ["launch", "fused"])
+@pytest.mark.parametrize("walk", ["launch", "fused_two"])
 @pytest.mark.parametrize("temperature,top_p,top_k", [(0.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.8, 0), (1.3, 0.9, 3)])
 def test_accept_triton_matches_torch(temperature, top_p, top_k, walk, monkeypatch):
-    force_walk(monkeypatch, walk == "fused")
+    force_walk(monkeypatch, walk)
     tree, gen = small_tree(B=16, L=5, budget=20, vocab=37, seed=3)
     logits = (torch.randn(16, 21, 37, generator=gen) * 3).to(device())
     logits[0, 0, 5] = logits[0, 0, 9] = 50.0  # a tie at T = 0: the lower token wins
@@ -259,11 +261,11 @@ def test_accept_triton_matches_torch(temperature, top_p, top_k, walk, monkeypatc
 
 
 @requires_triton
-@pytest.mark.parametrize("walk", ["launch", "fused"])
+@pytest.mark.parametrize("walk", ["launch", "fused", "launch_two"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_accept_triton_vocabulary_splits(temperature, walk, monkeypatch):
     """A vocabulary of several splits per node; at T = 0 equal maxima in different splits go to the lower id."""
-    force_walk(monkeypatch, walk == "fused")
+    force_walk(monkeypatch, walk)
     tree, gen = small_tree(B=2, L=4, budget=12, vocab=7, seed=8)
     logits = (torch.randn(2, 13, 5000, generator=gen) * 3).to(device())
     logits[:, :, 4900] = logits[:, :, 7] = 40.0  # split 0 and the last split tie
@@ -350,9 +352,10 @@ cases = [  # top-k: each config row at its largest K and K2.6's vocabulary
     (dd._sample_kernel, dict(x_ptr="*bf16", num_ptr=I, seed_ptr=L, step_ptr=L, floor_ptr=P, pval_ptr=P, pidx_ptr=I,
      V="i32", N1="i32", CHUNK="i32", SPLIT="i32", inv_t="fp32", count_ptr=I, tok_ptr=L, par_ptr=I, path_ptr=I,
      len_ptr=I, next_ptr=L, L="i32"), dict(GREEDY=False, HAS_FLOOR=True, BLOCK=cfg["block_v"],
-     UNROLL=cfg["unroll_v"], WALK=cfg["walk_fused"], NP1=1024, SP=4, PDL=True), cfg["warps_v"]),
+     UNROLL=cfg["unroll_v"], WALK=cfg["walk_fused"], NP1=1024, SP=4, PRE=cfg["walk_pre"], PDL=True),
+     cfg["warps_v"]),
     (dd._walk_kernel, dict(pval_ptr=P, pidx_ptr=I, tok_ptr=L, par_ptr=I, path_ptr=I, len_ptr=I, next_ptr=L, N1="i32",
-     L="i32", SPLIT="i32"), dict(NP1=1024, SP=4, PDL=True), 4),
+     L="i32", SPLIT="i32"), dict(NP1=1024, SP=4, PRE=cfg["walk_pre"], PDL=True), cfg["walk_warps"]),
     (dd._compact_kernel, dict(kv_ptr="*bf16", starts_ptr=I, path_ptr=I, len_ptr=I, hid_ptr="*bf16", out_ptr="*bf16",
      layers="i32", L1="i32", D="i32", F="i32", s_layer="i64", s_b="i64", s_pos="i64", h_b="i64", h_n="i64"),
      dict(LP=16, BD=1024, BF=256, PDL=True), 8),

@@ -28,9 +28,10 @@ MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few
 CONFIGS = {
     90: dict(topk=((8, 2048, 4, 2048, None), (64, 4096, 8, 2048, 64), (MAX_BUDGET, 4096, 8, SEL_TILE, None)),
              topk_group_lo=True, topk_pivots=1, block_v=2048, warps_v=8, programs=1056, unroll_v=4, walk_fused=False,
-             build_warps=1, levels_from=8, levels_warps=8),
+             walk_pre=True, walk_warps=4, build_warps=1, levels_from=8, levels_warps=8),
     120: dict(topk=((MAX_BUDGET, 4096, 4, SEL_TILE, None),), topk_group_lo=True, topk_pivots=1, block_v=1024,
-              warps_v=4, programs=752, unroll_v=4, walk_fused=False, build_warps=1, levels_from=64, levels_warps=2),
+              warps_v=4, programs=752, unroll_v=4, walk_fused=False, walk_pre=True, walk_warps=4, build_warps=1,
+              levels_from=64, levels_warps=2),
 }
 
 
@@ -436,7 +437,7 @@ def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_
 def _sample_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx_ptr, V, N1, CHUNK, SPLIT, inv_t,
                    count_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, L,
                    GREEDY: tl.constexpr, HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
-                   WALK: tl.constexpr, NP1: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
+                   WALK: tl.constexpr, NP1: tl.constexpr, SP: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     """Program (b * (N+1) + node, c): the (max key, lowest id) of split c (CHUNK lanes, a multiple of BLOCK x
     UNROLL). Each lane keeps its running best (a later lane of the same slot wins only if strictly larger, so the
     lowest id of equal keys stays), one reduction at the end; UNROLL loads in flight per loop step. WALK: the
@@ -482,33 +483,46 @@ def _sample_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx
     if WALK:
         tl.debug_barrier()  # the partial is stored before the arrival is counted
         if tl.atomic_add(count_ptr + b, 1, sem="acq_rel") == N1 * SPLIT - 1:
-            _walk(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, b, N1, L, SPLIT, NP1, SP)
+            _walk(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, b, N1, L, SPLIT, NP1, SP, PRE)
             tl.atomic_xchg(count_ptr + b, 0)
 
 
 @triton.jit
-def _walk(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, b, N1, L, SPLIT, NP1: tl.constexpr,
-          SP: tl.constexpr):
-    """Tree b: each node's sample from its splits' partials, then the walk from the root."""
-    nodes = tl.arange(0, NP1)  # [NP1]
+def _samples(pval_ptr, pidx_ptr, b, N1, SPLIT, rows, live, SP: tl.constexpr):
+    """[R] the sample at nodes `rows` of tree b (where `live`) from their splits' partials: the first split holding
+    the max wins (lower token ids win ties)."""
     cs = tl.arange(0, SP)  # [SP]
-    part = (b * N1 + nodes) * SPLIT
-    ok = (nodes < N1)[:, None] & (cs < SPLIT)[None, :]
+    part = (b * N1 + rows) * SPLIT
+    ok = live[:, None] & (cs < SPLIT)[None, :]
     v = tl.load(pval_ptr + part[:, None] + cs[None, :], mask=ok, other=float("-inf"),
-                cache_modifier=".cg")  # [NP1, SP] in one load
+                cache_modifier=".cg")  # [R, SP] in one load
     m = tl.max(v, 1)
-    first = tl.min(tl.where(v == m[:, None], cs[None, :], SP), 1)  # the earlier split (lower token ids) wins ties
-    sampled = tl.load(pidx_ptr + part + first, mask=nodes < N1, other=0, cache_modifier=".cg")  # [NP1]
+    first = tl.min(tl.where(v == m[:, None], cs[None, :], SP), 1)
+    return tl.load(pidx_ptr + part + first, mask=live, other=0, cache_modifier=".cg")
+
+
+@triton.jit
+def _walk(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, b, N1, L, SPLIT, NP1: tl.constexpr,
+          SP: tl.constexpr, PRE: tl.constexpr):
+    """Tree b: each node's sample, then the walk from the root. PRE: first mark, in parallel, the nodes whose token
+    is their parent's sample (one reduction a step instead of two)."""
+    nodes = tl.arange(0, NP1)  # [NP1]
+    sampled = _samples(pval_ptr, pidx_ptr, b, N1, SPLIT, nodes, nodes < N1, SP)  # [NP1]
     toks = tl.load(tok_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
     pars = tl.load(par_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
+    if PRE:
+        good = (pars >= 0) & (toks == _samples(pval_ptr, pidx_ptr, b, N1, SPLIT, tl.maximum(pars, 0), pars >= 0, SP))
     path_b = path_ptr + b * (L + 1)
     tl.store(path_b, 0)
     cur = tl.zeros([], tl.int32)
     walking = tl.full([], 1, tl.int32)
     length = tl.full([], 1, tl.int32)
     for d in range(1, L + 1):
-        t = tl.sum(tl.where(nodes == cur, sampled, 0), 0)
-        child = tl.min(tl.where((pars == cur) & (toks == t), nodes, NP1), 0)
+        if PRE:
+            child = tl.min(tl.where(good & (pars == cur), nodes, NP1), 0)
+        else:
+            t = tl.sum(tl.where(nodes == cur, sampled, 0), 0)
+            child = tl.min(tl.where((pars == cur) & (toks == t), nodes, NP1), 0)
         walking = walking & (child < NP1).to(tl.int32)
         tl.store(path_b + d, tl.where(walking != 0, child, -1))
         cur = tl.where(walking != 0, child, cur)
@@ -519,10 +533,10 @@ def _walk(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, b, 
 
 @triton.jit(do_not_specialize=["N1", "L", "SPLIT"])
 def _walk_kernel(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, N1, L, SPLIT,
-                 NP1: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
+                 NP1: tl.constexpr, SP: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     _walk(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, tl.program_id(0), N1, L, SPLIT, NP1,
-          SP)
+          SP, PRE)
 
 
 # ---- compaction: programs (layer, b) move cache rows, programs (layers + chunk, b) gather hidden rows ----
@@ -663,14 +677,15 @@ def accept(tree, target_logits, temperature, floor, seeds, step):
     next_token = torch.empty(B, dtype=torch.int64, device=x.device)
     walk = (path_len if not cfg["walk_fused"] else arrival_counters("ddtree_accept", x.device, B), tree.tokens,
             tree.parents, path, path_len, next_token, L)
-    sizes = dict(NP1=triton.next_power_of_2(max(N1, L + 1)), SP=triton.next_power_of_2(split))
+    sizes = dict(NP1=triton.next_power_of_2(max(N1, L + 1)), SP=triton.next_power_of_2(split), PRE=cfg["walk_pre"])
     _sample_kernel[(rows, split)](
         x, tree.num_nodes, seeds.contiguous(), step.contiguous(), floor if floor is not None else pval, pval, pidx,
         V, N1, chunk, split, inv_t, *walk, GREEDY=temperature == 0, HAS_FLOOR=floor is not None, BLOCK=block,
         UNROLL=unroll, WALK=cfg["walk_fused"], **sizes, num_warps=cfg["warps_v"],
         enable_fp_fusion=False, **pdl.options(x))  # x / T and the noise rounded as in torch
     if not cfg["walk_fused"]:
-        _walk_kernel[(B,)](pval, pidx, *walk[1:-1], N1, L, split, **sizes, num_warps=4, **pdl.options(x))
+        _walk_kernel[(B,)](pval, pidx, *walk[1:-1], N1, L, split, **sizes, num_warps=cfg["walk_warps"],
+                           **pdl.options(x))
     return path, path_len, next_token
 
 
