@@ -236,8 +236,9 @@ def under(over, fn):
         pdl.ENABLED = saved_pdl
 
 
-def variant_sweep(case):
-    """{name: {op: us alone, step: us, equal}} at this case (greedy step, one CUDA graph each)."""
+def variant_sweep(case, out, save):
+    """out[name] = {op: us alone, step: us, equal} at this case (greedy step, one CUDA graph each); save() after
+    each."""
     with ops.using(**BACKEND):
         lp, tok = ops.draft_topk(case.draft_logits, case.K)
         tree = ops.build_tree(lp, tok, case.root, case.budget)
@@ -247,7 +248,6 @@ def variant_sweep(case):
                      accept=lambda: ops.accept(tree, case.target_logits, 0.0, seeds=case.seeds, step=case.step0),
                      step=lambda: case.step()[1:])
         refs = {op: fn() for op, fn in alone.items()}
-        out = {}
         for name, (op, over) in VARIANTS.items():
             def run():
                 r = {"equal": equal(alone[op](), refs[op]) and equal(alone["step"](), refs["step"])}
@@ -257,7 +257,7 @@ def variant_sweep(case):
                 return r
             out[name] = under(over, run)
             print(name, out[name], flush=True)
-    return out
+            save()
 
 
 def topk_sweep(g):
@@ -369,8 +369,10 @@ def main():
         if len(rows) == 1:
             with ops.using(**BACKEND):
                 result["step_kernels"] = launches(case.step)
+        result.update(checks=checks, results=rows)
         if args.sweep and (budget, block) == (64, 8):
-            result["variants"] = variant_sweep(case)
+            result["variants"] = {}
+            variant_sweep(case, result["variants"], lambda: report(out, result))
         rows[-1]["wall_s"] = round(time.perf_counter() - t0, 1)  # this case's checks and timings, compiles included
         print(checks[-1], "\n", rows[-1], flush=True)
         result.update(checks=checks, results=rows)
