@@ -57,6 +57,13 @@ def time_events(fn, reps, warmup=2):
     return sorted(times)[len(times) // 2]
 
 
+def with_gap(calls):
+    """`calls`, each after a small unrelated kernel (an elementwise op on 4 KB), as the model's MoE call follows
+    the router's select, not the previous MoE call (which a chained graph would let it overlap)."""
+    small = torch.zeros(1024, device=DEV)
+    return [lambda fn=fn: (small.add_(1.0), fn()) for fn in calls]
+
+
 def time_graph(calls, reps=10):
     """Median ms per call of `calls` (a list of thunks) captured back to back in one CUDA graph."""
     stream = torch.cuda.Stream()
@@ -107,10 +114,30 @@ def random_ct_layer(E, D, I, gen):
     return PackedExperts(*words(2 * I, D), *words(D, I))
 
 
-def routings(M, E, n, gen):
+# Distinct experts a layer that the verify step's tokens touch (TP8, bench/results/step_h200.md), by M tokens
+STEP_EXPERTS = {1: 8, 9: 43, 33: 82, 65: 99, 129: 111}
+
+
+def step_pool(M, E):
+    """Pool size P such that M tokens, each routed to top-k experts drawn uniformly from a random pool of P, touch
+    as many distinct experts as the verify step does (STEP_EXPERTS, interpolated in log M, clamped at its ends)."""
+    ms = sorted(STEP_EXPERTS)
+    m = min(max(M, ms[0]), ms[-1])
+    hi = next(x for x in ms if x >= m)
+    lo = max(x for x in ms if x <= m)
+    t = 0.0 if hi == lo else math.log(m / lo) / math.log(hi / lo)
+    target = STEP_EXPERTS[lo] + t * (STEP_EXPERTS[hi] - STEP_EXPERTS[lo])
+    return min(range(TOP_K, E + 1), key=lambda p: abs(p * (1 - (1 - TOP_K / p) ** M) - target))
+
+
+def routings(M, E, n, gen, routing="uniform"):
+    """n (x, topk ids, weights) of M tokens: top-k of uniform random scores over all E experts, or with
+    routing="step" over a random pool of `step_pool(M, E)` experts per call (the verify step's concentration)."""
     out = []
     for _ in range(n):
-        ids = torch.rand(M, E, generator=gen, device=DEV).topk(TOP_K, dim=-1).indices.int()
+        pool = E if routing == "uniform" else step_pool(M, E)
+        chosen = torch.randperm(E, generator=gen, device=DEV)[:pool]
+        ids = chosen[torch.rand(M, pool, generator=gen, device=DEV).topk(TOP_K, dim=-1).indices].int()
         weights = torch.rand(M, TOP_K, generator=gen, device=DEV)
         x = torch.randn(M, SHAPES["tp8"]["D"], generator=gen, device=DEV).to(DTYPE)
         out.append((x, ids, weights))
@@ -343,11 +370,13 @@ def run_shape(shape, bw, gen, deadline, sweep, out_rows, save):
     return rows
 
 
-def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None, breakdown=(), ms=MS):
+def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None, breakdown=(), ms=MS,
+                     routing="uniform", gap=False):
     """The measured default against moe_configs.VARIANTS (or those in `names`) at one shape, per M: each config
     checked against the fp32 reference on experts prepared in its layout, timed cold under a CUDA graph on
     random layers in that layout; keeps the fastest correct one per M (`best`). For the configs named in
-    `breakdown` ('default' or variants) at M = 1, 16, 256: device time per kernel of eager calls (`kernels`)."""
+    `breakdown` ('default' or variants) at M = 1, 16, 256: device time per kernel of eager calls (`kernels`).
+    routing: "uniform" or "step" (`routings`); gap: each call after a small unrelated kernel (`with_gap`)."""
     from ops.moe import moe_torch
     from triton_kernels.moe_configs import VARIANTS, config_for, layout_for, with_variant
     from triton_kernels.moe_w4a16 import moe, prepare_moe
@@ -369,12 +398,12 @@ def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None,
         raise ValueError(f"unknown variants {sorted(unknown)}; moe_configs.VARIANTS has {list(VARIANTS)}")
     chosen = [n for n in VARIANTS if names is None or n in names]
     for M in ms:
-        calls = routings(M, E, CALLS, gen)
+        calls = [(x[:, :D].contiguous(), ids, w) for x, ids, w in routings(M, E, CALLS, gen, routing)]
         touched = sum(ids.unique().numel() for _, ids, _ in calls) / len(calls)
         nbytes = touched * expert_bytes(D, I)
         ref = moe_torch(*calls[0], ct_layer)
         base = config_for(torch.device(DEV), M)
-        row = dict(shape=shape, M=M, experts_touched=touched, bytes=nbytes, variants={})
+        row = dict(shape=shape, M=M, routing=routing, gap=gap, experts_touched=touched, bytes=nbytes, variants={})
         for name, cfg in [("default", base)] + [(n, with_variant(base, n)) for n in chosen]:
             if time.time() > deadline:
                 break
@@ -383,8 +412,9 @@ def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None,
             try:
                 layers, checked = layout(tuple(cfg.get("panels", layout_for(torch.device(DEV)))))
                 err = rel_err(moe(*calls[0], checked, config=cfg), ref)
-                ms = time_graph([lambda c=c, j=j, cfg=cfg, layers=layers: moe(*c, layers[j % len(layers)], config=cfg)
-                                 for j, c in enumerate(calls)])
+                thunks = [lambda c=c, j=j, cfg=cfg, layers=layers: moe(*c, layers[j % len(layers)], config=cfg)
+                          for j, c in enumerate(calls)]
+                ms = time_graph(with_gap(thunks) if gap else thunks)
                 row["variants"][name] = dict(us=ms * 1e3, frac=nbytes / ms / 1e6 / bw, rel_err=err, config=cfg)
                 if name in breakdown and M in (1, 16, 256):
                     row["variants"][name]["kernels"] = kernel_breakdown(M, layers[0], gen, config=cfg)
@@ -404,8 +434,9 @@ def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None,
 def variants_markdown(meta, rows):
     names = list(dict.fromkeys(n for r in rows for n in r.get("variants", {})))
     shape = rows[0]["shape"].upper() if rows else "TP8"
+    how = f"{rows[0]['routing']} routing" + (", each call after a small unrelated kernel" if rows[0]["gap"] else "")
     lines = [f"# W4A16 MoE variants vs default ({meta['gpu']}, {meta['date']})", "",
-             f"{shape} shape, cold L2, CUDA graph; HBM read {meta['hbm_read_gbs']:.0f} GB/s measured in this run. "
+             f"{shape} shape, {how}, cold L2, CUDA graph; HBM read {meta['hbm_read_gbs']:.0f} GB/s measured in this run. "
              "Cells: us (% of HBM read); '-' not run, 'x' failed or wrong.", "",
              "| M | experts | " + " | ".join(names) + " | best |", "|---|---|" + "---|" * len(names) + "---|"]
     for r in sorted(rows, key=lambda r: r["M"]):
@@ -454,6 +485,10 @@ def main():
     parser.add_argument("--ep8-names", default="", help="with --ep8-seconds: VARIANTS timed beside that default")
     parser.add_argument("--breakdown", default="",
                         help="with --variants: comma-separated configs ('default' or variants) timed per kernel")
+    parser.add_argument("--routing", default="uniform", choices=["uniform", "step"],
+                        help="with --variants: uniform top-k, or the verify step's expert counts (step_pool)")
+    parser.add_argument("--gap", action="store_true", help="with --variants: a small unrelated kernel before each call")
+    parser.add_argument("--tag", default="", help="with --variants: suffix of the output file names")
     parser.add_argument("--sass", action="store_true", help="CPU only: static SASS counts of the default and variants")
     parser.add_argument("--sass-m", type=int, default=1, help="with --sass: the M bucket whose entry is counted")
     args = parser.parse_args()
@@ -472,7 +507,7 @@ def main():
     rows = []
 
     def save():
-        with open(os.path.join(args.out, f"moe_{'variants_' + args.shape if args.variants else 'results'}.json"), "w") as f:
+        with open(os.path.join(args.out, f"moe_{'variants_' + args.shape + args.tag if args.variants else 'results'}.json"), "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
     bw = hbm_read_bandwidth()
@@ -482,8 +517,9 @@ def main():
     if args.variants:
         names = None if not args.names else [] if args.names == "none" else args.names.split(",")
         compare_variants(bw, gen, start + args.budget - 10, rows, save, shape=args.shape, names=names,
-                         breakdown=args.breakdown.split(","), ms=[int(m) for m in args.ms.split(",")] if args.ms else MS)
-        with open(os.path.join(args.out, f"moe_variants_{args.shape}.md"), "w") as f:
+                         breakdown=args.breakdown.split(","), ms=[int(m) for m in args.ms.split(",")] if args.ms else MS,
+                         routing=args.routing, gap=args.gap)
+        with open(os.path.join(args.out, f"moe_variants_{args.shape}{args.tag}.md"), "w") as f:
             f.write(variants_markdown(meta, rows))
         print(variants_markdown(meta, rows), flush=True)
         if args.ep8_seconds:

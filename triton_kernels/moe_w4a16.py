@@ -6,12 +6,13 @@ Three launches per `moe` call and a cast, no host synchronisation:
 2. `_gate_up_kernel`: per (block, N tile, K split) gate and up partial GEMMs; the last split to arrive sums the
    partials and writes h = silu(gate) * up for its tile.
 3. `_down_kernel`: per (block, N tile, K split) h @ W_down^T, scaled by the top-k weight and atomically added
-   into the token's fp32 output row (the reduction over k); then the cast to x's dtype (`_cast_kernel` with
-   programmatic dependent launch, else torch's).
+   into the token's fp32 output row (the reduction over k); then torch's cast to x's dtype.
 With a `decode` config (few tokens) there are two launches: no routing pass (block b of the GEMMs holds pair b
 alone), and the K splits of gate/up and the top-k pairs of a token in down add into fp32 sums that stay zeroed
 between calls (`_decode_scratch`); the last program to arrive at a tile's counter finishes it (h, or the output
-in x's dtype: no cast) and zeroes the sums and the counter again.
+in x's dtype: no cast) and zeroes the sums and the counter again. With `decode` and `fused`, one launch
+(`_fused_decode_kernel`): every program does its gate/up items, then its down items, each of which waits for its
+pair's h (a readiness count); partial sums are stored and added in a fixed order (deterministic).
 """
 
 import itertools
@@ -215,27 +216,6 @@ def _scale_panel(PANEL):
 
 
 @triton.jit
-def _stacked_cols(pid_n, stride_p, up, BN: tl.constexpr, PANEL: tl.constexpr):
-    """Offsets [2 BN] of N tile pid_n's gate columns (`_tile_cols`), then of its up columns (`up` further on), by
-    arithmetic on one arange (a join would give the vector a layout of its own, converted at every use)."""
-    j = tl.arange(0, 2 * BN)
-    c0 = pid_n * BN  # PANEL % BN == 0: the tile lies in one panel
-    if PANEL == 1:
-        cols = (c0 + j % BN).to(tl.int64) * stride_p + (j // BN) * up
-    else:
-        base = (c0 // PANEL).to(tl.int64) * stride_p + c0 % PANEL if PANEL else c0
-        cols = base + j % BN + (j // BN) * up
-    return cols
-
-
-@triton.jit
-def _unstack(acc):
-    """[2 BN, BM] -> its halves [BN, BM], [BN, BM] (the gate rows and the up rows of a stacked tile)."""
-    halves = tl.reshape(acc, (2, acc.shape[0] // 2, acc.shape[1]))
-    return tl.split(tl.permute(halves, (1, 2, 0)))
-
-
-@triton.jit
 def _prefetch_l2(ptrs):
     """Ask L2 for the lines holding ptrs (a hint: no result to wait for; PTX prefetch, so not interpretable)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
@@ -269,10 +249,11 @@ def _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row):
 
 
 @triton.jit(do_not_specialize=["n_zero", "P", "CAPACITY", "NB_MAX"])
-def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr, rank_ptr,
+def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr, rank_ptr, nb_ptr,
                   zero_ptr, n_zero, P, CAPACITY, NB_MAX,
                   BM: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Program 0: sorted_ptr[slot] = pair id (or -1), block_expert_ptr[b] = expert of block b (or -1).
+    """Program 0: sorted_ptr[slot] = pair id (or -1), block_expert_ptr[b] = expert of block b (or -1), nb_ptr[0]
+    = the number of blocks filled (blocks 0 .. nb - 1).
 
     Other programs zero BLOCK-sized chunks of the int32/fp32 scratch at zero_ptr (n_zero 32-bit words).
     The phases are ordered by CTA barriers (bar.sync orders the global accesses, atomics included, of the
@@ -300,6 +281,7 @@ def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr
     counts = tl.atomic_add(counts_ptr + experts, 0, sem="relaxed")  # [E_PAD], read at L2
     padded = (counts + BM - 1) // BM * BM
     tl.store(offsets_ptr + experts, tl.cumsum(padded, 0) - padded)
+    tl.store(nb_ptr, tl.sum(padded, 0) // BM)
     tl.debug_barrier()
     for start in range(0, P, BLOCK):
         p = start + offs
@@ -307,30 +289,6 @@ def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr
         slot = tl.load(offsets_ptr + e, mask=p < P, other=0) + tl.load(rank_ptr + p, mask=p < P, other=0)
         tl.store(sorted_ptr + slot, p, mask=p < P)
         tl.store(block_expert_ptr + slot // BM, e, mask=p < P)
-
-
-@triton.jit
-def _gate_up_stacked(a_rows, w_base, s_base, row_mask, kw, kg, w_cols, s_cols, n_mask, first, end, D, w_row, s_row,
-                     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, DTYPE: tl.constexpr,
-                     EVEN_K: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, PRESCALE: tl.constexpr):
-    """Gate and up accumulators [BN, BM] each (swapped) over slabs first .. end - 1, from the stacked columns
-    w_cols / s_cols / n_mask [2 BN] (gate then up: `_stack`): one [2 BN, 16] word tile and one dot a group."""
-    acc = _acc_zeros(BM, 2 * BN, True)  # [2 BN, BM]
-    w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, a_rows, kw, kg, w_cols, s_cols, first, w_row, s_row, True)
-    sc = 0  # with AHEAD: the scales [2 BN, 8] of the slab being computed
-    if AHEAD:
-        sc = _load_scales(s_ptrs, n_mask, s_row)
-    for slab in range(first, end):
-        if AHEAD:
-            sc_next = _load_scales(s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols, n_mask, s_row)
-        w0, w1 = _load_slab(w_ptrs, w_row, n_mask[:, None])  # [2 BN, 16] each
-        acc = _slab_dot(acc, a_ptrs, row_mask, k, D, w0, w1, s_ptrs, n_mask, s_row, sc, MAGIC, MAGIC_VALUE, WIDE,
-                        DTYPE, EVEN_K, True, LOP3, AHEAD, PRESCALE)
-        if AHEAD:
-            sc = sc_next
-        w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
-    return _unstack(acc)
 
 
 @triton.jit
@@ -359,8 +317,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
                     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, LEAN: tl.constexpr,
                     EVEN_N: tl.constexpr, DECODE: tl.constexpr, PANEL: tl.constexpr,
                     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
-                    SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, STACK: tl.constexpr = False,
-                    PDL: tl.constexpr = False, PRESCALE: tl.constexpr = False):
+                    SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr = False,
+                    PRESCALE: tl.constexpr = False):
     """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate.
 
     With SPLIT, pid 2 of split_k sums a range of slabs into part; the last split to arrive finishes the tile:
@@ -368,10 +326,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     [P, 2 I], to which every split added its own (relaxed atomics), and zeroes them and its counter again.
     With SWAP the tiles are transposed ([BN, BM]: the weights are the MMA's M operand, see `_slab_dot`); LOP3
     dequantises with inline PTX (`_unpack_group`); AHEAD loads a slab's scales during the slab before (Triton
-    pipelines only loads that feed a dot: the scales would otherwise wait a global load each slab). STACK (with
-    SWAP): the gate and up columns as one [2 BN, BM] tile, one dot (wgmma M = 2 BN) and one wait a group instead
-    of two. PDL (programmatic dependent launch): the down kernel may launch once every program has started; this
-    kernel waits for the previous one (the routing pass, or with DECODE whatever wrote x) first.
+    pipelines only loads that feed a dot: the scales would otherwise wait a global load each slab). PDL
+    (programmatic dependent launch, with DECODE): the down kernel may launch once every program has started; this
+    kernel waits for the previous one (whatever wrote x) first.
     Layout (TritonExperts): w_row / s_row are the row strides of words / scales, stride_wp / stride_sp their
     panel strides (PANEL > 0), up_w / up_s the offsets of the up columns from the gate columns.
     """
@@ -407,37 +364,28 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     acc_u = _acc_zeros(BM, BN, SWAP)
     first = pid_k * n_slabs_per_split
     end = tl.minimum(first + n_slabs_per_split, n_slabs)
-    if STACK:
-        n2_mask = (pid_n * BN + tl.arange(0, 2 * BN) % BN < I) | EVEN_N  # [2 BN]
-        acc_g, acc_u = _gate_up_stacked(x_ptr + token * D, w_base, s_base, pair >= 0, kw, kg,
-                                        _stacked_cols(pid_n, stride_wp, up_w, BN, PANEL),
-                                        _stacked_cols(pid_n, stride_sp, up_s, BN, _scale_panel(PANEL)), n2_mask,
-                                        first, end, D,
-                                        w_row, s_row, MAGIC, MAGIC_VALUE, WIDE, DTYPE, EVEN_K, LOP3, AHEAD, BM, BN,
-                                        PRESCALE)
-    else:
-        w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token * D, kw, kg, w_cols, s_cols, first,
-                                               w_row, s_row, SWAP)
-        sg, su = 0, 0  # with AHEAD: the gate and up scales [BN, 8] of the slab being computed
+    w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token * D, kw, kg, w_cols, s_cols, first,
+                                           w_row, s_row, SWAP)
+    sg, su = 0, 0  # with AHEAD: the gate and up scales [BN, 8] of the slab being computed
+    if AHEAD:
+        sg, su = _load_scales(s_ptrs, n_mask, s_row), _load_scales(s_ptrs + up_s, n_mask, s_row)
+    for slab in range(first, end):
+        if not LEAN:  # recomputed from the slab index (the measured default); LEAN carries them below
+            w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token * D, kw, kg, w_cols, s_cols,
+                                                   slab, w_row, s_row, SWAP)
         if AHEAD:
-            sg, su = _load_scales(s_ptrs, n_mask, s_row), _load_scales(s_ptrs + up_s, n_mask, s_row)
-        for slab in range(first, end):
-            if not LEAN:  # recomputed from the slab index (the measured default); LEAN carries them below
-                w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, x_ptr + token * D, kw, kg, w_cols, s_cols,
-                                                       slab, w_row, s_row, SWAP)
-            if AHEAD:
-                s_next = s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols  # [BN]
-                sg_next, su_next = _load_scales(s_next, n_mask, s_row), _load_scales(s_next + up_s, n_mask, s_row)
-            g0, g1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
-            u0, u1 = _load_slab(w_ptrs + up_w, w_row, col_mask)
-            acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, g0, g1, s_ptrs, n_mask, s_row, sg, MAGIC, MAGIC_VALUE,
-                              WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
-            acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, u0, u1, s_ptrs + up_s, n_mask, s_row, su, MAGIC,
-                              MAGIC_VALUE, WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
-            if AHEAD:
-                sg, su = sg_next, su_next
-            if LEAN:
-                w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
+            s_next = s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols  # [BN]
+            sg_next, su_next = _load_scales(s_next, n_mask, s_row), _load_scales(s_next + up_s, n_mask, s_row)
+        g0, g1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
+        u0, u1 = _load_slab(w_ptrs + up_w, w_row, col_mask)
+        acc_g = _slab_dot(acc_g, a_ptrs, pair >= 0, k, D, g0, g1, s_ptrs, n_mask, s_row, sg, MAGIC, MAGIC_VALUE,
+                          WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
+        acc_u = _slab_dot(acc_u, a_ptrs, pair >= 0, k, D, u0, u1, s_ptrs + up_s, n_mask, s_row, su, MAGIC,
+                          MAGIC_VALUE, WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
+        if AHEAD:
+            sg, su = sg_next, su_next
+        if LEAN:
+            w_ptrs, a_ptrs, s_ptrs, k = _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row)
     out = R * I + C  # [BM, BN] (SWAP: [BN, BM])
     if SPLIT and DECODE:
         _gate_up_sums(acc_g, acc_u, R == pid_b * BM, part_ptr + pid_b * two_i,
@@ -461,6 +409,99 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     else:
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(h_ptr + out, h.to(DTYPE), mask=col_mask)
+
+
+@triton.jit
+def _plan_split(nb, n_tiles, n_slabs, G, cap, S_PAD: tl.constexpr, COST: tl.constexpr):
+    """The K split of `_planned_gate_up_kernel` for nb blocks x n_tiles N tiles on G programs: of s = 1 ..
+    min(S_PAD, n_slabs) splits, the one that minimises waves x (slabs a split + COST), waves = cdiv(items, G)
+    (items = nb x n_tiles x s; at most `cap` when s > 1), ties to the fewer splits. -> (splits, slabs a split)."""
+    s = tl.arange(0, S_PAD) + 1  # [S_PAD]
+    per = tl.cdiv(n_slabs, s)
+    s_eff = tl.cdiv(n_slabs, per)  # the splits that per slabs a split make
+    items = nb * n_tiles * s_eff
+    cost = tl.cdiv(items, G) * (per + COST)
+    cost = tl.where((s <= n_slabs) & ((s_eff == 1) | (items <= cap)), cost, 1 << 30)
+    best = tl.argmin(cost, 0, tie_break_left=True)
+    split = tl.sum(tl.where(tl.arange(0, S_PAD) == best, s_eff, 0), 0)
+    return split, tl.cdiv(n_slabs, split)
+
+
+@triton.jit
+def _planned_gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_ptr, block_expert_ptr, nb_ptr,
+                            D, I, n_slabs, cap, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp, up_w, up_s,
+                            TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TILES_N: tl.constexpr,
+                            S_PAD: tl.constexpr, COST: tl.constexpr, EVEN_N: tl.constexpr, PANEL: tl.constexpr,
+                            MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
+                            SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, PRESCALE: tl.constexpr):
+    """`_gate_up_kernel` after the routing pass with the K split decided on the device: G programs take the work
+    items (block, N tile, split) g, g + G, ... of the nb blocks the routing pass filled (nb_ptr), the split
+    from `_plan_split` (the real number of blocks, not a host estimate). A split stores its partial tiles
+    [2, BM, BN] at part [item]; the last of a tile's splits to arrive sums them in split order (deterministic)
+    and writes h. Counters [nb_max, TILES_N] zeroed by the routing pass."""
+    pid, G = tl.program_id(0), tl.num_programs(0)
+    nb = tl.load(nb_ptr)
+    split, per_split = _plan_split(nb, TILES_N, n_slabs, G, cap, S_PAD, COST)
+    DTYPE = x_ptr.dtype.element_ty
+    kw, kg = tl.arange(0, _SLAB_WORDS // 2), tl.arange(0, _GROUP)
+    for item in range(pid, nb * TILES_N * split, G):
+        j = item % split
+        t = (item // split) % TILES_N
+        b = item // (split * TILES_N)
+        rows = b * BM + tl.arange(0, BM)  # [BM] slots
+        e = tl.load(block_expert_ptr + b)
+        pair = tl.load(sorted_ptr + rows)
+        valid = pair >= 0
+        token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
+        n = t * BN + tl.arange(0, BN)  # [BN] gate columns; up columns are n + I
+        n_mask = (n < I) | EVEN_N
+        R, C = _orient(rows.to(tl.int64), n, SWAP)
+        _, col_mask = _orient(rows, n_mask, SWAP)
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        s_base = s_ptr + e.to(tl.int64) * stride_se
+        w_cols, s_cols = _tile_cols(t, stride_wp, BN, PANEL), _tile_cols(t, stride_sp, BN, _scale_panel(PANEL))
+        a_rows = x_ptr + token * D
+        first = j * per_split
+        end = tl.minimum(first + per_split, n_slabs)
+        acc_g = _acc_zeros(BM, BN, SWAP)
+        acc_u = _acc_zeros(BM, BN, SWAP)
+        sg, su = 0, 0  # with AHEAD: the gate and up scales [BN, 8] of the slab being computed
+        if AHEAD:
+            s0 = s_base + (first * 8) * s_row + s_cols
+            sg, su = _load_scales(s0, n_mask, s_row), _load_scales(s0 + up_s, n_mask, s_row)
+        for slab in range(first, end):
+            w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, a_rows, kw, kg, w_cols, s_cols, slab, w_row,
+                                                   s_row, SWAP)
+            if AHEAD:
+                s_next = s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols  # [BN]
+                sg_next, su_next = _load_scales(s_next, n_mask, s_row), _load_scales(s_next + up_s, n_mask, s_row)
+            g0, g1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
+            u0, u1 = _load_slab(w_ptrs + up_w, w_row, col_mask)
+            acc_g = _slab_dot(acc_g, a_ptrs, valid, k, D, g0, g1, s_ptrs, n_mask, s_row, sg, MAGIC, MAGIC_VALUE,
+                              WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
+            acc_u = _slab_dot(acc_u, a_ptrs, valid, k, D, u0, u1, s_ptrs + up_s, n_mask, s_row, su, MAGIC,
+                              MAGIC_VALUE, WIDE, DTYPE, EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
+            if AHEAD:
+                sg, su = sg_next, su_next
+        last = split == 1
+        if split > 1:
+            loc_r, loc_c = _orient(tl.arange(0, BM), tl.arange(0, BN), SWAP)
+            loc = loc_r * BN + loc_c  # [BM, BN] (SWAP: [BN, BM]): a partial tile's offsets
+            first_part = ((b * TILES_N + t) * split).to(tl.int64)  # the tile's split 0 (= item - j)
+            part = part_ptr + (first_part + j) * (2 * BM * BN) + loc
+            tl.store(part, acc_g)
+            tl.store(part + BM * BN, acc_u)
+            tl.debug_barrier()  # every thread's stores precede the arrival that releases them
+            last = tl.atomic_add(counter_ptr + b * TILES_N + t, 1, sem="acq_rel") == split - 1
+            if last:
+                part = part_ptr + first_part * (2 * BM * BN) + loc
+                acc_g = tl.load(part, cache_modifier=".cg")
+                acc_u = tl.load(part + BM * BN, cache_modifier=".cg")
+                for jj in range(1, split):  # in split order
+                    acc_g += tl.load(part + jj * (2 * BM * BN), cache_modifier=".cg")
+                    acc_u += tl.load(part + jj * (2 * BM * BN) + BM * BN, cache_modifier=".cg")
+        if last:
+            tl.store(h_ptr + R * I + C, (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(DTYPE), mask=col_mask)
 
 
 @triton.jit
@@ -600,14 +641,203 @@ def _down_sums(sums, y_row, counter, tile0, D, arrivals, BN: tl.constexpr, TILES
         tl.store(counter, 0)
 
 
-@triton.jit(do_not_specialize=["n"])
-def _cast_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """dst[i] = src[i] in dst's dtype for i < n (the fp32 output to x's dtype); PDL: launched while the down
-    kernel runs, it waits for it first."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    tl.store(dst_ptr + i, tl.load(src_ptr + i, mask=i < n).to(dst_ptr.dtype.element_ty), mask=i < n)
+@triton.jit
+def _nanosleep(x):
+    """Pause the calling thread about 100 ns (a spin's back-off; PTX, so not interpretable); returns x."""
+    return tl.inline_asm_elementwise("nanosleep.u32 100;\n\tmov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _fused_gate_up(item, x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, ready_ptr, ids_ptr, D, I, n_slabs,
+                   per_split, split, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp, up_w, up_s,
+                   TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TILES_N: tl.constexpr,
+                   SPLIT_PAD: tl.constexpr, EVEN_N: tl.constexpr, PANEL: tl.constexpr, MAGIC: tl.constexpr,
+                   MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
+                   LOP3: tl.constexpr, AHEAD: tl.constexpr, PRESCALE: tl.constexpr):
+    """Gate/up work item `item` = (pair, N tile, K split) of `_fused_decode_kernel`: the split's partial gate and
+    up rows [BN] go to part [P, split, 2 I] (fp32); the last split to arrive at the tile's counter sums the
+    split partials in split order, writes h [P, I] = silu(gate) * up, zeroes the counter and adds 1 to the
+    pair's readiness count (release: its h stores are visible to whoever acquires the count)."""
+    j = item % split
+    t = (item // split) % TILES_N
+    p = item // (split * TILES_N)
+    e = tl.load(ids_ptr + p)
+    row0 = tl.arange(0, BM) == 0  # the pair's one row of the MMA tile
+    token = tl.where(row0, p // TOP_K, 0).to(tl.int64)  # [BM]
+    n = t * BN + tl.arange(0, BN)  # [BN] gate columns; up columns are n + I
+    n_mask = (n < I) | EVEN_N
+    _, col_mask = _orient(row0, n_mask, SWAP)
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = s_ptr + e.to(tl.int64) * stride_se
+    first = j * per_split
+    end = tl.minimum(first + per_split, n_slabs)
+    a_rows, kw, kg = x_ptr + token * D, tl.arange(0, _SLAB_WORDS // 2), tl.arange(0, _GROUP)
+    w_cols, s_cols = _tile_cols(t, stride_wp, BN, PANEL), _tile_cols(t, stride_sp, BN, _scale_panel(PANEL))
+    acc_g = _acc_zeros(BM, BN, SWAP)
+    acc_u = _acc_zeros(BM, BN, SWAP)
+    sg, su = 0, 0  # with AHEAD: the gate and up scales [BN, 8] of the slab being computed
+    if AHEAD:
+        s0 = s_base + (first * 8) * s_row + s_cols
+        sg, su = _load_scales(s0, n_mask, s_row), _load_scales(s0 + up_s, n_mask, s_row)
+    for slab in range(first, end):  # pointers recomputed from the slab (fewer registers than carried ones)
+        w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, a_rows, kw, kg, w_cols, s_cols, slab, w_row, s_row,
+                                               SWAP)
+        if AHEAD:
+            s_next = s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols  # [BN]
+            sg_next, su_next = _load_scales(s_next, n_mask, s_row), _load_scales(s_next + up_s, n_mask, s_row)
+        g0, g1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
+        u0, u1 = _load_slab(w_ptrs + up_w, w_row, col_mask)
+        acc_g = _slab_dot(acc_g, a_ptrs, row0, k, D, g0, g1, s_ptrs, n_mask, s_row, sg, MAGIC, MAGIC_VALUE,
+                          WIDE, x_ptr.dtype.element_ty, EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
+        acc_u = _slab_dot(acc_u, a_ptrs, row0, k, D, u0, u1, s_ptrs + up_s, n_mask, s_row, su, MAGIC,
+                          MAGIC_VALUE, WIDE, x_ptr.dtype.element_ty, EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
+        if AHEAD:
+            sg, su = sg_next, su_next
+    first_row, _ = _orient(row0, n, SWAP)
+    axis: tl.constexpr = 1 if SWAP else 0
+    part = part_ptr + (p * split + j).to(tl.int64) * (2 * I)
+    tl.store(part + n, tl.sum(tl.where(first_row, acc_g, 0.0), axis), mask=n_mask)
+    tl.store(part + I + n, tl.sum(tl.where(first_row, acc_u, 0.0), axis), mask=n_mask)
+    tl.debug_barrier()  # every thread's stores precede the arrival that releases them
+    if tl.atomic_add(counter_ptr + p * TILES_N + t, 1, sem="acq_rel") == split - 1:
+        js = tl.arange(0, SPLIT_PAD)[:, None]  # [SPLIT_PAD, 1]
+        parts = part_ptr + (p * split + js).to(tl.int64) * (2 * I) + n[None, :]  # [SPLIT_PAD, BN]
+        m2 = (js < split) & n_mask[None, :]
+        g = tl.sum(tl.load(parts, mask=m2, other=0.0, cache_modifier=".cg"), 0)  # [BN]
+        u = tl.sum(tl.load(parts + I, mask=m2, other=0.0, cache_modifier=".cg"), 0)
+        tl.store(h_ptr + p.to(tl.int64) * I + n, (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty),
+                 mask=n_mask)
+        tl.store(counter_ptr + p * TILES_N + t, 0)
+        tl.debug_barrier()  # the h stores precede the release
+        tl.atomic_add(ready_ptr + p, 1, sem="release")
+
+
+@triton.jit
+def _prefetch_tile(w_base, tile, slab, stride_wp, w_row, BN: tl.constexpr, PANEL: tl.constexpr):
+    """Ask L2 for N tile `tile`'s words of slab `slab` (PTX prefetch: not interpretable)."""
+    if PANEL == 1:  # a column's slab: 32 words, one 128-byte line
+        _prefetch_l2(w_base + _tile_cols(tile, stride_wp, BN, PANEL) + slab * _SLAB_WORDS)
+    else:
+        _prefetch_slab(w_base + _tile_cols(tile, stride_wp, BN, PANEL, 32)[None, :], slab, w_row)
+
+
+@triton.jit
+def _fused_down(item, h_ptr, w_ptr, s_ptr, part_ptr, y_ptr, counter_ptr, ready_ptr, ids_ptr, weights_ptr,
+                D, I, n_slabs, per_split, split, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp,
+                TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TILES: tl.constexpr, GROUPS: tl.constexpr,
+                GU_TILES: tl.constexpr, KS_PAD: tl.constexpr, EVEN_N: tl.constexpr, PANEL: tl.constexpr,
+                MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
+                SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, PRESCALE: tl.constexpr,
+                PTX: tl.constexpr, ONE_SLAB: tl.constexpr):
+    """Down work item `item` = (pair, group of TILES N tiles, K split) of `_fused_decode_kernel`: asks L2 for its
+    words, waits until the pair's GU_TILES gate/up tiles are ready (acquire), stores the weighted partial rows
+    [BN] to part [P, split, D] (fp32); the last of the token's TOP_K x split items to arrive at the group's
+    counter sums them in (pair, split) order, writes y [M, D] in its dtype and zeroes the counter. The pair's
+    readiness count is zeroed by its last user (GU_TILES + GROUPS x split arrivals). ONE_SLAB: an item's K range
+    is one slab (no K loop)."""
+    j = item % split
+    grp = (item // split) % GROUPS
+    p = item // (split * GROUPS)
+    token = p // TOP_K
+    e = tl.load(ids_ptr + p)
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = s_ptr + e.to(tl.int64) * stride_se
+    first = j * per_split
+    end = tl.minimum(first + per_split, n_slabs)
+    if PTX:
+        for s in tl.static_range(TILES):
+            _prefetch_tile(w_base, grp * TILES + s, first, stride_wp, w_row, BN, PANEL)
+    weight = tl.load(weights_ptr + p)
+    ready = tl.atomic_add(ready_ptr + p, 0, sem="relaxed")
+    while ready < GU_TILES:
+        if PTX:
+            ready = _nanosleep(ready)
+        ready = tl.atomic_add(ready_ptr + p, 0, sem="relaxed")
+    # acq_rel: synchronises with every tile's release (an RMW continues their release sequence)
+    if tl.atomic_add(ready_ptr + p, 1, sem="acq_rel") == GU_TILES + GROUPS * split - 1:
+        tl.store(ready_ptr + p, 0)
+    tl.debug_barrier()
+    row0 = tl.arange(0, BM) == 0
+    h_rows = h_ptr + p.to(tl.int64) * I + tl.zeros((BM,), tl.int64)  # [BM]: row 0 valid
+    kw = tl.arange(0, _SLAB_WORDS // 2)
+    kg = tl.arange(0, _GROUP)
+    part = part_ptr + (p * split + j).to(tl.int64) * D
+    for t in range(TILES):
+        tile = grp * TILES + t
+        n = tile * BN + tl.arange(0, BN)  # [BN] hidden columns
+        n_mask = (n < D) | EVEN_N
+        w_cols = _tile_cols(tile, stride_wp, BN, PANEL)
+        s_cols = _tile_cols(tile, stride_sp, BN, _scale_panel(PANEL))
+        first_row, col_mask = _orient(row0, n_mask, SWAP)
+        w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, first, w_row, s_row,
+                                               SWAP)
+        if ONE_SLAB:  # no K loop: the tile loop is the innermost, so tile t + 1's words load during tile t
+            w0, w1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
+            acc = _slab_dot(_acc_zeros(BM, BN, SWAP), a_ptrs, row0, k, I, w0, w1, s_ptrs, n_mask, s_row, 0, MAGIC,
+                            MAGIC_VALUE, WIDE, h_ptr.dtype.element_ty, EVEN_K, SWAP, LOP3, False, PRESCALE)
+        else:
+            acc = _down_slabs(_acc_zeros(BM, BN, SWAP), w_base, s_base, h_rows, kw, kg, w_cols, s_cols, w_ptrs,
+                              a_ptrs, s_ptrs, k, row0, n_mask, col_mask, tile, first, end, I, w_row, s_row, MAGIC,
+                              MAGIC_VALUE, WIDE, h_ptr.dtype.element_ty, EVEN_K, SWAP, LOP3, AHEAD, False, BN, PANEL,
+                              PRESCALE)
+        axis: tl.constexpr = 1 if SWAP else 0
+        tl.store(part + n, tl.sum(tl.where(first_row, acc, 0.0), axis) * weight, mask=n_mask)
+    tl.debug_barrier()  # every thread's stores precede the arrival that releases them
+    arrivals = TOP_K * split
+    if tl.atomic_add(counter_ptr + token * GROUPS + grp, 1, sem="acq_rel") == arrivals - 1:
+        rs = tl.arange(0, KS_PAD)[:, None]  # [KS_PAD, 1]: the token's (pair, split) rows in order
+        rows = part_ptr + (token * arrivals + rs).to(tl.int64) * D
+        for s in tl.static_range(TILES):
+            n = (grp * TILES + s) * BN + tl.arange(0, BN)
+            n_mask = (n < D) | EVEN_N
+            v = tl.load(rows + n[None, :], mask=(rs < arrivals) & n_mask[None, :], other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + token.to(tl.int64) * D + n, tl.sum(v, 0).to(y_ptr.dtype.element_ty), mask=n_mask)
+        tl.store(counter_ptr + token * GROUPS + grp, 0)
+
+
+@triton.jit(do_not_specialize=["gu_per_split", "gu_split", "dn_per_split", "dn_split", "n_gu", "n_dn"])
+def _fused_decode_kernel(x_ptr, gu_w, gu_s, dn_w, dn_s, h_ptr, gu_part, dn_part, y_ptr, counter_ptr, ids_ptr,
+                         weights_ptr, D, I, gu_slabs, gu_per_split, gu_split, dn_slabs, dn_per_split, dn_split,
+                         n_gu, n_dn, gu_stride_we, gu_stride_se, dn_stride_we, dn_stride_se,
+                         gu_w_row, gu_s_row, gu_stride_wp, gu_stride_sp, up_w, up_s,
+                         dn_w_row, dn_s_row, dn_stride_wp, dn_stride_sp,
+                         TOP_K: tl.constexpr, BM: tl.constexpr, GU_BN: tl.constexpr, DN_BN: tl.constexpr,
+                         GU_TILES: tl.constexpr, TILES: tl.constexpr, GROUPS: tl.constexpr,
+                         SPLIT_PAD: tl.constexpr, KS_PAD: tl.constexpr, GU_EVEN_N: tl.constexpr,
+                         DN_EVEN_N: tl.constexpr, GU_PANEL: tl.constexpr, DN_PANEL: tl.constexpr,
+                         GU_EVEN_K: tl.constexpr, DN_EVEN_K: tl.constexpr, MAGIC: tl.constexpr,
+                         MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, SWAP: tl.constexpr, LOP3: tl.constexpr,
+                         AHEAD: tl.constexpr, PRESCALE: tl.constexpr, PTX: tl.constexpr, PHASES: tl.constexpr,
+                         ONE_SLAB: tl.constexpr):
+    """The decode path in one launch: n_gu gate/up items (`_fused_gate_up`), then n_dn down items
+    (`_fused_down`), program g taking items g, g + G, ... of each (G programs, all co-resident: a down item waits
+    for gate/up items of other programs, which must not be queued behind it). PHASES: 3 both (the GPU), 1 the
+    gate/up items only, 2 the down items only (the interpreter runs programs one after the other, so it runs
+    two launches). Counters [P GU_TILES | P | M GROUPS] int32 at counter_ptr, zero again at the end."""
+    pid, G = tl.program_id(0), tl.num_programs(0)
+    P = n_gu // (GU_TILES * gu_split)
+    ready_ptr = counter_ptr + P * GU_TILES
+    dn_counter = ready_ptr + P
+    if PTX:  # the first down item's words stream into L2 while the gate/up items run
+        if pid < n_dn:
+            grp = (pid // dn_split) % GROUPS
+            e = tl.load(ids_ptr + pid // (dn_split * GROUPS))
+            for t in tl.static_range(TILES):
+                _prefetch_tile(dn_w + e.to(tl.int64) * dn_stride_we, grp * TILES + t, (pid % dn_split) * dn_per_split,
+                               dn_stride_wp, dn_w_row, DN_BN, DN_PANEL)
+    if PHASES % 2:
+        for item in range(pid, n_gu, G):
+            _fused_gate_up(item, x_ptr, gu_w, gu_s, h_ptr, gu_part, counter_ptr, ready_ptr, ids_ptr, D, I, gu_slabs,
+                           gu_per_split, gu_split, gu_stride_we, gu_stride_se, gu_w_row, gu_s_row, gu_stride_wp,
+                           gu_stride_sp, up_w, up_s, TOP_K, BM, GU_BN, GU_TILES, SPLIT_PAD, GU_EVEN_N, GU_PANEL,
+                           MAGIC, MAGIC_VALUE, WIDE, GU_EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
+    if PHASES // 2:
+        for item in range(pid, n_dn, G):
+            _fused_down(item, h_ptr, dn_w, dn_s, dn_part, y_ptr, dn_counter, ready_ptr, ids_ptr, weights_ptr, D, I,
+                        dn_slabs, dn_per_split, dn_split, dn_stride_we, dn_stride_se, dn_w_row, dn_s_row,
+                        dn_stride_wp, dn_stride_sp, TOP_K, BM, DN_BN, TILES, GROUPS, GU_TILES, KS_PAD, DN_EVEN_N,
+                        DN_PANEL, MAGIC, MAGIC_VALUE, WIDE, DN_EVEN_K, SWAP, LOP3, AHEAD, PRESCALE, PTX, ONE_SLAB)
 
 
 # ----------------------------------------------------------------------------------------------- repack
@@ -713,6 +943,9 @@ def _sm_count(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+PLAN_COST = 1  # `_plan_split`: a work item's fixed cost (epilogue, index loads), in slabs
+
+
 def _split(n_slabs, work, sms, waves=2):
     """K splits so that about `waves` x SMs programs run, each split holding at least one slab."""
     return max(1, min(n_slabs, triton.cdiv(waves * sms, max(work, 1))))
@@ -759,19 +992,21 @@ def _layout(words, scales, panel, BN, up=0):
 
 
 def _route(topk_ids, scratch, E, BM, capacity, nb_max):
-    """Launch `_route_kernel` (it also zeroes `scratch`): -> (sorted pair ids [capacity], block experts [nb_max])."""
+    """Launch `_route_kernel` (it also zeroes `scratch`): -> (sorted pair ids [capacity], block experts [nb_max],
+    the number of blocks filled [1])."""
     P = topk_ids.numel()
-    ints = torch.empty(2 * 1024 + P + capacity + nb_max, dtype=torch.int32, device=topk_ids.device)
-    counts, offsets = ints[:1024], ints[1024:2048]
-    rank, sorted_pairs, block_expert = ints[2048 : 2048 + P], ints[2048 + P : 2048 + P + capacity], ints[2048 + P + capacity :]
+    ints = torch.empty(2 * 1024 + P + capacity + nb_max + 1, dtype=torch.int32, device=topk_ids.device)
+    counts, offsets, nb = ints[:1024], ints[1024:2048], ints[-1:]
+    rank, sorted_pairs = ints[2048 : 2048 + P], ints[2048 + P : 2048 + P + capacity]
+    block_expert = ints[2048 + P + capacity : -1]
     e_pad = triton.next_power_of_2(E)
     if e_pad > 1024:
         raise ValueError(f"moe (triton): at most 1024 experts, got {E}")
     block = 1024
     _route_kernel[(1 + triton.cdiv(scratch.numel(), block),)](
-        topk_ids, sorted_pairs, block_expert, counts, offsets, rank, scratch, scratch.numel(), P, capacity, nb_max,
+        topk_ids, sorted_pairs, block_expert, counts, offsets, rank, nb, scratch, scratch.numel(), P, capacity, nb_max,
         BM=BM, E_PAD=e_pad, BLOCK=block)
-    return sorted_pairs, block_expert
+    return sorted_pairs, block_expert, nb
 
 
 DECODE_ROWS = 16  # the decode path's scratch is sized for this many tokens at least (see _decode_scratch)
@@ -793,6 +1028,113 @@ def _decode_scratch(device, M, top_k, D, I, gu_tiles, dn_tiles):
     return gu_counters, dn_counters, sums, out
 
 
+_GRID = {}  # (kernel, device, dtype, constexprs) -> programs of a persistent kernel the GPU holds at once
+
+
+def _occupancy(kernel, device):
+    """CTAs of a compiled kernel that one SM of `device` holds at once, by its registers, shared memory and
+    warps (the CUDA occupancy rules: registers allocated per warp in units of 256, 1 KB of shared memory reserved
+    per CTA)."""
+    kernel._init_handles()
+    props = torch.cuda.get_device_properties(device)
+    warps = kernel.metadata.num_warps
+    warp_regs = triton.cdiv(max(kernel.n_regs, 1) * 32, 256) * 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // warp_regs // warps
+    by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (kernel.metadata.shared + 1024)
+    by_warps = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+    return max(1, min(by_regs, by_smem, by_warps, 16))
+
+
+def _resident_programs(kernel, args, constexprs, device, dtype):
+    """Programs of `kernel` (launched with args and constexprs) that the GPU holds at once: SMs x its CTAs an SM
+    (`_occupancy` of the compiled kernel, compiled once here)."""
+    key = (kernel.fn.__name__, device, dtype, *sorted(constexprs.items()))
+    if key not in _GRID:
+        _GRID[key] = _sm_count(device) * _occupancy(kernel.warmup(*args, **constexprs, grid=(1,)), device)
+    return _GRID[key]
+
+
+def _fused_decode(x, topk_ids, topk_weights, experts, cfg, explicit):
+    """The decode path in one launch (`_fused_decode_kernel`; config key `fused`, with `decode`): a grid no larger
+    than what the GPU holds at once (SMs x the compiled kernel's CTAs an SM), as the kernel's waits require, and
+    gate/up K splits for about `items` (gate/up config key, default 1) gate/up items a program. explicit: cfg was
+    given by the caller (a table entry's down tiles that do not divide D fall back to one)."""
+    M, D = x.shape
+    top_k, I = topk_ids.shape[1], experts.intermediate
+    P, dev = M * top_k, x.device
+    g, d = cfg["gate_up"], cfg["down"]
+    for key in ("swap", "lop3", "scales_ahead", "prescale"):
+        if g.get(key, False) != d.get(key, False):
+            raise ValueError(f"moe (triton): a fused config takes one `{key}` for both kernels")
+    sms, ptx = _sm_count(dev), dev.type == "cuda"
+    gu_bn, dn_bn, tiles = g["BN"], d["BN"], d.get("tiles", 1)
+    if D % (dn_bn * tiles):
+        if explicit:
+            raise ValueError(f"moe (triton): down tiles {tiles} x BN {dn_bn} must divide the hidden size {D}")
+        tiles = 1
+    gu_tiles, groups = triton.cdiv(I, gu_bn), triton.cdiv(D, dn_bn * tiles)
+    gu_slabs, dn_slabs = experts.gate_up.shape[-2] // SLAB_WORDS, experts.down.shape[-2] // SLAB_WORDS
+    dn_per = triton.cdiv(dn_slabs, _split(dn_slabs, P * groups, sms, d["waves"]))
+    dn_split = triton.cdiv(dn_slabs, dn_per)
+    n_dn = P * groups * dn_split
+    rows = max(M, DECODE_ROWS)  # counters sized for at least DECODE_ROWS tokens (see _decode_scratch)
+    counters = arrival_counters("moe_w4a16_fused", dev, rows * top_k * (gu_tiles + 1) + rows * groups)
+    h = torch.empty((P, I), dtype=x.dtype, device=dev)
+    dn_part = torch.empty((P * dn_split, D), dtype=torch.float32, device=dev)
+    y = torch.empty((M, D), dtype=x.dtype, device=dev)
+    gu_layout = _layout(experts.gate_up, experts.gate_up_scale, experts.panel_gate_up, gu_bn, up=I)
+    dn_layout = _layout(experts.down, experts.down_scale, experts.panel_down, dn_bn)
+    flags = _flags(g, I, ptx)
+
+    def args(gu_part, gu_per, gu_split):
+        return (x, experts.gate_up, experts.gate_up_scale, experts.down, experts.down_scale, h, gu_part, dn_part, y,
+                counters, topk_ids, topk_weights, D, I, gu_slabs, gu_per, gu_split, dn_slabs, dn_per, dn_split,
+                P * gu_tiles * gu_split, n_dn, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
+                experts.down.stride(0), experts.down_scale.stride(0), gu_layout["w_row"], gu_layout["s_row"],
+                gu_layout["stride_wp"], gu_layout["stride_sp"], gu_layout["up_w"], gu_layout["up_s"],
+                dn_layout["w_row"], dn_layout["s_row"], dn_layout["stride_wp"], dn_layout["stride_sp"])
+
+    constexprs = dict(TOP_K=top_k, BM=cfg["BM"], GU_BN=gu_bn, DN_BN=dn_bn, GU_TILES=gu_tiles, TILES=tiles,
+                      GROUPS=groups, SPLIT_PAD=max(2, triton.next_power_of_2(gu_slabs)),
+                      KS_PAD=max(2, triton.next_power_of_2(top_k * dn_split)), GU_EVEN_N=I % gu_bn == 0,
+                      DN_EVEN_N=D % dn_bn == 0, GU_PANEL=experts.panel_gate_up, DN_PANEL=experts.panel_down,
+                      GU_EVEN_K=D % SLAB == 0, DN_EVEN_K=I % SLAB == 0, SWAP=flags["SWAP"], LOP3=flags["LOP3"],
+                      AHEAD=flags["AHEAD"], PRESCALE=flags["PRESCALE"], PTX=ptx, ONE_SLAB=dn_per == 1,
+                      PHASES=3, **UNPACK[x.dtype], num_warps=g["num_warps"], num_stages=g["num_stages"])
+    # programs the GPU holds at once (the split arguments are not specialised on: any values compile the same)
+    grid = _resident_programs(_fused_decode_kernel, args(dn_part, 1, 1), constexprs, dev, x.dtype) if ptx else 4 * sms
+    gu_per = triton.cdiv(gu_slabs, min(gu_slabs, max(1, g.get("items", 1) * grid // (P * gu_tiles))))
+    gu_split = triton.cdiv(gu_slabs, gu_per)
+    gu_part = torch.empty((P * gu_split, 2 * I), dtype=torch.float32, device=dev)
+    grid = min(grid, max(P * gu_tiles * gu_split, n_dn))
+    if ptx:
+        _fused_decode_kernel[(grid,)](*args(gu_part, gu_per, gu_split), **constexprs)
+    else:  # the interpreter runs programs in turn: the gate/up items first, then the down items
+        for phase in (1, 2):
+            _fused_decode_kernel[(grid,)](*args(gu_part, gu_per, gu_split), **{**constexprs, "PHASES": phase})
+    return y
+
+
+def _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g, BM, top_k, ptx):
+    """Launch `_planned_gate_up_kernel` (gate/up config g with `device_split`): as many programs as the GPU holds
+    at once (in the interpreter, `waves` x 4), partials for up to 4 x that many work items."""
+    D, I, dev = x.shape[1], experts.intermediate, x.device
+    BN, slabs = g["BN"], experts.gate_up.shape[-2] // SLAB_WORDS
+    constexprs = dict(TOP_K=top_k, BM=BM, BN=BN, TILES_N=triton.cdiv(I, BN), S_PAD=triton.next_power_of_2(slabs),
+                      COST=PLAN_COST, EVEN_N=I % BN == 0, EVEN_K=D % SLAB == 0, **UNPACK[x.dtype],
+                      **{k: v for k, v in _flags(g, I, ptx).items() if k in ("SWAP", "LOP3", "AHEAD", "PRESCALE")},
+                      **_launch(g, False))
+    cap = 4 * g["waves"] * _sm_count(dev)  # work items with partials, at most (`_plan_split`)
+    part = torch.empty(cap * 2 * BM * BN, dtype=torch.float32, device=dev)
+    layout = _layout(experts.gate_up, experts.gate_up_scale, experts.panel_gate_up, BN, up=I)
+    constexprs["PANEL"] = layout.pop("PANEL")
+    args = [x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert, nb, D, I, slabs,
+            cap, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
+            *(layout[k] for k in ("w_row", "s_row", "stride_wp", "stride_sp", "up_w", "up_s"))]
+    programs = _resident_programs(_planned_gate_up_kernel, args, constexprs, dev, x.dtype) if ptx else cap // 4
+    _planned_gate_up_kernel[(programs,)](*args, **constexprs)
+
+
 def moe(x, topk_ids, topk_weights, experts, config=None):
     """Triton backend of ops.moe (see there): x [M, D] bf16/fp16, topk_ids [M, k] int32, topk_weights [M, k] fp32.
 
@@ -811,6 +1153,8 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
     if tuple(cfg.get("panels", (experts.panel_gate_up, experts.panel_down))) != (experts.panel_gate_up, experts.panel_down):
         raise ValueError(f"moe (triton): config for panels {cfg['panels']}, experts laid out with "
                          f"{(experts.panel_gate_up, experts.panel_down)}")
+    if cfg.get("fused", False):
+        return _fused_decode(x, topk_ids, topk_weights, experts, cfg, config is not None)
     BM, decode = cfg["BM"], cfg.get("decode", False)
     nb_max = P if decode else triton.cdiv(P, BM) + min(E, P)
     capacity = nb_max * BM
@@ -836,7 +1180,7 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
 
     dev = x.device
     ptx = dev.type == "cuda"  # inline PTX (lop3) compiles; the interpreter runs the plain forms
-    pdl = ptx and cfg.get("pdl", False)  # programmatic dependent launch of the GEMMs and the cast (CUDA only)
+    pdl = ptx and decode and cfg.get("pdl", False)  # programmatic dependent launch of the GEMMs (CUDA only)
     h = torch.empty((capacity, I), dtype=x.dtype, device=dev)
     if decode:  # no routing pass, no memset, no cast: zeroed sums and counters that the kernels zero again
         sorted_pairs = block_expert = topk_ids
@@ -844,9 +1188,10 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
         gu_counters, dn_counters, part, out = _decode_scratch(dev, M, top_k, D, I, gu_tiles, dn_tiles)
         counters = gu_counters
     else:
-        n_counters = nb_max * gu_tiles if gu_split > 1 else 0
+        planned = cfg["gate_up"].get("device_split", False)
+        n_counters = nb_max * gu_tiles if gu_split > 1 or planned else 0
         scratch = torch.empty(M * D + n_counters, dtype=torch.float32, device=dev)  # zeroed by _route_kernel
-        sorted_pairs, block_expert = _route(topk_ids, scratch, E, BM, capacity, nb_max)
+        sorted_pairs, block_expert, nb = _route(topk_ids, scratch, E, BM, capacity, nb_max)
         out, counters = scratch[: M * D].view(M, D), scratch[M * D :].view(torch.int32)
         y, dn_counters = out, counters  # unused
         part = torch.empty((gu_split if gu_split > 1 else 0, capacity, 2 * I), dtype=torch.float32, device=dev)
@@ -854,25 +1199,22 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
     gu_layout = _layout(experts.gate_up, experts.gate_up_scale, experts.panel_gate_up, gu_bn, up=I)
     dn_layout = _layout(experts.down, experts.down_scale, experts.panel_down, dn_bn)
     g = cfg["gate_up"]
-    _gate_up_kernel[(nb_max, gu_tiles, gu_split)](
-        x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert,
-        D, I, gu_slabs, gu_per_split, gu_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
-        part.stride(0) if gu_split > 1 and not decode else 0, **gu_layout,
-        TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_flags(g, I, ptx), DECODE=decode,
-        STACK=g.get("stack", False), PDL=pdl, **_launch(g, pdl), **magic)
+    if not decode and planned:
+        _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g, BM, top_k, ptx)
+    else:
+        _gate_up_kernel[(nb_max, gu_tiles, gu_split)](
+            x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert,
+            D, I, gu_slabs, gu_per_split, gu_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
+            part.stride(0) if gu_split > 1 and not decode else 0, **gu_layout,
+            TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_flags(g, I, ptx), DECODE=decode,
+            PDL=pdl, **_launch(g, pdl), **magic)
     d = cfg["down"]
     _down_kernel[(nb_max, dn_tiles, dn_split)](
         h, experts.down, experts.down_scale, out, y, dn_counters, topk_weights, sorted_pairs, block_expert,
         D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0), **dn_layout,
         TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_flags(d, D, ptx), DECODE=decode, TILES=dn_per_cta,
         ONE_SLAB=dn_slabs == 1 and dn_per_cta > 1, PDL=pdl, **_launch(d, pdl), **magic)
-    if decode:
-        return y
-    if not pdl:
-        return out.to(x.dtype)
-    cast = torch.empty((M, D), dtype=x.dtype, device=dev)
-    _cast_kernel[(triton.cdiv(M * D, 2048),)](out, cast, M * D, BLOCK=2048, PDL=True, launch_pdl=True)
-    return cast
+    return y if decode else out.to(x.dtype)
 
 
 def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
@@ -890,11 +1232,46 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
                 stride_we="i64", stride_se="i64", **layout)
     g, d, decode = cfg["gate_up"], cfg["down"], cfg.get("decode", False)
     p_gu, p_dn = cfg.get("panels", (0, 0))
+    if cfg.get("fused", False):
+        return [_fused_spec(cfg, dtype, magic, top_k, arch, D, I)]
+    if g.get("device_split", False) and not decode:
+        planned = dict(x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", h_ptr=f"*{dtype}", part_ptr="*fp32",
+                       counter_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32", nb_ptr="*i32", D="i32",
+                       I="i32", n_slabs="i32", cap="i32", stride_we="i64", stride_se="i64", **layout, up_w="i32",
+                       up_s="i32")
+        flags = {k: v for k, v in _flags(g, I).items() if k in ("SWAP", "LOP3", "AHEAD", "PRESCALE")}
+        gu_spec = (_planned_gate_up_kernel, (planned, dict(
+            TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], TILES_N=triton.cdiv(I, g["BN"]), S_PAD=32, COST=PLAN_COST,
+            EVEN_N=I % g["BN"] == 0, PANEL=p_gu, EVEN_K=True, **flags, **magic), arch, g["num_warps"], g["num_stages"]))
+    else:
+        gu_spec = (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT=True, EVEN_K=True,
+                                                   **_flags(g, I), DECODE=decode, PANEL=p_gu,
+                                                   PDL=cfg.get("pdl", False), **magic), arch, g["num_warps"],
+                                   g["num_stages"]))
     return [
-        (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT=True, EVEN_K=True, **_flags(g, I),
-                                         DECODE=decode, PANEL=p_gu, STACK=g.get("stack", False),
-                                         PDL=cfg.get("pdl", False), **magic), arch, g["num_warps"], g["num_stages"])),
+        gu_spec,
         (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], EVEN_K=True, **_flags(d, D), DECODE=decode,
                                    PANEL=p_dn, TILES=d.get("tiles", 1), ONE_SLAB=I <= SLAB and d.get("tiles", 1) > 1,
                                    PDL=cfg.get("pdl", False), **magic), arch, d["num_warps"], d["num_stages"])),
     ]
+
+
+def _fused_spec(cfg, dtype, magic, top_k, arch, D, I):
+    """compile_specs' entry of the fused decode kernel (one K split, as at TP8's down)."""
+    g, d = cfg["gate_up"], cfg["down"]
+    p_gu, p_dn = cfg.get("panels", (0, 0))
+    ints = ("D", "I", "gu_slabs", "gu_per_split", "gu_split", "dn_slabs", "dn_per_split", "dn_split", "n_gu", "n_dn")
+    layout = ("gu_w_row", "gu_s_row", "gu_stride_wp", "gu_stride_sp", "up_w", "up_s", "dn_w_row", "dn_s_row",
+              "dn_stride_wp", "dn_stride_sp")
+    signature = dict(x_ptr=f"*{dtype}", gu_w="*i32", gu_s="*bf16", dn_w="*i32", dn_s="*bf16", h_ptr=f"*{dtype}",
+                     gu_part="*fp32", dn_part="*fp32", y_ptr=f"*{dtype}", counter_ptr="*i32", ids_ptr="*i32",
+                     weights_ptr="*fp32", **dict.fromkeys(ints, "i32"), gu_stride_we="i64", gu_stride_se="i64",
+                     dn_stride_we="i64", dn_stride_se="i64", **dict.fromkeys(layout, "i32"))
+    tiles, flags = d.get("tiles", 1), _flags(g, I)
+    constexprs = dict(TOP_K=top_k, BM=cfg["BM"], GU_BN=g["BN"], DN_BN=d["BN"], GU_TILES=triton.cdiv(I, g["BN"]),
+                      TILES=tiles, GROUPS=D // (d["BN"] * tiles), KS_PAD=top_k,
+                      SPLIT_PAD=triton.next_power_of_2(triton.cdiv(D, SLAB)),
+                      GU_EVEN_N=I % g["BN"] == 0, DN_EVEN_N=D % d["BN"] == 0, GU_PANEL=p_gu, DN_PANEL=p_dn,
+                      GU_EVEN_K=True, DN_EVEN_K=True, SWAP=flags["SWAP"], LOP3=flags["LOP3"], AHEAD=flags["AHEAD"],
+                      PRESCALE=flags["PRESCALE"], PTX=True, PHASES=3, ONE_SLAB=I <= SLAB, **magic)
+    return _fused_decode_kernel, (signature, constexprs, arch, g["num_warps"], g["num_stages"])
