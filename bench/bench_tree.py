@@ -201,6 +201,7 @@ VARIANTS = {
     "walk_fused": ("accept", dict(walk_fused=True)),
     "walk_two_reductions": ("accept", dict(walk_pre=False)),
     "walk_warps1": ("accept", dict(walk_warps=1)),
+    "sample_nocap": ("accept", dict(maxnreg_v=None)),
     "unroll2": ("accept", dict(unroll_v=2)),
     "unroll8": ("accept", dict(unroll_v=8)),
     "programs528": ("accept", dict(programs=528)),

@@ -20,18 +20,18 @@ MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few
 
 # Configs as data per arch (compute capability major*10+minor): top-k rows (K up to, chunk: lanes a program
 # selects from in one load, least warps, lanes a selection scan takes at once, register cap or None), the last
-# also for larger K; the sampling pass's BLOCK over the vocabulary, its warps, target program count and loads in
-# flight a loop step, and whether its last program per tree walks (else a walk launch); warps of the
+# also for larger K; the sampling pass's BLOCK over the vocabulary, its warps, register cap, target program count
+# and loads in flight a loop step, and whether its last program per tree walks (else a walk launch); warps of the
 # one-program-per-tree heap build (its heap lives in registers: one warp keeps every reduction inside shuffles),
 # the budget from which the depth-synchronous build replaces the heap loop, and that build's warps. sm_90:
 # measured on the H200 (bench/results/tree_h200.md); sm_120 takes sm_90's unroll_v, untimed.
 CONFIGS = {
     90: dict(topk=((8, 2048, 4, 2048, None), (64, 4096, 8, 2048, 64), (MAX_BUDGET, 4096, 8, SEL_TILE, None)),
-             topk_group_lo=True, topk_pivots=1, block_v=2048, warps_v=8, programs=1056, unroll_v=4, walk_fused=False,
-             walk_pre=True, walk_warps=4, build_warps=1, levels_from=8, levels_warps=8),
+             topk_group_lo=True, topk_pivots=1, block_v=2048, warps_v=8, maxnreg_v=48, programs=1056, unroll_v=4,
+             walk_fused=False, walk_pre=True, walk_warps=4, build_warps=1, levels_from=8, levels_warps=8),
     120: dict(topk=((MAX_BUDGET, 4096, 4, SEL_TILE, None),), topk_group_lo=True, topk_pivots=1, block_v=1024,
-              warps_v=4, programs=752, unroll_v=4, walk_fused=False, walk_pre=True, walk_warps=4, build_warps=1,
-              levels_from=64, levels_warps=2),
+              warps_v=4, maxnreg_v=None, programs=752, unroll_v=4, walk_fused=False, walk_pre=True, walk_warps=4,
+              build_warps=1, levels_from=64, levels_warps=2),
 }
 
 
@@ -433,7 +433,7 @@ def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_
 
 # ---- accept: per-node sampling over vocabulary splits, then one program per tree reduces and walks ----
 
-@triton.jit(do_not_specialize=["V", "N1", "CHUNK", "SPLIT", "inv_t", "L"])
+@triton.jit(do_not_specialize=["N1", "SPLIT", "inv_t", "L"])  # V and CHUNK specialised: vector loads
 def _sample_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx_ptr, V, N1, CHUNK, SPLIT, inv_t,
                    count_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, L,
                    GREEDY: tl.constexpr, HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
@@ -541,7 +541,7 @@ def _walk_kernel(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_p
 
 # ---- compaction: programs (layer, b) move cache rows, programs (layers + chunk, b) gather hidden rows ----
 
-@triton.jit(do_not_specialize=["layers", "L1", "D", "F", "s_layer", "s_b", "s_pos", "h_b", "h_n"])
+@triton.jit(do_not_specialize=["layers", "L1"])  # sizes and strides specialised: vector loads and stores
 def _compact_kernel(kv_ptr, starts_ptr, path_ptr, len_ptr, hid_ptr, out_ptr, layers, L1, D, F,
                     s_layer, s_b, s_pos, h_b, h_n, LP: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
                     PDL: tl.constexpr):
@@ -576,6 +576,11 @@ def _arch(device):
         return 90
     major, minor = torch.cuda.get_device_capability(device)
     return 120 if major * 10 + minor >= 120 else 90
+
+
+def _cap(maxnreg):
+    """Launch keywords for a register cap (None: the compiler's choice)."""
+    return {} if maxnreg is None else dict(maxnreg=maxnreg)
 
 
 def _split(rows, V, block, programs):
@@ -626,7 +631,7 @@ def draft_topk(logits, k):
                                  BITS=_value_bits(x.dtype), CHUNK=chunk, TILE=tile, MP=mp, MT=min(mp, SEL_TILE),
                                  KP=triton.next_power_of_2(max(k, 2)), CP=triton.next_power_of_2(max(chunks, 2)),
                                  GROUP_LO=cfg["topk_group_lo"], PIVOTS=cfg["topk_pivots"],
-                                 num_warps=warps, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
+                                 num_warps=warps, **_cap(maxnreg),
                                  **pdl.options(x))
     return lp, tokens
 
@@ -681,7 +686,7 @@ def accept(tree, target_logits, temperature, floor, seeds, step):
     _sample_kernel[(rows, split)](
         x, tree.num_nodes, seeds.contiguous(), step.contiguous(), floor if floor is not None else pval, pval, pidx,
         V, N1, chunk, split, inv_t, *walk, GREEDY=temperature == 0, HAS_FLOOR=floor is not None, BLOCK=block,
-        UNROLL=unroll, WALK=cfg["walk_fused"], **sizes, num_warps=cfg["warps_v"],
+        UNROLL=unroll, WALK=cfg["walk_fused"], **sizes, num_warps=cfg["warps_v"], **_cap(cfg["maxnreg_v"]),
         enable_fp_fusion=False, **pdl.options(x))  # x / T and the noise rounded as in torch
     if not cfg["walk_fused"]:
         _walk_kernel[(B,)](pval, pidx, *walk[1:-1], N1, L, split, **sizes, num_warps=cfg["walk_warps"],
