@@ -370,6 +370,11 @@ def run_shape(shape, bw, gen, deadline, sweep, out_rows, save):
     return rows
 
 
+def _set_keys(cfg):
+    """cfg without its false-valued keys (at both levels): two configs the kernels run alike compare equal."""
+    return {k: _set_keys(v) if isinstance(v, dict) else v for k, v in cfg.items() if v is not False}
+
+
 def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None, breakdown=(), ms=MS,
                      routing="uniform", gap=False):
     """The measured default against moe_configs.VARIANTS (or those in `names`) at one shape, per M: each config
@@ -408,6 +413,8 @@ def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None,
             if time.time() > deadline:
                 break
             if cfg.get("decode") and M > 16:  # one block per pair: every pair re-reads its expert
+                continue
+            if name != "default" and _set_keys(cfg) == _set_keys(base):  # the variant changes nothing here
                 continue
             try:
                 layers, checked = layout(tuple(cfg.get("panels", layout_for(torch.device(DEV)))))

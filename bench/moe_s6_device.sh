@@ -5,9 +5,9 @@
 # split (static_split) and the two-launch decode path; M = 1, 2, 4 with a small unrelated kernel before each call
 # (as the model runs it), the fused entries against the two-launch decode path and two fused variants; then the
 # entries at the EP8 shape beside the two-launch decode path. At most 8 files come back under $OUT.
-# Usage (device): bash bench/moe_s6_device.sh [tests-s] [gap-s] [step-s] [uniform-s] [ep8-s]
+# Usage (device): bash bench/moe_s6_device.sh [tests-s] [step-s] [uniform-s] [gap-s] [ep8-s]
 source bench/device_env.sh
-timeout "${1:-45}" python -m pytest -q -n 8 -rf -p no:cacheprovider tests/test_moe_kernel.py -k gpu \
+timeout "${1:-40}" python -m pytest -q -n 8 -rf -p no:cacheprovider tests/test_moe_kernel.py -k gpu \
   >"$OUT/moe_gpu_tests.log" 2>&1
 echo "pytest exit $? at ${SECONDS}s"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/moe_gpu_tests.log" | tail -8
 run() {  # seconds, then bench_moe.py --variants arguments
@@ -15,8 +15,8 @@ run() {  # seconds, then bench_moe.py --variants arguments
   timeout "$s" python bench/bench_moe.py --out "$OUT/v" --variants --budget "$(( s - 3 ))" "$@" 2>&1 \
     | grep -v -i warn | grep "M=" ; echo "exit $? at ${SECONDS}s"
 }
-run "${3:-40}" --routing step --ms 9,33,65,129,16,256 --names static_split --tag _step
-run "${4:-45}" --ms 8,32,64,128,256,512,16,1,2,4 --names two_launch,static_split --tag _uniform
-run "${2:-30}" --gap --ms 1,2,4,1 --names two_launch,fused_items2,fused_dn4 --tag _gap
-run "${5:-25}" --shape ep8 --names two_launch --tag _ep8
+run "${2:-32}" --routing step --ms 9,33,65,129,16,256 --names static_split --tag _step
+run "${3:-42}" --ms 8,32,64,128,256,512,1,2,4 --names static_split,two_launch --tag _uniform
+run "${4:-35}" --gap --ms 1,2,4,1 --names two_launch,fused_items2,fused_dn4 --tag _gap
+run "${5:-28}" --shape ep8 --names two_launch --tag _ep8
 cat "$OUT"/v/*.md >"$OUT/moe_variants.md"; mv "$OUT"/v/*.json "$OUT/"; rm -rf "$OUT/v"
