@@ -1068,7 +1068,7 @@ def _fused_decode(x, topk_ids, topk_weights, experts, cfg, explicit):
             raise ValueError(f"moe (triton): a fused config takes one `{key}` for both kernels")
     sms, ptx = _sm_count(dev), dev.type == "cuda"
     gu_bn, dn_bn, tiles = g["BN"], d["BN"], d.get("tiles", 1)
-    if D % (dn_bn * tiles):
+    if tiles > 1 and D % (dn_bn * tiles):
         if explicit:
             raise ValueError(f"moe (triton): down tiles {tiles} x BN {dn_bn} must divide the hidden size {D}")
         tiles = 1
