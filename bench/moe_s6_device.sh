@@ -15,7 +15,7 @@ run() {  # seconds, then bench_moe.py --variants arguments
   timeout "$s" python bench/bench_moe.py --out "$OUT/v" --variants --budget "$(( s - 3 ))" "$@" 2>&1 \
     | grep -v -i warn | grep "M=" ; echo "exit $? at ${SECONDS}s"
 }
-run "${2:-32}" --routing step --ms 9,33,65,129,16,256 --names static_split --tag _step
+run "${2:-40}" --routing step --ms 9,33,65,129,16 --names static_split,static_down --tag _step
 run "${3:-42}" --ms 8,32,64,128,256,512,1,2,4 --names static_split,two_launch --tag _uniform
 run "${4:-35}" --gap --ms 1,2,4,1 --names two_launch,fused_items2,fused_dn4 --tag _gap
 run "${5:-28}" --shape ep8 --names two_launch --tag _ep8

@@ -156,18 +156,20 @@ def test_moe_fused_decode(panels, swap, D, I, tiles):
 
 
 @requires_triton
-@pytest.mark.parametrize("panels,swap,waves,M", [((1, 1), True, 64, 7), ((0, 0), False, 1, 3)],
-                         ids=["kmajor_bm8_split", "slab_bm16_items_a_program"])
-def test_moe_device_split(monkeypatch, panels, swap, waves, M):
+@pytest.mark.parametrize("panels,swap,waves,M,tiles", [((1, 1), True, 64, 7, 3), ((0, 0), False, 1, 3, 1)],
+                         ids=["kmajor_bm8_split_tiles3", "slab_bm16_items_a_program"])
+def test_moe_device_split(monkeypatch, panels, swap, waves, M, tiles):
     """`device_split`: the routing pass's count of filled blocks decides gate/up's K split on the device
-    (`_plan_split`). First case: 256 programs for at most 14 blocks x 2 tiles, so each tile's 3 slabs split 3
-    ways (partials summed in split order by the last to arrive); second: 8 programs, several work items each,
-    no split. Ragged shapes and a repeated expert."""
+    (`_plan_split`), and `persistent` down takes its work items from that count. First case: 256 programs for at
+    most 14 blocks x 2 tiles, so each tile's 3 slabs split 3 ways (partials summed in split order by the last to
+    arrive), down 3 tiles an item (one slab: the pipelined tile loop); second: 8 programs, several work items
+    each, no split, down's K loop. Ragged shapes and a repeated expert."""
     monkeypatch.setattr(moe_w4a16, "_sm_count", lambda device: 4)
     E, D, I = (5, 576, 96) if swap else (6, 320, 96)
     kernel = dict(BN=64 if swap else 32, waves=waves, num_warps=4, num_stages=2, swap=swap, lop3=True,
                   prescale=swap, scales_ahead=True, device_split=True)
-    cfg = {"BM": 8 if swap else 16, "panels": panels, "gate_up": kernel, "down": dict(kernel, BN=64)}
+    cfg = {"BM": 8 if swap else 16, "panels": panels, "gate_up": kernel,
+           "down": dict(kernel, BN=64, tiles=tiles, persistent=True)}
     raw = make_experts(E, D, I, seed=10)
     ids, weights = make_routing(M, E, 2, seed=10)
     ids[-1] = ids[0]

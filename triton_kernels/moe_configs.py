@@ -25,7 +25,8 @@ CONFIGS = {
     # 20.3-20.5 us for the decode entry without; slower at M = 2 (32.0 against 30.4) and 4 (50.6 against 45.7)
     # session 6: the decode path in one launch (`fused`, moe_w4a16._fused_decode_kernel) for M <= 4, and gate/up K
     # splits decided on the device from the blocks the routing pass filled (`device_split`,
-    # moe_w4a16._planned_gate_up_kernel) up to M = 256; both predicted faster (set before their measurement;
+    # moe_w4a16._planned_gate_up_kernel) and down on a persistent grid over them (`persistent`) up to M = 256; both
+    # predicted faster (set before their measurement;
     # `pdl` applies to the two-launch decode path only, the `two_launch` variant)
     "sm_90": [
         (1, dict(BM=8, panels=(1, 1), decode=True, fused=True, pdl=True,
@@ -42,7 +43,7 @@ CONFIGS = {
                    gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
                                 scales_ahead=True, device_split=True),
                    down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
-                             scales_ahead=True, tiles=4))),
+                             scales_ahead=True, tiles=4, persistent=True))),
         (None, dict(BM=16, panels=(1, 1),
                     gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=4, swap=True, lop3=True, scales_ahead=True),
                     down=dict(BN=64, waves=2, num_warps=4, num_stages=3, swap=True, lop3=True, scales_ahead=True,
@@ -70,6 +71,7 @@ LAYOUTS = {"sm_90": (1, 1), "sm_120": (0, 0)}
 # `lean` (slab pointers carried across the K loop, no column masks when BN divides N), `decode` (top level: a block
 # per (token, expert) pair, no routing pass, memset or cast), `fused` (top level, with `decode`: one launch),
 # `device_split` (gate/up, with the routing pass: a persistent grid whose K split is chosen on the device),
+# `persistent` (down, with the routing pass: a persistent grid over the filled blocks),
 # `pdl` (top level, the two-launch decode path: programmatic dependent launch of down), `panels` (top level: the
 # weight layout the config expects). `python bench/bench_moe.py --variants` times them (TP8 shape).
 VARIANTS = {
@@ -80,9 +82,11 @@ VARIANTS = {
     # the fused decode path with twice the gate/up K splits (2 gate/up items a program), or down 4 tiles an item
     "fused_items2": dict(gate_up=dict(items=2)),
     "fused_dn4": dict(down=dict(tiles=4)),
-    # the routing-pass entries' gate/up K split from the host's estimate of the experts touched (uniform routing),
-    # as before session 6, instead of `device_split`
-    "static_split": dict(gate_up=dict(device_split=False)),
+    # the routing-pass entries as before session 6: gate/up's K split from the host's estimate of the experts
+    # touched (uniform routing) instead of `device_split`, and down on the static grid (a program a block, tile
+    # group and split, empty blocks included) instead of `persistent`; or only the latter
+    "static_split": dict(gate_up=dict(device_split=False), down=dict(persistent=False)),
+    "static_down": dict(down=dict(persistent=False)),
 }
 
 

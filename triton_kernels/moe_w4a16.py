@@ -538,33 +538,15 @@ def _tile_scales(s_base, tile, stride_sp, s_row, D, BN: tl.constexpr, PANEL: tl.
     return _load_scales(s_base + _tile_cols(tile, stride_sp, BN, PANEL), (n < D) | EVEN_N, s_row)
 
 
-@triton.jit(do_not_specialize=["n_slabs_per_split"])
-def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, counter_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
-                 D, I, n_slabs, n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp,
-                 TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LEAN: tl.constexpr, EVEN_N: tl.constexpr,
-                 DECODE: tl.constexpr, PANEL: tl.constexpr, TILES: tl.constexpr,
-                 MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
-                 SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, ONE_SLAB: tl.constexpr = False,
-                 PDL: tl.constexpr = False, PRESCALE: tl.constexpr = False):
-    """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tiles TILES * pid 1 ..
-    TILES * pid 1 + TILES - 1 (one after the other), K split pid 2 (layout arguments and SWAP as in
-    `_gate_up_kernel`). With DECODE, out is the zeroed fp32 sums [M, D] and the last program of a token's
-    tiles writes y [M, D] (`_down_sums`). ONE_SLAB (K within one slab, one split): no K loop, so the tile loop
-    is the innermost and Triton's pipeliner stages tile t + 1's words while tile t is computed; with AHEAD the
-    scales of tile t + 1 load during tile t. PDL: launched while the gate/up kernel runs, a program asks L2 for its first slab's
-    words (they do not depend on h), then waits for the gate/up kernel before reading h."""
-    pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
-    e = tl.load(block_expert_ptr + pid_b)
-    if DECODE:  # block b holds pair b alone, in row 0 (block_expert_ptr is topk_ids; no routing pass)
-        pair = tl.where(tl.arange(0, BM) == 0, pid_b, -1)
-    elif LEAN:  # pair ids loaded before the early return, with the expert (volatile: not sunk past the branch)
-        pair = tl.load(sorted_ptr + rows, volatile=True)
-    if e < 0:
-        return
-    if not DECODE:
-        if not LEAN:
-            pair = tl.load(sorted_ptr + rows)
+@triton.jit
+def _down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, pid_n, pid_k, D, I, n_slabs,
+                n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp, TOP_K: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, LEAN: tl.constexpr, EVEN_N: tl.constexpr, PANEL: tl.constexpr,
+                TILES: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr,
+                EVEN_K: tl.constexpr, SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr,
+                ONE_SLAB: tl.constexpr, PDL: tl.constexpr, PRESCALE: tl.constexpr):
+    """The work of one `_down_kernel` program: block `rows` [BM] (pair ids `pair`, expert e), N tiles TILES * pid_n
+    .. TILES * pid_n + TILES - 1, K split pid_k."""
     DTYPE = h_ptr.dtype.element_ty
     valid = pair >= 0
     weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)  # [BM] fp32
@@ -584,7 +566,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, counter_ptr, weights_ptr, 
                 lines = w_base + _tile_cols(pid_n * TILES + t, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]
                 _prefetch_slab(lines, first, w_row)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # the cast to x's dtype may launch (it waits for this kernel)
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch (it waits for this one)
     last = pid_n * TILES + TILES - 1  # this program's last N tile
     sc_tile = 0  # ONE_SLAB with AHEAD: the scales [BN, 8] of the tile being computed
     if ONE_SLAB:
@@ -618,11 +600,70 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, counter_ptr, weights_ptr, 
         # atomic (MEMBAR.ALL.GPU + L1 invalidation on sm_90)
         W, _ = _orient(weight, n, SWAP)
         tl.atomic_add(out_ptr + T * D + C, acc * W, mask=valid_r & col_mask, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["n_slabs_per_split"])
+def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, counter_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
+                 D, I, n_slabs, n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp,
+                 TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LEAN: tl.constexpr, EVEN_N: tl.constexpr,
+                 DECODE: tl.constexpr, PANEL: tl.constexpr, TILES: tl.constexpr,
+                 MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
+                 SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, ONE_SLAB: tl.constexpr = False,
+                 PDL: tl.constexpr = False, PRESCALE: tl.constexpr = False):
+    """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tiles TILES * pid 1 ..
+    TILES * pid 1 + TILES - 1 (one after the other), K split pid 2 (layout arguments and SWAP as in
+    `_gate_up_kernel`). With DECODE, out is the zeroed fp32 sums [M, D] and the last program of a token's
+    tiles writes y [M, D] (`_down_sums`). ONE_SLAB (K within one slab, one split): no K loop, so the tile loop
+    is the innermost and Triton's pipeliner stages tile t + 1's words while tile t is computed; with AHEAD the
+    scales of tile t + 1 load during tile t. PDL: launched while the gate/up kernel runs, a program asks L2 for its first slab's
+    words (they do not depend on h), then waits for the gate/up kernel before reading h."""
+    pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
+    e = tl.load(block_expert_ptr + pid_b)
+    if DECODE:  # block b holds pair b alone, in row 0 (block_expert_ptr is topk_ids; no routing pass)
+        pair = tl.where(tl.arange(0, BM) == 0, pid_b, -1)
+    elif LEAN:  # pair ids loaded before the early return, with the expert (volatile: not sunk past the branch)
+        pair = tl.load(sorted_ptr + rows, volatile=True)
+    if e < 0:
+        return
+    if not DECODE:
+        if not LEAN:
+            pair = tl.load(sorted_ptr + rows)
+    _down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, pid_n, pid_k, D, I, n_slabs,
+                n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp, TOP_K, BM, BN, LEAN,
+                EVEN_N, PANEL, TILES, MAGIC, MAGIC_VALUE, WIDE, EVEN_K, SWAP, LOP3, AHEAD, ONE_SLAB, PDL, PRESCALE)
     if DECODE:
         token0 = pid_b // TOP_K
         _down_sums(out_ptr + token0 * D, y_ptr + token0 * D,
                    counter_ptr + token0 * tl.num_programs(1) + pid_n, pid_n * TILES, D, TOP_K * tl.num_programs(2),
                    BN, TILES, EVEN_N)
+
+
+@triton.jit(do_not_specialize=["n_slabs_per_split", "split"])
+def _persistent_down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, nb_ptr,
+                            D, I, n_slabs, n_slabs_per_split, split, stride_we, stride_se, w_row, s_row, stride_wp,
+                            stride_sp, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUPS: tl.constexpr,
+                            EVEN_N: tl.constexpr, PANEL: tl.constexpr, TILES: tl.constexpr, MAGIC: tl.constexpr,
+                            MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
+                            LOP3: tl.constexpr, AHEAD: tl.constexpr, ONE_SLAB: tl.constexpr,
+                            PRESCALE: tl.constexpr):
+    """`_down_kernel` after the routing pass on a persistent grid: G programs take the work items (block, group of
+    TILES N tiles, K split) g, g + G, ... of the nb blocks the routing pass filled (nb_ptr), so no program is
+    launched for the empty blocks of the static grid (cdiv(M k, BM) + min(E, M k) blocks, most of them empty when
+    the tokens share experts)."""
+    pid, G = tl.program_id(0), tl.num_programs(0)
+    nb = tl.load(nb_ptr)
+    for item in range(pid, nb * GROUPS * split, G):
+        j = item % split
+        grp = (item // split) % GROUPS
+        b = item // (split * GROUPS)
+        rows = b * BM + tl.arange(0, BM)  # [BM] slots
+        e = tl.load(block_expert_ptr + b)
+        pair = tl.load(sorted_ptr + rows)
+        _down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, grp, j, D, I, n_slabs,
+                    n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp, TOP_K, BM, BN, False,
+                    EVEN_N, PANEL, TILES, MAGIC, MAGIC_VALUE, WIDE, EVEN_K, SWAP, LOP3, AHEAD, ONE_SLAB, False,
+                    PRESCALE)
 
 
 @triton.jit
@@ -1135,6 +1176,25 @@ def _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g,
     _planned_gate_up_kernel[(programs,)](*args, **constexprs)
 
 
+def _persistent_down(h, experts, out, topk_weights, sorted_pairs, block_expert, nb, d, BM, top_k, tiles, split,
+                     per_split, dtype, ptx):
+    """Launch `_persistent_down_kernel` (down config d with `persistent`): as many programs as the GPU holds at
+    once (in the interpreter, `waves` x 4)."""
+    D, I, dev = out.shape[1], experts.intermediate, out.device
+    BN, slabs = d["BN"], experts.down.shape[-2] // SLAB_WORDS
+    layout = _layout(experts.down, experts.down_scale, experts.panel_down, BN)
+    constexprs = dict(TOP_K=top_k, BM=BM, BN=BN, GROUPS=triton.cdiv(D, BN) // tiles, EVEN_N=D % BN == 0,
+                      PANEL=layout.pop("PANEL"), TILES=tiles, EVEN_K=I % SLAB == 0,
+                      ONE_SLAB=slabs == 1 and tiles > 1, **UNPACK[dtype],
+                      **{k: v for k, v in _flags(d, D, ptx).items() if k in ("SWAP", "LOP3", "AHEAD", "PRESCALE")},
+                      **_launch(d, False))
+    args = [h, experts.down, experts.down_scale, out, topk_weights, sorted_pairs, block_expert, nb, D, I, slabs,
+            per_split, split, experts.down.stride(0), experts.down_scale.stride(0),
+            *(layout[k] for k in ("w_row", "s_row", "stride_wp", "stride_sp"))]
+    programs = _resident_programs(_persistent_down_kernel, args, constexprs, dev, dtype) if ptx else d["waves"] * 4
+    _persistent_down_kernel[(programs,)](*args, **constexprs)
+
+
 def moe(x, topk_ids, topk_weights, experts, config=None):
     """Triton backend of ops.moe (see there): x [M, D] bf16/fp16, topk_ids [M, k] int32, topk_weights [M, k] fp32.
 
@@ -1209,6 +1269,10 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
             TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_flags(g, I, ptx), DECODE=decode,
             PDL=pdl, **_launch(g, pdl), **magic)
     d = cfg["down"]
+    if not decode and d.get("persistent", False):
+        _persistent_down(h, experts, out, topk_weights, sorted_pairs, block_expert, nb, d, BM, top_k, dn_per_cta,
+                         dn_split, dn_per_split, x.dtype, ptx)
+        return out.to(x.dtype)
     _down_kernel[(nb_max, dn_tiles, dn_split)](
         h, experts.down, experts.down_scale, out, y, dn_counters, topk_weights, sorted_pairs, block_expert,
         D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0), **dn_layout,
@@ -1248,6 +1312,16 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
                                                    **_flags(g, I), DECODE=decode, PANEL=p_gu,
                                                    PDL=cfg.get("pdl", False), **magic), arch, g["num_warps"],
                                    g["num_stages"]))
+    if d.get("persistent", False) and not decode:
+        tiles = d.get("tiles", 1)
+        persistent = dict(h_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", weights_ptr="*fp32",
+                          sorted_ptr="*i32", block_expert_ptr="*i32", nb_ptr="*i32", D="i32", I="i32", n_slabs="i32",
+                          n_slabs_per_split="i32", split="i32", stride_we="i64", stride_se="i64", **layout)
+        flags = {k: v for k, v in _flags(d, D).items() if k in ("SWAP", "LOP3", "AHEAD", "PRESCALE")}
+        return [gu_spec, (_persistent_down_kernel, (persistent, dict(
+            TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], GROUPS=D // (d["BN"] * tiles), EVEN_N=D % d["BN"] == 0,
+            PANEL=p_dn, TILES=tiles, EVEN_K=True, ONE_SLAB=I <= SLAB and tiles > 1, **flags, **magic), arch,
+            d["num_warps"], d["num_stages"]))]
     return [
         gu_spec,
         (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], EVEN_K=True, **_flags(d, D), DECODE=decode,
