@@ -790,15 +790,13 @@ def _fused_down(item, h_ptr, w_ptr, s_ptr, part_ptr, y_ptr, counter_ptr, ready_p
         for s in tl.static_range(TILES):
             _prefetch_tile(w_base, grp * TILES + s, first, stride_wp, w_row, BN, PANEL)
     weight = tl.load(weights_ptr + p)
-    ready = tl.atomic_add(ready_ptr + p, 0, sem="relaxed")
+    # acquire: the read that sees the last tile's release synchronises with every tile's (a release sequence)
+    ready = tl.atomic_add(ready_ptr + p, 0, sem="acquire")
     while ready < GU_TILES:
         if PTX:
             ready = _nanosleep(ready)
-        ready = tl.atomic_add(ready_ptr + p, 0, sem="relaxed")
-    # acq_rel: synchronises with every tile's release (an RMW continues their release sequence)
-    if tl.atomic_add(ready_ptr + p, 1, sem="acq_rel") == GU_TILES + GROUPS * split - 1:
-        tl.store(ready_ptr + p, 0)
-    tl.debug_barrier()
+        ready = tl.atomic_add(ready_ptr + p, 0, sem="acquire")
+    tl.debug_barrier()  # the other threads read h after the acquire
     row0 = tl.arange(0, BM) == 0
     h_rows = h_ptr + p.to(tl.int64) * I + tl.zeros((BM,), tl.int64)  # [BM]: row 0 valid
     kw = tl.arange(0, _SLAB_WORDS // 2)
@@ -824,6 +822,8 @@ def _fused_down(item, h_ptr, w_ptr, s_ptr, part_ptr, y_ptr, counter_ptr, ready_p
                               PRESCALE)
         axis: tl.constexpr = 1 if SWAP else 0
         tl.store(part + n, tl.sum(tl.where(first_row, acc, 0.0), axis) * weight, mask=n_mask)
+    if tl.atomic_add(ready_ptr + p, 1, sem="relaxed") == GU_TILES + GROUPS * split - 1:  # the pair's last user
+        tl.store(ready_ptr + p, 0)
     tl.debug_barrier()  # every thread's stores precede the arrival that releases them
     arrivals = TOP_K * split
     if tl.atomic_add(counter_ptr + token * GROUPS + grp, 1, sem="acq_rel") == arrivals - 1:
