@@ -57,11 +57,16 @@ def time_events(fn, reps, warmup=2):
     return sorted(times)[len(times) // 2]
 
 
+GAP = torch.zeros(0)  # the small unrelated kernel's operand (`with_gap`), allocated on first use
+
+
 def with_gap(calls):
     """`calls`, each after a small unrelated kernel (an elementwise op on 4 KB), as the model's MoE call follows
     the router's select, not the previous MoE call (which a chained graph would let it overlap)."""
-    small = torch.zeros(1024, device=DEV)
-    return [lambda fn=fn: (small.add_(1.0), fn()) for fn in calls]
+    global GAP
+    if GAP.numel() == 0:
+        GAP = torch.zeros(1024, device=DEV)
+    return [lambda fn=fn: (GAP.add_(1.0), fn()) for fn in calls]
 
 
 def time_graph(calls, reps=10):
@@ -409,6 +414,8 @@ def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None,
         ref = moe_torch(*calls[0], ct_layer)
         base = config_for(torch.device(DEV), M)
         row = dict(shape=shape, M=M, routing=routing, gap=gap, experts_touched=touched, bytes=nbytes, variants={})
+        if gap:  # the small kernels alone, subtracted from each timing below
+            row["gap_us"] = time_graph(with_gap([lambda: None] * CALLS)) * 1e3
         for name, cfg in [("default", base)] + [(n, with_variant(base, n)) for n in chosen]:
             if time.time() > deadline:
                 break
@@ -421,7 +428,7 @@ def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None,
                 err = rel_err(moe(*calls[0], checked, config=cfg), ref)
                 thunks = [lambda c=c, j=j, cfg=cfg, layers=layers: moe(*c, layers[j % len(layers)], config=cfg)
                           for j, c in enumerate(calls)]
-                ms = time_graph(with_gap(thunks) if gap else thunks)
+                ms = max(time_graph(with_gap(thunks)) - row["gap_us"] / 1e3, 1e-6) if gap else time_graph(thunks)
                 row["variants"][name] = dict(us=ms * 1e3, frac=nbytes / ms / 1e6 / bw, rel_err=err, config=cfg)
                 if name in breakdown and M in (1, 16, 256):
                     row["variants"][name]["kernels"] = kernel_breakdown(M, layers[0], gen, config=cfg)
@@ -441,7 +448,8 @@ def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None,
 def variants_markdown(meta, rows):
     names = list(dict.fromkeys(n for r in rows for n in r.get("variants", {})))
     shape = rows[0]["shape"].upper() if rows else "TP8"
-    how = f"{rows[0]['routing']} routing" + (", each call after a small unrelated kernel" if rows[0]["gap"] else "")
+    how = f"{rows[0]['routing']} routing" + (", each call after a small unrelated kernel (its time alone, "
+                                             f"{rows[0]['gap_us']:.1f} us a call, subtracted)" if rows[0]["gap"] else "")
     lines = [f"# W4A16 MoE variants vs default ({meta['gpu']}, {meta['date']})", "",
              f"{shape} shape, {how}, cold L2, CUDA graph; HBM read {meta['hbm_read_gbs']:.0f} GB/s measured in this run. "
              "Cells: us (% of HBM read); '-' not run, 'x' failed or wrong.", "",

@@ -3,7 +3,8 @@
 # path and the device-split gate/up, eager and in CUDA graphs), then TP8 timings: the verify step's expert counts
 # (--routing step) and uniform routing at every M, the entries (device_split; fused at M <= 4) against the host's
 # split (static_split) and the two-launch decode path; M = 1, 2, 4 with a small unrelated kernel before each call
-# (as the model runs it), the fused entries against the two-launch decode path and two fused variants; then the
+# (as the model runs it; its time alone subtracted), the fused entries against the two-launch decode path and two
+# fused variants; then the
 # entries at the EP8 shape beside the two-launch decode path. At most 8 files come back under $OUT.
 # Usage (device): bash bench/moe_s6_device.sh [tests-s] [step-s] [uniform-s] [gap-s] [ep8-s]
 source bench/device_env.sh
