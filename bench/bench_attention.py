@@ -5,9 +5,9 @@ bandwidth: a sum over 4 GiB; bf16 matmul rate: 8192^3) and the sweep T x context
 case against the fp32 reference, and writes attention.json + attention.md. --tune also times candidate
 configs and split counts per case; --focus a short tune at 32k/128k; --round2 the round-2 options (all split
 counts, bf16 partials, small configs, the whole-wave split rule) beside the default; --defaults the committed
-defaults alone at 32k/128k (the short re-measure); --step also split counts and the fused merge at the 4k step
-shapes. Every mode also times the verify step's shapes (STEP_CASES: T = budget + 1 at 32k and 4k, the cache padded
-past the length as in bench_step.py). As a pytest-benchmark sweep: `pytest bench/bench_attention.py` (GPU only).
+defaults alone at 32k/128k (the short re-measure); --step also split counts and the other tile load path at the 4k
+step shapes; --tma the other load path at 32k. Every mode also times the verify step's shapes (STEP_CASES: T =
+budget + 1 at 32k and 4k, the cache padded past the length as in bench_step.py). As a pytest-benchmark sweep: `pytest bench/bench_attention.py` (GPU only).
 
 Each case captures one CUDA graph of R launches over R different caches (R * cache >= 256 MiB, so every
 launch finds its cache cold in L2, as the model's layers would) and reports graph time / R.
@@ -59,11 +59,9 @@ HALF_PARTIALS_MAX_ROWS = 64  # --tune also times bf16 per-split outputs where T*
 STEP_CACHE = 32898  # entries of bench_step.py's cache (32k context + the largest tree + 1)
 STEP_CASES = ((32768, 8, 33, 97), (32768, 8, 9, 121), (32768, 8, 65, 65), (32768, 8, 1, 129)) + tuple(
     (4096, 8, T, STEP_CACHE - 4096 - T) for T in (1, 9, 33, 65))  # 4k: budgets 0, 8, 32, 64 (issue #7's step)
-# --step: split counts timed at the 4k step shapes (by T), with the merge kernel and (fused) without: the last split
-# program of each query tile merges (bf16 partials); also by_length (each sequence's count from its own length). Counts are for the actual ~4.1k entries (the kernel splits
-# the length, not the padded cache): at T 1, 129 splits is one 32-entry tile each (the default's 258 busy ones)
+# --step: split counts timed at the 4k step shapes (by T), for the actual ~4.1k entries (the kernel splits the
+# length, not the padded cache): at T 1, 129 splits is one 32-entry tile each (the default's 258 busy ones)
 STEP_SPLITS = {1: (8, 16, 32, 64, 129), 9: (16, 33, 66), 33: (13, 26), 65: (7, 14)}
-STEP_FUSED = {1: (4, 8, 16, 32, 64), 9: (8, 16, 33, 66), 33: (13, 26), 65: (7, 14)}
 WAVES_RULE = (8, True)  # --round2 "waves": mk.SPLIT_RULE candidate (length window, whole-wave counts)
 
 
@@ -209,24 +207,24 @@ def round2_runs(row, sms):
 
 
 def step_runs(row, sms):
-    """--step candidates (label, config, splits, partials, fused) at a 4k step shape: the default, the STEP_SPLITS
-    counts (also with bf16 partials where the default's are fp32) and the STEP_FUSED counts with the fused merge."""
+    """--step candidates (label, config, splits, partials[, tma]) at a 4k step shape: the default, the STEP_SPLITS
+    counts (also with bf16 partials where the default's are fp32) and the other tile load path (tma_runs)."""
     T = row["T"]
     cfg, splits, partials = default_choice(T * row["H"], row["B"], row["L"] + row.get("pad", 0), sms)
     dt = getattr(torch, partials)
-    runs = [("default", cfg, splits, dt, False)] + [(f"S{n}", cfg, n, dt, False) for n in STEP_SPLITS[T]]
+    runs = [("default", cfg, splits, dt)] + [(f"S{n}", cfg, n, dt) for n in STEP_SPLITS[T]]
     if dt != torch.bfloat16:
-        runs += [(f"bf16 S{n}", cfg, n, torch.bfloat16, False) for n in STEP_SPLITS[T]]
-    runs += [("tma", cfg, splits, dt, False, True)] if T > 1 else []
-    runs += [("by-length", cfg, None, dt, False, False, True), ("fused by-length", cfg, None, torch.bfloat16, True,
-                                                                 False, True)]
-    return runs + [(f"fused S{n}", cfg, n, torch.bfloat16, True) for n in STEP_FUSED[T]]
+        runs += [(f"bf16 S{n}", cfg, n, torch.bfloat16) for n in STEP_SPLITS[T]]
+    return runs + tma_runs(row, sms)
 
 
 def tma_runs(row, sms):
-    """--tma: the default config and split count with the unmasked loop's tiles loaded through TMA."""
-    cfg, splits, partials = default_choice(row["T"] * row["H"], row["B"], row["L"] + row.get("pad", 0), sms)
-    return [("tma", cfg, splits, getattr(torch, partials), False, True)]
+    """--tma: the default config and split count with the other tile load path (TMA <-> pointers), where the default
+    uses TMA or T*H > 16 (the 16-row config's TMA is untimed)."""
+    rows = row["T"] * row["H"]
+    cfg, splits, partials = default_choice(rows, row["B"], row["L"] + row.get("pad", 0), sms)
+    tma = mk.entry_for(rows, 90).tma
+    return [("pointers" if tma else "tma", cfg, splits, getattr(torch, partials), not tma)] if tma or rows > 16 else []
 
 
 def step_rows():
@@ -234,30 +232,26 @@ def step_rows():
 
 
 def step_jobs(sms):
-    """The kernel variants --step runs: (H, config, splits, causal, 16-bit partials[, fused])."""
+    """The kernel variants --step and --tma run: (H, config, splits, causal, 16-bit partials[, tma])."""
     jobs = set()
     for row in step_rows():
-        for _, cfg, splits, dt, fused, *more in step_runs(row, sms):  # more: (tma[, by_length])
-            half = dt == torch.bfloat16
-            if splits is None:  # by_length: the tiny run's cache is as long as the step's
-                jobs.add((row["H"], cfg, 2, False, half, fused, False, True))
-            else:
-                jobs.add((row["H"], cfg, 2, False, half, True) if fused else
-                         (row["H"], cfg, 1 if splits == 1 else mk.merge_blocks(splits)[0], False, half, False, *more))
+        for _, cfg, splits, dt, *tma in step_runs(row, sms):
+            jobs.add((row["H"], cfg, 1 if splits == 1 else mk.merge_blocks(splits)[0], False, dt == torch.bfloat16,
+                      *tma))
     for H in HEADS:  # --tma's variants (64-row config: fp32 partials above 64 rows, bf16 up to it)
-        jobs |= {(H, mk.pick_config(64), 2, False, half, False, True) for half in (False, True)}
+        jobs |= {(H, mk.pick_config(64), 2, False, half, not mk.entry_for(64, 90).tma) for half in (False, True)}
     return jobs
 
 
 def tma_table(report):
-    """Lines: the default beside --tma's run per case."""
+    """Lines: the default beside --tma's run (the other tile load path) per case."""
     rows = [r for r in report["cases"] if r.get("tma")]
-    lines = ["", "TMA loads in the unmasked loop (--tma): default us -> tma us (x roofline)", "",
-             "| L | H | T | default us | tma us | tma x roofline |", "|---|---|---|---|---|---|"]
+    lines = ["", "The other tile load path of the unmasked loop (--tma: tma or pointers)", "",
+             "| L | H | T | default us | other path | us | x roofline |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         t = r["tma"][0]
         tma_s = f"{t['us']:.1f} | {t['us'] / r['roofline_us']:.2f}" if "us" in t else f"{t.get('error', '-')[:80]} | -"
-        lines.append(f"| {r['L']} | {r['H']} | {r['T']} | {r['us']:.1f} | {tma_s} |")
+        lines.append(f"| {r['L']} | {r['H']} | {r['T']} | {r['us']:.1f} | {t['per_sm']} | {tma_s} |")
     return lines if rows else []
 
 
@@ -266,8 +260,8 @@ def step_table(report):
     rows = [r for r in report["cases"] if r.get("step")]
     if not rows:
         return []
-    lines = ["", "Step shapes at 4k (--step): us (x roofline) per run; S = splits, fused = the last split of a query "
-             "tile merges (no merge kernel), bf16 = 16-bit partials", "", "| L | H | T | runs |", "|---|---|---|---|"]
+    lines = ["", "Step shapes at 4k (--step): us (x roofline) per run; S = splits, bf16 = 16-bit partials, tma / "
+             "pointers = the other tile load path", "", "| L | H | T | runs |", "|---|---|---|---|"]
     for r in rows:
         cells = [f"{t['per_sm']}: {t['us']:.1f} ({t['us'] / r['roofline_us']:.2f}x)" if "us" in t else
                  f"{t['per_sm']}: {t.get('error', '-')[:60]}" for t in r["step"]]
@@ -294,12 +288,11 @@ def tune_case(row, runs):
     q, caches, lens, mask = make_inputs(L, H, T, B, causal=row["causal"], pad=row.get("pad", 0))
     ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE).double()
     results = []
-    for label, cfg, splits, dt, *flags in runs:  # flags: (fused[, tma[, by_length]]) of the --step and --tma runs
+    for label, cfg, splits, dt, *tma in runs:  # tma: (True/False,) for the --step and --tma runs of a load path
         entry = {"config": list(cfg), "splits": splits, "per_sm": label, "partials": str(dt).split(".")[-1]}
         kwargs = dict(num_splits=splits, config=cfg, partials=dt)
-        for name, on in zip(("fused", "tma", "by_length"), flags):
-            if on:
-                entry[name] = kwargs[name] = True
+        if tma:
+            entry["tma"] = kwargs["tma"] = tma[0]
         try:
             out = mk.mla_attention(q, caches[0], lens, mask, SCALE, **kwargs)
             entry["rel_err"] = ((out.double() - ref).norm() / ref.norm()).item()
@@ -408,21 +401,20 @@ def summary(report):
 
 def _warm(job):
     """Compile one kernel variant (run in a worker so compiles overlap; the main process hits Triton's disk cache)."""
-    H, cfg, splits, causal, half, *flags = job  # flags: (fused[, tma]) for the --step and --tma variants
+    H, cfg, splits, causal, half, *tma = job  # tma: (True/False,) for the --step and --tma variants
     try:
-        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32, *flags)
+        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32, *tma)
     except Exception as exc:  # recorded; the sweep reports the same failure where it matters
         return f"{job}: {exc}"[:300]
     return None
 
 
-def _run_tiny(H, cfg, splits, causal, partials, fused=False, tma=False, by_length=False):
+def _run_tiny(H, cfg, splits, causal, partials, tma=None):
     q = torch.randn(1, 1, H, 576, dtype=torch.bfloat16, device="cuda")
-    kv = torch.randn(1, STEP_CACHE if by_length else 256, 576, dtype=torch.bfloat16, device="cuda")
+    kv = torch.randn(1, 256, 576, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((1,), 256, dtype=torch.int32, device="cuda")
     mask = None if causal else random_tree_mask(1, 1, 0)
-    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=None if by_length else splits, config=cfg, partials=partials,
-                     fused=fused, tma=tma, by_length=by_length)
+    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials, tma=tma)
     torch.cuda.synchronize()
 
 
@@ -540,10 +532,11 @@ def main(argv=None):
     parser.add_argument("--defaults", action="store_true",
                         help="the committed defaults alone at 32k/128k and STEP_CASES (no tuning, torch or prefill)")
     parser.add_argument("--step", action="store_true",
-                        help="also time step_runs (split counts, bf16 partials, the fused merge) at the 4k STEP_CASES")
+                        help="also time step_runs (split counts, bf16 partials, the other load path) at the 4k STEP_CASES")
     parser.add_argument("--contexts", type=int, nargs="+", help="the sweep's contexts instead of the mode's")
     parser.add_argument("--tma", action="store_true",
-                        help="also time the default with TMA loads (tma=True) at the 64-row config's 32k cases")
+                        help="also time the default with the other tile load path (TMA <-> pointers) at the 64-row "
+                             "config's 32k cases")
     parser.add_argument("--budget", type=float, help="seconds from the start after which no further case is tuned")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling kernel variants up front")
     parser.add_argument("--with-tests", action="store_true", help="first run tests/test_attention_kernel.py here")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Attention on the H200 (issue #6): the GPU tests of tests/test_attention_kernel.py under xdist while the bench's
 # kernel variants compile, then `bench_attention.py --defaults --step --tma` (the committed defaults at 32k/128k
-# and the step shapes; split counts, TMA loads and the fused merge at the 4k step shapes; TMA loads at 32k), then
+# and the step shapes; split counts and the other tile load path at the 4k step shapes, and at 32k), then
 # the warp-specialisation probe (bench/probe_ws_attention.py). Usage (device): bash bench/device_attention.sh
 # [total-s]; results under $OUT.
 source bench/device_env.sh

@@ -162,67 +162,25 @@ def test_more_splits_than_tiles_leaves_empty_splits_harmless():
     assert rel_err(out, ref) < 1e-2
 
 
-FUSED_CASES = [  # B, T, H, lens, tree kind, num_splits, config: more splits than tiles (empty ones), two query tiles
-    (2, 3, 4, [3, 40], "wide", 6, None),
-    (2, 16, 8, [200, 17], "deep", 3, BIG),
-    (1, 1, 8, [133], "chain", 4, None),
-]
-
-
-@requires_triton
-@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
-@pytest.mark.parametrize("B,T,H,lens,kind,splits,config", FUSED_CASES,
-                         ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-S{c[5]}" for c in FUSED_CASES])
-def test_fused_merge_matches_reference(B, T, H, lens, kind, splits, config, dtype):
-    """fused=True: the last split program of each query tile merges them; a second call finds the counters reset."""
-    from triton_kernels.mla_attention import mla_attention
-
-    q, kv, cache_lens, mask = make_case(B, T, H, lens, kind, dtype, device(), seed=B * 100 + T)
-    config = None if gpu() else config
-    ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
-    for _ in range(2):
-        out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=splits, config=config, fused=True,
-                            partials=dtype)
-        assert not out.isnan().any()
-        assert rel_err(out, ref) < bound(dtype)
-    with pytest.raises(ValueError, match="BLOCK_DV"):
-        mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=2, config=(32, 32, 4, 2, 256, False), fused=True)
-
-
-@requires_triton
-@pytest.mark.parametrize("fused", [False, True], ids=["merge", "fused"])
-def test_split_count_by_length_matches_reference(fused):
-    """by_length: sequences of one batch in different length buckets split into different counts, on the device."""
-    from triton_kernels.mla_attention import entry_for, mla_attention, num_sms, split_table
-
-    q, kv, cache_lens, mask = make_case(3, 3, 4, [1900, 200, 100], "wide", torch.float16, device(), seed=5)
-    uppers, counts = split_table(entry_for(12, 90), 12, 3, kv.shape[1], num_sms(q.device), 90, 2)
-    per_seq = [counts[max(i for i, u in enumerate(uppers) if n <= u)] for n in (1900, 200, 100)]
-    assert len(set(per_seq)) > 1, per_seq
-    out = mla_attention(q, kv, cache_lens, mask, SCALE, partials=torch.float16, by_length=True, fused=fused)
-    ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
-    assert not out.isnan().any()
-    assert rel_err(out, ref) < 1e-2
-
-
-TMA_CASES = [  # B, T, H, lens, tree kind, num_splits, config (None: the launcher's): the unmasked loop through TMA
+LOAD_CASES = [  # B, T, H, lens, tree kind, num_splits, config (None: the launcher's)
     (2, 16, 8, [200, 17], "deep", 2, BIG),
     (2, 5, 3, [150, 70], "wide", 3, UNCHAINED),
 ]
 
 
 @requires_triton
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
-@pytest.mark.parametrize("B,T,H,lens,kind,splits,config", TMA_CASES,
-                         ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-S{c[5]}" for c in TMA_CASES])
-def test_tma_loads_match_reference(B, T, H, lens, kind, splits, config, dtype):
+@pytest.mark.parametrize("B,T,H,lens,kind,splits,config", LOAD_CASES,
+                         ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-S{c[5]}" for c in LOAD_CASES])
+def test_both_tile_load_paths_match_reference(B, T, H, lens, kind, splits, config, dtype, tma):
     """tma=True: the tiles wholly inside the prefix come through tensor descriptors over the cache's rows (a larger
-    cache's first B sequences, so the descriptor spans rows of another sequence too)."""
+    cache's first B sequences, so the descriptor spans rows of another sequence too); False: pointer loads."""
     from triton_kernels.mla_attention import mla_attention
 
     q, kv, cache_lens, mask = make_case(B, T, H, lens, kind, dtype, device(), seed=B * 10 + T)
     config = None if gpu() and dtype != torch.float32 else config
-    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=splits, config=config, tma=True)
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=splits, config=config, tma=tma)
     ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
     assert not out.isnan().any()
     assert rel_err(out, ref) < bound(dtype)
@@ -269,17 +227,19 @@ import json, sys
 from triton_kernels.aot import compile_for
 from triton_kernels.mla_attention import CONFIGS, TAIL_STAGES, _mla_split_kernel
 sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "lens_ptr": "*i32", "mask_ptr": "*i32", "out_ptr": "*bf16",
-       "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "count_ptr": "*i32", "lat_desc": "constexpr",
-       "pe_desc": "constexpr", "table_ptr": "*i32", "T": "i32", "rows_kb": "i32", "sm_scale_log2": "fp32"}
+       "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "T": "i32", "rows_kb": "i32", "sm_scale_log2": "fp32"}
 causal, arch = sys.argv[1] == "causal", int(sys.argv[2])
-configs = [tuple(c) for c in json.loads(sys.argv[3])] if len(sys.argv) > 3 else [e.config for e in CONFIGS[arch]]
+configs = ([tuple(c) for c in json.loads(sys.argv[3])] if len(sys.argv) > 3 else
+           [(*e.config, e.tma) for e in CONFIGS[arch]])
 report = []
-for block_m, block_n, warps, stages, block_dv, unchain in configs:
-    res = compile_for(_mla_split_kernel, sig,
+for block_m, block_n, warps, stages, block_dv, unchain, tma in configs:
+    descs = ({"lat_desc": f"tensordesc<bf16[{block_n}, 512]>", "pe_desc": f"tensordesc<bf16[{block_n}, 64]>"} if tma
+             else {"lat_desc": "constexpr", "pe_desc": "constexpr"})
+    res = compile_for(_mla_split_kernel, {**sig, **descs},
                       {"H": 8, "CAUSAL": causal, "DIRECT": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
                        "BLOCK_DV": block_dv, "BLOCK_DO": 512 - block_dv if block_dv < 512 else 16,
-                       "TAIL_STAGES": TAIL_STAGES[arch] or stages, "UNCHAIN": unchain, "FUSED": not causal,
-                       "TMA": False, "lat_desc": None, "pe_desc": None, "BUCKETS": 0 if causal else 16},
+                       "TAIL_STAGES": TAIL_STAGES[arch] or stages, "UNCHAIN": unchain, "TMA": tma,
+                       **({} if tma else {"lat_desc": None, "pe_desc": None})},
                       arch=arch, num_warps=warps, num_stages=stages, aligned=True)
     report.append([block_m, block_n, res.shared, res.registers, res.spill_bytes])
 print(json.dumps(report))
@@ -301,7 +261,8 @@ def test_sm120_configs_fit_shared_memory(mode):
         assert shared <= SM120_SHARED_LIMIT and spills == 0, (block_m, block_n, shared, registers, spills)
 
 
-def test_sm90_unchained_config_fits_shared_memory():
-    """The unchained 64x64 sm_90 candidate (P moved between warpgroups through shared memory) fits 227 KB."""
-    [(_, _, shared, _, _)] = aot_report("tree", 90, [UNCHAINED])
-    assert shared <= SM90_SHARED_LIMIT, shared
+def test_sm90_configs_fit_shared_memory():
+    """Every sm_90 config (the 64x64 ones unchained, P moved between warpgroups through shared memory, and with
+    TMA tiles) fits 227 KB."""
+    for block_m, block_n, shared, _, _ in aot_report("tree", 90):
+        assert shared <= SM90_SHARED_LIMIT, (block_m, block_n, shared)

@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels.counters import arrival_counters
-
 D_LAT = 512  # value dim: the latent c
 D_PE = 64  # rope part of an entry
 ENTRY = D_LAT + D_PE
@@ -33,6 +31,7 @@ class Entry(NamedTuple):
     tile_us: float  # a program's time per KV tile (fitted to H200 timings; on sm_120 a guess)
     program_us: float  # a program's fixed time: prologue, partial store, masked tail
     partials: torch.dtype | None  # dtype of the per-split outputs (None: q's)
+    tma: bool = False  # the unmasked loop's tiles through tensor descriptors (needs BLOCK_DV 512)
 
 
 # Configs as data, per arch (compute capability major*10+minor). config = (BLOCK_M, BLOCK_N, warps, stages,
@@ -40,10 +39,11 @@ class Entry(NamedTuple):
 # per program instead of once per warpgroup (see _softmax_step); both are tuning options. The split count is the
 # candidate (SPLIT_PER_SLOT programs per slot) with the least modelled time (split_cost).
 CONFIGS = {
-    90: [  # the fastest measured on the H200, cache cold, CUDA graph (bench/results/attention_h200_run4.md)
+    90: [  # the fastest measured on the H200, cache cold, CUDA graph (bench/results/attention_h200_run4.md; TMA:
+        # run 8, 8-19% faster at 32k where T*H > 64, within 3% elsewhere; the 16-row config's TMA is untimed)
         Entry(16, (16, 32, 4, 3, 512, False), 2, 1.28, 10.0, None),  # 93 KB of shared memory, mma.sync
-        Entry(64, (64, 64, 8, 2, 512, True), 1, 3.2, 10.0, None),  # 229 KB: one per SM, wgmma
-        Entry(None, (64, 64, 8, 2, 512, True), 1, 3.2, 10.0, torch.float32),
+        Entry(64, (64, 64, 8, 2, 512, True), 1, 3.2, 10.0, None, True),  # 229 KB: one per SM, wgmma
+        Entry(None, (64, 64, 8, 2, 512, True), 1, 3.2, 10.0, torch.float32, True),
     ],
     120: [  # compile-checked only (tests/test_attention_kernel.py): fit 101,376 bytes, no spills; untimed
         Entry(16, (16, 32, 4, 2, 512, False), 1, 1.28, 10.0, torch.float32),
@@ -65,8 +65,6 @@ TAIL_STAGES = {90: 1, 120: None}  # None: the config's stages
 MERGE_MAX_SPLITS_BLOCK = 256  # splits combined per step of the merge (one step up to this many)
 MERGE_ELEMENTS = 8192  # partial values per merge program and step: BLOCK_S x BLOCK_D
 MIN_TILES_PER_SPLIT = 4  # a split reads at least this many KV tiles
-LENGTH_BUCKETS = 16  # by_length: split counts for lengths up to L_max, L_max / sqrt(2), ... L_max / 181 (a power of 2)
-_TABLES = {}  # (device, table) -> its int32 tensor, kept alive for the CUDA graphs that captured it
 
 
 @triton.jit
@@ -130,38 +128,13 @@ def _softmax_step(s, v, m_i, l_i, acc, live, UNCHAIN: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
-def _merge_own_tile(o_part_ptr, lse_part_ptr, out_ptr, b, offs_m, m_ok, offs_own, rows, num_splits,
-                    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """FUSED: the last program of a query tile to arrive combines every split's (o, lse) of its rows [BM] and value
-    columns [DV] into out (.cg loads: the other programs' partials at L2, not a stale L1)."""
-    m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for s in range(num_splits):
-        part_row = (b.to(tl.int64) * num_splits + s) * rows + offs_m  # [BM]
-        lse = tl.load(lse_part_ptr + part_row, mask=m_ok, other=float("-inf"), cache_modifier=".cg")  # [BM]
-        o = tl.load(o_part_ptr + part_row[:, None] * 512 + offs_own[None, :], mask=(m_ok & (lse > float("-inf")))[:, None],
-                    other=0.0, cache_modifier=".cg").to(tl.float32)  # [BM, DV]
-        m_new = tl.maximum(m, lse)
-        keep = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)  # [BM]
-        acc = acc * keep[:, None] + w[:, None] * o
-        w_sum = w_sum * keep + w
-        m = m_new
-    out = acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
-    o_rows = out_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 512
-    tl.store(o_rows + offs_own[None, :], out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
-
-
 @triton.jit(do_not_specialize=["T", "rows_kb"])
 def _mla_split_kernel(
-    q_ptr, kv_ptr, lens_ptr, mask_ptr, out_ptr, o_part_ptr, lse_part_ptr, count_ptr, lat_desc, pe_desc, table_ptr,
+    q_ptr, kv_ptr, lens_ptr, mask_ptr, out_ptr, o_part_ptr, lse_part_ptr, lat_desc, pe_desc,
     T, rows_kb, sm_scale_log2,
     H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DO: tl.constexpr,
-    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, FUSED: tl.constexpr, TMA: tl.constexpr,
-    BUCKETS: tl.constexpr,
+    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, TMA: tl.constexpr,
 ):
     SPLIT_V: tl.constexpr = BLOCK_DV < 512  # NV programs per query tile, each owning BLOCK_DV value columns
     NV: tl.constexpr = 512 // BLOCK_DV
@@ -184,13 +157,7 @@ def _mla_split_kernel(
     if CAUSAL:  # entries past this tile's last token are invisible to all its rows
         t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // H, T - 1)
         kv_end = tree_start + t_last + 1
-    busy_splits = num_splits
-    if BUCKETS > 0:  # by_length: this sequence's split count from table [upper lengths (descending) ; counts]
-        k = tl.arange(0, BUCKETS)
-        fits = length <= tl.load(table_ptr + k)  # [BUCKETS]
-        bucket = tl.maximum(tl.sum(fits.to(tl.int32)) - 1, 0)  # the shortest upper length at or above length
-        busy_splits = tl.sum(tl.where(k == bucket, tl.load(table_ptr + BUCKETS + k), 0))  # the later splits: empty
-    split_len = tl.cdiv(tl.cdiv(kv_end, busy_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     start = pid_s * split_len
     end = tl.minimum(start + split_len, kv_end)
     n_full = tl.maximum(tl.minimum(end, tree_start) - start, 0) // BLOCK_N  # tiles with every entry visible
@@ -247,13 +214,6 @@ def _mla_split_kernel(
                  mask=q_ok[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # [BM] log2-sum-exp of the split
         tl.store(lse_part_ptr + part_row, lse, mask=m_ok & (pid_v + 0 * offs_m == 0))
-        if FUSED:  # the last of the query tile's num_splits programs to arrive merges them (counter reset after)
-            tile = b * tl.num_programs(0) + tl.program_id(0)
-            tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
-            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == num_splits - 1:
-                _merge_own_tile(o_part_ptr, lse_part_ptr, out_ptr, b, offs_m, m_ok, offs_own, rows, num_splits,
-                                BLOCK_M, BLOCK_DV)
-                tl.atomic_xchg(count_ptr + tile, 0)
 
 
 @triton.jit(do_not_specialize=["rows", "num_splits"])
@@ -368,25 +328,6 @@ def default_splits(entry, rows, B, max_len, sms, arch, value_bytes, every=False,
     return min(sorted(counts), key=cost)
 
 
-@functools.lru_cache(maxsize=1024)
-def split_table(entry, rows, B, max_len, sms, arch, value_bytes):
-    """by_length: (upper lengths, split counts) of LENGTH_BUCKETS buckets: a sequence of length n uses the count of
-    the shortest upper length max_len / 2^(k/2) at or above n, each the default_splits of that length."""
-    uppers = sorted({max(1, round(max_len / 2 ** (k / 2))) for k in range(LENGTH_BUCKETS)}, reverse=True)
-    counts = [default_splits(entry, rows, B, n, sms, arch, value_bytes) for n in uppers]
-    return tuple(uppers), tuple(counts)
-
-
-def _table_tensor(uppers, counts, device):
-    """[LENGTH_BUCKETS uppers (0-padded) ; counts (1-padded)] int32 on `device`, cached for the process."""
-    pad = LENGTH_BUCKETS - len(uppers)
-    key = (torch.device(device), uppers, counts)
-    if key not in _TABLES:
-        _TABLES[key] = torch.tensor(list(uppers) + [0] * pad + list(counts) + [1] * pad, dtype=torch.int32,
-                                    device=device)
-    return _TABLES[key]
-
-
 def merge_blocks(num_splits):
     """(BLOCK_S, BLOCK_D) of the merge for `num_splits` splits."""
     block_s = min(triton.next_power_of_2(num_splits), MERGE_MAX_SPLITS_BLOCK)
@@ -407,15 +348,13 @@ def _check(q, kv_cache, value_dim):
 
 
 def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, num_splits=None, config=None,
-                  partials=None, fused=False, tma=False, by_length=False):
+                  partials=None, tma=None):
     """Triton twin of ops.mla_attention: q [B, T, H, 576], kv_cache [B, L_max, 576], cache_lens [B] int32,
     tree_mask [B, T, ceil(T/32)] int32 or None (causal), -> [B, T, H, 512] in q's dtype.
 
     num_splits (splits per sequence), config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)) and partials
-    (dtype of the per-split outputs: torch.float32 or q.dtype) override the defaults. fused: the last split of a
-    query tile to finish merges the splits (one launch, no merge kernel; needs BLOCK_DV 512). tma: the unmasked
-    loop loads its tiles through tensor descriptors (TMA; needs BLOCK_DV 512). by_length (num_splits None): each
-    sequence takes the split count of its own length's bucket (split_table), on the device; the grid has the most.
+    (dtype of the per-split outputs: torch.float32 or q.dtype) override the defaults; so does tma (True: the
+    unmasked loop loads its tiles through tensor descriptors, TMA; needs BLOCK_DV 512 and a 16-byte aligned cache).
     """
     _check(q, kv_cache, value_dim)
     B, T, H, _ = q.shape
@@ -424,18 +363,13 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     entry = entry_for(rows, arch)
     block_m, block_n, warps, stages, block_dv, unchain = config or entry.config
     tail_stages = TAIL_STAGES[arch] or stages
-    if block_dv not in (256, 512) or ((fused or tma) and block_dv != 512):
-        raise ValueError(f"mla_attention (triton): BLOCK_DV must be 256 or 512 (512 if fused or tma), got {block_dv}")
+    tma = entry.tma and block_dv == D_LAT if tma is None else tma
+    if block_dv not in (256, 512) or (tma and block_dv != 512):
+        raise ValueError(f"mla_attention (triton): BLOCK_DV must be 256 or 512 (512 with tma), got {block_dv}")
     if partials not in (None, torch.float32, q.dtype):
         raise ValueError(f"mla_attention (triton): partials must be torch.float32 or q's {q.dtype}, got {partials}")
     partials = partials or entry.partials or q.dtype
     entry = entry._replace(config=(block_m, block_n, warps, stages, block_dv, unchain))
-    table = None
-    if by_length and num_splits is None and tree_mask is not None:
-        uppers, bucket_splits = split_table(entry, rows, B, kv_cache.shape[1], num_sms(q.device), arch,
-                                            partials.itemsize)
-        num_splits = max(bucket_splits)
-        table = _table_tensor(uppers, bucket_splits, q.device) if num_splits > 1 else None
     if num_splits is None:
         num_splits = default_splits(entry, rows, B, kv_cache.shape[1], num_sms(q.device), arch, partials.itemsize)
     grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
@@ -448,17 +382,15 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         lse_part = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q.device)
     causal = tree_mask is None
     mask = cache_lens if causal else tree_mask.contiguous()
-    fused = fused and not direct
-    counts = arrival_counters("attention", q.device, B * grid_m) if fused else cache_lens
-    lat_desc, pe_desc = _descriptors(kv_cache, block_n) if tma else (None, None)
+    lat_desc, pe_desc = _descriptors(kv_cache, block_n) if tma and kv_cache.data_ptr() % 16 == 0 else (None, None)
     _mla_split_kernel[(grid_m, num_splits, B)](
-        q, kv_cache, cache_lens, mask, out, o_part, lse_part, counts, lat_desc, pe_desc, table,
+        q, kv_cache, cache_lens, mask, out, o_part, lse_part, lat_desc, pe_desc,
         T, kv_cache.stride(0) // ENTRY, scale * 1.4426950408889634,
         H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv,
         BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16, TAIL_STAGES=tail_stages, UNCHAIN=unchain,
-        FUSED=fused, TMA=tma, BUCKETS=LENGTH_BUCKETS if table is not None else 0, num_warps=warps, num_stages=stages,
+        TMA=lat_desc is not None, num_warps=warps, num_stages=stages,
     )
-    if not direct and not fused:
+    if not direct:
         block_s, block_d = merge_blocks(num_splits)
         _merge_kernel[(rows, D_LAT // block_d, B)](
             o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d,
