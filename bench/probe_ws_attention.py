@@ -5,8 +5,9 @@ Triton 3.6 specialises the loop only when every tensor load and store of the ker
 descriptor (TMA); one pointer-based tensor load anywhere (the query, a masked tail loop) fails its pass with
 "unsupported load type for producer commit" (3.9's text; 3.6 asserts in WSLowerToken.cpp). So this probe is the
 unmasked loop alone, all through descriptors: P programs, each the same BLOCK_M query rows over its own
-L_SPLIT entries of a [P * L_SPLIT, 576] cache, writing its normalised [BLOCK_M, 512] output (no mask, no merge).
-Time per 64-entry tile is compared with the kernel's ~3.2 us (README). Usage (device):
+L_SPLIT entries of a [P * L_SPLIT, 576] cache, writing its normalised [BLOCK_M, 512] output (no mask, no merge),
+timed per 64-entry tile beside the kernel's own 64-row config at the same shape (results: the attention section of
+triton_kernels/README.md). Usage (device):
 `python bench/probe_ws_attention.py --out DIR`; on the CPU `--compile` reports sm_90 resources only.
 """
 
