@@ -238,7 +238,7 @@ for block_m, block_n, warps, stages, block_dv, unchain, tma in configs:
     res = compile_for(_mla_split_kernel, {**sig, **descs},
                       {"H": 8, "CAUSAL": causal, "DIRECT": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
                        "BLOCK_DV": block_dv, "BLOCK_DO": 512 - block_dv if block_dv < 512 else 16,
-                       "TAIL_STAGES": TAIL_STAGES[arch] or stages, "UNCHAIN": unchain, "TMA": tma,
+                       "TAIL_STAGES": TAIL_STAGES[arch] or stages, "UNCHAIN": unchain, "TMA": tma, "PDL": True,
                        **({} if tma else {"lat_desc": None, "pe_desc": None})},
                       arch=arch, num_warps=warps, num_stages=stages, aligned=True)
     report.append([block_m, block_n, res.shared, res.registers, res.spill_bytes])

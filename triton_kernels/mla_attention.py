@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_kernels import pdl
+
 D_LAT = 512  # value dim: the latent c
 D_PE = 64  # rope part of an entry
 ENTRY = D_LAT + D_PE
@@ -134,7 +136,7 @@ def _mla_split_kernel(
     T, rows_kb, sm_scale_log2,
     H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DO: tl.constexpr,
-    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, TMA: tl.constexpr,
+    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr = False,
 ):
     SPLIT_V: tl.constexpr = BLOCK_DV < 512  # NV programs per query tile, each owning BLOCK_DV value columns
     NV: tl.constexpr = 512 // BLOCK_DV
@@ -151,6 +153,7 @@ def _mla_split_kernel(
     offs_other = (1 - pid_v) * BLOCK_DO + tl.arange(0, BLOCK_DO)  # the rest of the latent (SPLIT_V: NV == 2)
     offs_pe = tl.arange(0, 64)
 
+    pdl.wait(PDL)  # released at the end (pdl.py): the merge's programs do not wait beside this grid
     length = tl.load(lens_ptr + b)
     tree_start = length - T  # first new token's entry
     kv_end = length
@@ -214,12 +217,14 @@ def _mla_split_kernel(
                  mask=q_ok[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # [BM] log2-sum-exp of the split
         tl.store(lse_part_ptr + part_row, lse, mask=m_ok & (pid_v + 0 * offs_m == 0))
+    pdl.release(PDL)
 
 
 @triton.jit(do_not_specialize=["rows", "num_splits"])
 def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, rows, num_splits,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """One pass over the splits, BLOCK_S at a time (all of them in one step when BLOCK_S >= num_splits)."""
+    pdl.enter(PDL)
     r = tl.program_id(0)
     pid_d = tl.program_id(1)
     b = tl.program_id(2)
@@ -247,7 +252,9 @@ def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, rows, num_splits,
 
 
 @triton.jit(do_not_specialize=["T", "stride_kb", "L_max"])
-def _write_kv_kernel(kv_ptr, entries_ptr, starts_ptr, T, stride_kb, L_max, D: tl.constexpr, BLOCK_D: tl.constexpr):
+def _write_kv_kernel(kv_ptr, entries_ptr, starts_ptr, T, stride_kb, L_max, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     t = tl.program_id(0)
     b = tl.program_id(1)
     pos = tl.load(starts_ptr + b).to(tl.int64) + t
@@ -388,12 +395,12 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         T, kv_cache.stride(0) // ENTRY, scale * 1.4426950408889634,
         H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv,
         BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16, TAIL_STAGES=tail_stages, UNCHAIN=unchain,
-        TMA=lat_desc is not None, num_warps=warps, num_stages=stages,
+        TMA=lat_desc is not None, num_warps=warps, num_stages=stages, **pdl.options(q),
     )
     if not direct:
         block_s, block_d = merge_blocks(num_splits)
         _merge_kernel[(rows, D_LAT // block_d, B)](
-            o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d,
+            o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d, **pdl.options(q),
         )
     return out
 
@@ -415,5 +422,5 @@ def write_kv(kv_cache, entries, starts):
     if kv_cache.stride(2) != 1 or kv_cache.stride(1) != D or not entries.is_contiguous():
         raise ValueError("write_kv (triton): kv_cache rows and entries must be contiguous")
     _write_kv_kernel[(T, B)](kv_cache, entries, starts, T, kv_cache.stride(0), kv_cache.shape[1],
-                             D=D, BLOCK_D=triton.next_power_of_2(D))
+                             D=D, BLOCK_D=triton.next_power_of_2(D), **pdl.options(entries))
     return kv_cache

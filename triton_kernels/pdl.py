@@ -6,6 +6,8 @@ runs: each program first waits (`gdc_wait`) until the previous grid has complete
 before it reads or writes anything, then at once lets the next kernel launch (`gdc_launch_dependents`). The
 next kernel's launch and ramp then overlap this one's work. Where the release sits does not affect correctness
 (a dependent still waits for the whole grid before its own first access), only how early it takes SM slots.
+A kernel whose grid fills the GPU for a while (the attention's split kernel) releases at its end instead, so the
+next kernel's programs do not sit beside it waiting.
 """
 
 import torch
@@ -16,11 +18,24 @@ ENABLED = True  # False: plain launches everywhere (bench_step.py --no-pdl, for 
 
 
 @triton.jit
-def enter(PDL: tl.constexpr):
-    """First statement of a kernel on the chain: wait for the previous grid, then release the next one."""
+def wait(PDL: tl.constexpr):
+    """Wait for the previous grid to complete (its writes visible); before any load or store of the kernel."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def release(PDL: tl.constexpr):
+    """Let the next kernel launch once every program of this one has released (or exited)."""
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """First statement of a kernel on the chain: wait for the previous grid, then release the next one."""
+    wait(PDL)
+    release(PDL)
 
 
 def active(t):
