@@ -139,15 +139,9 @@ def topk_rows(gen, V):
 
 
 @requires_triton
-@pytest.mark.parametrize("pivots", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_draft_topk_triton_ties_and_chunks(dtype, pivots, monkeypatch):
-    """Several chunks per row: ties at the K-th value across chunks, winners all in one chunk; the K-th largest
-    by bisection and by 3 pivots a step."""
-    from triton_kernels import ddtree as dd
-
-    for cfg in dd.CONFIGS.values():
-        monkeypatch.setitem(cfg, "topk_pivots", pivots)
+def test_draft_topk_triton_ties_and_chunks(dtype):
+    """Several chunks per row: ties at the K-th value across chunks, winners all in one chunk."""
     logits = topk_rows(torch.Generator().manual_seed(3), 5000).to(device=device(), dtype=dtype)
     ref = ops.tree.draft_topk_torch(logits, 70)
     with ops.using(draft_topk="triton"):
@@ -233,21 +227,9 @@ def test_sampling_floor_top_k_top_p():
     assert torch.allclose(sampling_floor(logits, 1.0, 0.99, 2), logits[..., 1])
 
 
-def force_walk(monkeypatch, walk):
-    """Make the Triton accept walk in its own launch or in the sampling pass's last program per tree, marking the
-    nodes that match their parent's sample first or not."""
-    from triton_kernels import ddtree as dd
-
-    for cfg in dd.CONFIGS.values():
-        monkeypatch.setitem(cfg, "walk_fused", walk.startswith("fused"))
-        monkeypatch.setitem(cfg, "walk_pre", not walk.endswith("two"))
-
-
 @requires_triton
-@pytest.mark.parametrize("walk", ["launch", "fused_two"])
 @pytest.mark.parametrize("temperature,top_p,top_k", [(0.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.8, 0), (1.3, 0.9, 3)])
-def test_accept_triton_matches_torch(temperature, top_p, top_k, walk, monkeypatch):
-    force_walk(monkeypatch, walk)
+def test_accept_triton_matches_torch(temperature, top_p, top_k):
     tree, gen = small_tree(B=16, L=5, budget=20, vocab=37, seed=3)
     logits = (torch.randn(16, 21, 37, generator=gen) * 3).to(device())
     logits[0, 0, 5] = logits[0, 0, 9] = 50.0  # a tie at T = 0: the lower token wins
@@ -261,11 +243,9 @@ def test_accept_triton_matches_torch(temperature, top_p, top_k, walk, monkeypatc
 
 
 @requires_triton
-@pytest.mark.parametrize("walk", ["launch", "fused", "launch_two"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_accept_triton_vocabulary_splits(temperature, walk, monkeypatch):
+def test_accept_triton_vocabulary_splits(temperature):
     """A vocabulary of several splits per node; at T = 0 equal maxima in different splits go to the lower id."""
-    force_walk(monkeypatch, walk)
     tree, gen = small_tree(B=2, L=4, budget=12, vocab=7, seed=8)
     logits = (torch.randn(2, 13, 5000, generator=gen) * 3).to(device())
     logits[:, :, 4900] = logits[:, :, 7] = 40.0  # split 0 and the last split tie
@@ -276,6 +256,24 @@ def test_accept_triton_vocabulary_splits(temperature, walk, monkeypatch):
         out = ops.accept(tree, logits, temperature, seeds=seeds, step=1)
     for name, x, y in zip(("path", "path_len", "next_token"), out, ref):
         assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])
+def test_accept_equal_sibling_tokens(backend):
+    """Siblings sharing a token (a hand-made tree): the walk takes the lowest-index one, even when only a later
+    one has children."""
+    dev = device()
+    i32 = dict(dtype=torch.int32, device=dev)
+    tokens = torch.tensor([[0, 5, 5, 3, 3]], device=dev)
+    parents = torch.tensor([[-1, 0, 0, 2, 1]], **i32)
+    tree = Tree(tokens, parents, torch.tensor([[0, 1, 1, 2, 2]], **i32), torch.zeros(1, 5, 1, **i32),
+                torch.tensor([[1, 4, 3, -1, -1]], **i32), torch.tensor([[-1, 2, -1, -1, -1]], **i32),
+                torch.tensor([5], **i32), 2)
+    logits = torch.zeros(1, 5, 9, device=dev)
+    logits[0, 0, 5] = logits[0, 1, 3] = logits[0, 2, 3] = logits[0, 4, 7] = 10.0
+    with ops.using(accept=backend):
+        path, path_len, next_token = ops.accept(tree, logits, 0.0)
+    assert path.tolist() == [[0, 1, 4]] and path_len.tolist() == [3] and next_token.tolist() == [7]
 
 
 def sequential_compact(kv, starts, path, path_len, hidden):
@@ -339,9 +337,7 @@ TOPK_SIG = dict(x_ptr="*bf16", cval_ptr=I, cid_ptr=I, pmax_ptr=P, psum_ptr=P, pt
 topk = {k: dd.topk_plan(163840, k, cfg) for k in sorted({min(r[0], dd.MAX_BUDGET) for r in cfg["topk"]})}
 cases = [  # top-k: each config row at its largest K and K2.6's vocabulary
     *[(dd._topk_kernel, TOPK_SIG, dict(BITS=16, CHUNK=chunk, TILE=tile, MP=mp, MT=min(mp, dd.SEL_TILE),
-       KP=triton.next_power_of_2(k), CP=triton.next_power_of_2(chunks), GROUP_LO=cfg["topk_group_lo"],
-       PIVOTS=cfg["topk_pivots"], PDL=True),
-      warps)
+       KP=triton.next_power_of_2(k), CP=triton.next_power_of_2(chunks), PDL=True), warps)
       for k, (chunk, chunks, mp, warps, tile, _) in topk.items()],
     (dd._tree_build_kernel, dict(lp_ptr=P, tok_ptr=L, root_ptr=L, o_tok=L, o_par=I, o_dep=I, o_fc=I, o_ns=I, o_mask=I,
      o_num=I, N="i32", K="i32", KS="i32", L="i32", W="i32"), dict(NP=512, NP1=1024, WP=32, ROWS=64, PDL=True),
@@ -350,12 +346,10 @@ cases = [  # top-k: each config row at its largest K and K2.6's vocabulary
      o_mask=I, o_num=I, s_int=I, s_flt=P, N="i32", K="i32", KS="i32", L="i32", W="i32"),
      dict(NP=512, NP1=1024, WP=32, ROWS=64, LOG=9, PDL=True), cfg["levels_warps"]),
     (dd._sample_kernel, dict(x_ptr="*bf16", num_ptr=I, seed_ptr=L, step_ptr=L, floor_ptr=P, pval_ptr=P, pidx_ptr=I,
-     V="i32", N1="i32", CHUNK="i32", SPLIT="i32", inv_t="fp32", count_ptr=I, tok_ptr=L, par_ptr=I, path_ptr=I,
-     len_ptr=I, next_ptr=L, L="i32"), dict(GREEDY=False, HAS_FLOOR=True, BLOCK=cfg["block_v"],
-     UNROLL=cfg["unroll_v"], WALK=cfg["walk_fused"], NP1=1024, SP=4, PRE=cfg["walk_pre"], PDL=True),
-     cfg["warps_v"]),
+     V="i32", N1="i32", CHUNK="i32", SPLIT="i32", inv_t="fp32"), dict(GREEDY=False, HAS_FLOOR=True,
+     BLOCK=cfg["block_v"], UNROLL=cfg["unroll_v"], PDL=True), cfg["warps_v"]),
     (dd._walk_kernel, dict(pval_ptr=P, pidx_ptr=I, tok_ptr=L, par_ptr=I, path_ptr=I, len_ptr=I, next_ptr=L, N1="i32",
-     L="i32", SPLIT="i32"), dict(NP1=1024, SP=4, PRE=cfg["walk_pre"], PDL=True), cfg["walk_warps"]),
+     L="i32", SPLIT="i32"), dict(NP1=1024, SP=4, PDL=True), 4),
     (dd._compact_kernel, dict(kv_ptr="*bf16", starts_ptr=I, path_ptr=I, len_ptr=I, hid_ptr="*bf16", out_ptr="*bf16",
      layers="i32", L1="i32", D="i32", F="i32", s_layer="i64", s_b="i64", s_pos="i64", h_b="i64", h_n="i64"),
      dict(LP=16, BD=1024, BF=256, PDL=True), 8),

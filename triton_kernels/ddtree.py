@@ -21,17 +21,16 @@ MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few
 # Configs as data per arch (compute capability major*10+minor): top-k rows (K up to, chunk: lanes a program
 # selects from in one load, least warps, lanes a selection scan takes at once, register cap or None), the last
 # also for larger K; the sampling pass's BLOCK over the vocabulary, its warps, register cap, target program count
-# and loads in flight a loop step, and whether its last program per tree walks (else a walk launch); warps of the
-# one-program-per-tree heap build (its heap lives in registers: one warp keeps every reduction inside shuffles),
-# the budget from which the depth-synchronous build replaces the heap loop, and that build's warps. sm_90:
-# measured on the H200 (bench/results/tree_h200.md); sm_120 takes sm_90's unroll_v, untimed.
+# and loads in flight a loop step; warps of the one-program-per-tree heap build (its heap lives in registers: one
+# warp keeps every reduction inside shuffles), the budget from which the depth-synchronous build replaces the heap
+# loop, and that build's warps. sm_90: measured on the H200 (bench/results/tree_h200.md, tree_h200_s5.md);
+# sm_120 takes sm_90's unroll_v, untimed.
 CONFIGS = {
     90: dict(topk=((8, 2048, 4, 2048, None), (64, 4096, 8, 2048, 64), (MAX_BUDGET, 4096, 8, SEL_TILE, None)),
-             topk_group_lo=True, topk_pivots=1, block_v=2048, warps_v=8, maxnreg_v=48, programs=1056, unroll_v=4,
-             walk_fused=False, walk_pre=True, walk_warps=4, build_warps=1, levels_from=8, levels_warps=8),
-    120: dict(topk=((MAX_BUDGET, 4096, 4, SEL_TILE, None),), topk_group_lo=True, topk_pivots=1, block_v=1024,
-              warps_v=4, maxnreg_v=None, programs=752, unroll_v=4, walk_fused=False, walk_pre=True, walk_warps=4,
-              build_warps=1, levels_from=64, levels_warps=2),
+             block_v=2048, warps_v=8, maxnreg_v=48, programs=1056, unroll_v=4, build_warps=1, levels_from=8,
+             levels_warps=8),
+    120: dict(topk=((MAX_BUDGET, 4096, 4, SEL_TILE, None),), block_v=1024, warps_v=4, maxnreg_v=None, programs=752,
+              unroll_v=4, build_warps=1, levels_from=64, levels_warps=2),
 }
 
 
@@ -88,32 +87,17 @@ def _sort(x, LOGN: tl.constexpr, DESC: tl.constexpr):
 # ---- draft top-k: one launch; chunks select their local top K, the last chunk of a row to arrive merges ----
 
 @triton.jit
-def _threshold(o, K, lo, hi, BITS: tl.constexpr, PIVOTS: tl.constexpr):
+def _threshold(o, K, lo, hi, BITS: tl.constexpr):
     """(thr, need): the K-th largest of ordered int32 values o (only their top BITS bits vary within a sign for
-    this dtype), by search on those top bits between lo and hi (count(o >= lo << (32 - BITS)) >= K), as the
-    largest thr with count(o >= thr) >= K; and how many of the values equal to thr are among the K. A step
-    counts o at PIVOTS evenly spaced values of (lo, hi] in one reduction (several counts: 16-bit fields of an
-    int64; o has fewer than 2^15 lanes) and keeps the range between the last pivot with enough and the next."""
+    this dtype), by bisection on those top bits between lo and hi (count(o >= lo << (32 - BITS)) >= K), as the
+    largest thr with count(o >= thr) >= K; and how many of the values equal to thr are among the K."""
     lo = tl.zeros([], tl.int64) + lo
     hi = tl.zeros([], tl.int64) + hi
     while lo < hi:
-        if PIVOTS == 1:
-            counts = tl.sum((o >= ((lo + (hi - lo + 1) // 2) << (32 - BITS)).to(tl.int32)).to(tl.int32), 0)
-        else:
-            packed = tl.zeros(o.shape, tl.int64)
-            for i in tl.static_range(PIVOTS):
-                pivot = lo + ((i + 1) * (hi - lo) + PIVOTS) // (PIVOTS + 1)  # in (lo, hi], ascending
-                packed += tl.where(o >= (pivot << (32 - BITS)).to(tl.int32), 1 << (16 * i), 0).to(tl.int64)
-            counts = tl.sum(packed, 0)
-        new_lo = lo
-        new_hi = hi
-        for i in tl.static_range(PIVOTS):  # enough is a prefix of the pivots: lo the last, hi below the first not
-            pivot = lo + ((i + 1) * (hi - lo) + PIVOTS) // (PIVOTS + 1)
-            enough = ((counts >> (16 * i)) & 65535) >= K
-            new_lo = tl.where(enough, pivot, new_lo)
-            new_hi = tl.where(enough, new_hi, tl.minimum(new_hi, pivot - 1))
-        lo = new_lo
-        hi = new_hi
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((o >= (mid << (32 - BITS)).to(tl.int32)).to(tl.int32), 0) >= K
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
     thr = (lo << (32 - BITS)).to(tl.int32)
     return thr, K - tl.sum((o > thr + ((1 << (32 - BITS)) - 1)).to(tl.int32), 0)
 
@@ -142,8 +126,7 @@ def _store_topk(lp_ptr, tok_ptr, out, key, lse, mask):
 
 @triton.jit
 def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr, row, K, CHUNKS,
-                BITS: tl.constexpr, MP: tl.constexpr, MT: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr,
-                PIVOTS: tl.constexpr):
+                BITS: tl.constexpr, MP: tl.constexpr, MT: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr):
     """Row `row`'s top K among its chunks' candidates (chunk-major, each chunk's in id order: lane order is id
     order), sorted, as log-probs through the log-sum-exp of the chunks' (max, sum exp). The row's K-th largest lies
     between the largest chunk threshold and the largest chunk max. The winners are gathered in the row's first K
@@ -158,7 +141,7 @@ def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr
     i = tl.arange(0, MP)  # [MP]
     o = tl.load(cval_ptr + base + i, mask=i < M, other=-2147483648, cache_modifier=".cg")  # [MP] ordered values
     lo = tl.max(tl.load(pthr_ptr + row * CHUNKS + cs, mask=cs < CHUNKS, other=-2147483648, cache_modifier=".cg"), 0)
-    thr, need = _threshold(o, K, lo >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS, PIVOTS)
+    thr, need = _threshold(o, K, lo >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS)
     n_gt = tl.zeros([], tl.int32)
     n_eq = tl.zeros([], tl.int32)
     for j in tl.static_range(MP // MT):
@@ -181,8 +164,7 @@ def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr
 @triton.jit(do_not_specialize=["V", "K", "CHUNKS"])
 def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_ptr, lp_ptr, tok_ptr, V, K, CHUNKS,
                  BITS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr, MP: tl.constexpr, MT: tl.constexpr,
-                 KP: tl.constexpr, CP: tl.constexpr, GROUP_LO: tl.constexpr, PIVOTS: tl.constexpr,
-                 PDL: tl.constexpr):
+                 KP: tl.constexpr, CP: tl.constexpr, PDL: tl.constexpr):
     """Program (row, c): chunk c's (max, sum exp, K-th largest) and its K best (ordered value, id), in id order (a
     chunk holds at least K lanes; padding lanes rank last), picked in tiles of TILE lanes. The row's last program
     to arrive merges."""
@@ -196,10 +178,9 @@ def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_p
     tl.store(pmax_ptr + row * CHUNKS + c, m)
     tl.store(psum_ptr + row * CHUNKS + c, tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0))
     o = tl.where(offs < V, _ordered(x), -2147483648)  # [CHUNK] int32
-    lo = tl.full([], -2147483648, tl.int32)
-    if GROUP_LO:  # KP >= K disjoint groups: their KP maxima are KP lanes >= the least of them, so the K-th is too
-        lo = tl.min(tl.max(tl.reshape(o, [KP, CHUNK // KP]), 1), 0)
-    thr, need = _threshold(o, K, lo >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS, PIVOTS)
+    # KP >= K disjoint groups: their KP maxima are KP lanes >= the least of them, so the K-th largest is too
+    lo = tl.min(tl.max(tl.reshape(o, [KP, CHUNK // KP]), 1), 0)
+    thr, need = _threshold(o, K, lo >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS)
     tl.store(pthr_ptr + row * CHUNKS + c, thr)
     out = (row.to(tl.int64) * CHUNKS + c) * K
     n_gt = tl.zeros([], tl.int32)
@@ -215,7 +196,7 @@ def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_p
     tl.debug_barrier()  # every candidate is stored before the arrival is counted
     if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == CHUNKS - 1:
         _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr, row, K, CHUNKS, BITS, MP, MT,
-                    KP, CP, PIVOTS)
+                    KP, CP)
         tl.atomic_xchg(count_ptr + row, 0)
 
 
@@ -433,15 +414,13 @@ def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_
 
 # ---- accept: per-node sampling over vocabulary splits, then one program per tree reduces and walks ----
 
-@triton.jit(do_not_specialize=["N1", "SPLIT", "inv_t", "L"])  # V and CHUNK specialised: vector loads
+@triton.jit(do_not_specialize=["N1", "SPLIT", "inv_t"])  # V and CHUNK specialised: vector loads
 def _sample_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx_ptr, V, N1, CHUNK, SPLIT, inv_t,
-                   count_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, L,
                    GREEDY: tl.constexpr, HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
-                   WALK: tl.constexpr, NP1: tl.constexpr, SP: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+                   PDL: tl.constexpr):
     """Program (b * (N+1) + node, c): the (max key, lowest id) of split c (CHUNK lanes, a multiple of BLOCK x
     UNROLL). Each lane keeps its running best (a later lane of the same slot wins only if strictly larger, so the
-    lowest id of equal keys stays), one reduction at the end; UNROLL loads in flight per loop step. WALK: the
-    tree's last program to arrive walks it."""
+    lowest id of equal keys stays), one reduction at the end; UNROLL loads in flight per loop step."""
     pdl.enter(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
@@ -480,11 +459,6 @@ def _sample_kernel(x_ptr, num_ptr, seed_ptr, step_ptr, floor_ptr, pval_ptr, pidx
     m = tl.max(best, 0)
     tl.store(pval_ptr + row * SPLIT + c, m)
     tl.store(pidx_ptr + row * SPLIT + c, tl.min(tl.where(best == m, best_idx, 2147483647), 0))
-    if WALK:
-        tl.debug_barrier()  # the partial is stored before the arrival is counted
-        if tl.atomic_add(count_ptr + b, 1, sem="acq_rel") == N1 * SPLIT - 1:
-            _walk(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, b, N1, L, SPLIT, NP1, SP, PRE)
-            tl.atomic_xchg(count_ptr + b, 0)
 
 
 @triton.jit
@@ -501,42 +475,31 @@ def _samples(pval_ptr, pidx_ptr, b, N1, SPLIT, rows, live, SP: tl.constexpr):
     return tl.load(pidx_ptr + part + first, mask=live, other=0, cache_modifier=".cg")
 
 
-@triton.jit
-def _walk(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, b, N1, L, SPLIT, NP1: tl.constexpr,
-          SP: tl.constexpr, PRE: tl.constexpr):
-    """Tree b: each node's sample, then the walk from the root. PRE: first mark, in parallel, the nodes whose token
-    is their parent's sample (one reduction a step instead of two)."""
+@triton.jit(do_not_specialize=["N1", "L", "SPLIT"])
+def _walk_kernel(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, N1, L, SPLIT,
+                 NP1: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
+    """Tree b: each node's sample; the nodes whose token is their parent's sample marked in parallel, so that a
+    walk step is one reduction (the lowest marked child of the current node)."""
+    pdl.enter(PDL)
+    b = tl.program_id(0)
     nodes = tl.arange(0, NP1)  # [NP1]
     sampled = _samples(pval_ptr, pidx_ptr, b, N1, SPLIT, nodes, nodes < N1, SP)  # [NP1]
     toks = tl.load(tok_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
     pars = tl.load(par_ptr + b.to(tl.int64) * N1 + nodes, mask=nodes < N1, other=-1)
-    if PRE:
-        good = (pars >= 0) & (toks == _samples(pval_ptr, pidx_ptr, b, N1, SPLIT, tl.maximum(pars, 0), pars >= 0, SP))
+    good = (pars >= 0) & (toks == _samples(pval_ptr, pidx_ptr, b, N1, SPLIT, tl.maximum(pars, 0), pars >= 0, SP))
     path_b = path_ptr + b * (L + 1)
     tl.store(path_b, 0)
     cur = tl.zeros([], tl.int32)
     walking = tl.full([], 1, tl.int32)
     length = tl.full([], 1, tl.int32)
     for d in range(1, L + 1):
-        if PRE:
-            child = tl.min(tl.where(good & (pars == cur), nodes, NP1), 0)
-        else:
-            t = tl.sum(tl.where(nodes == cur, sampled, 0), 0)
-            child = tl.min(tl.where((pars == cur) & (toks == t), nodes, NP1), 0)
+        child = tl.min(tl.where(good & (pars == cur), nodes, NP1), 0)
         walking = walking & (child < NP1).to(tl.int32)
         tl.store(path_b + d, tl.where(walking != 0, child, -1))
         cur = tl.where(walking != 0, child, cur)
         length += walking
     tl.store(len_ptr + b, length)
     tl.store(next_ptr + b, tl.sum(tl.where(nodes == cur, sampled, 0), 0).to(tl.int64))
-
-
-@triton.jit(do_not_specialize=["N1", "L", "SPLIT"])
-def _walk_kernel(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, N1, L, SPLIT,
-                 NP1: tl.constexpr, SP: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
-    pdl.enter(PDL)
-    _walk(pval_ptr, pidx_ptr, tok_ptr, par_ptr, path_ptr, len_ptr, next_ptr, tl.program_id(0), N1, L, SPLIT, NP1,
-          SP, PRE)
 
 
 # ---- compaction: programs (layer, b) move cache rows, programs (layers + chunk, b) gather hidden rows ----
@@ -630,7 +593,6 @@ def draft_topk(logits, k):
     _topk_kernel[(rows, chunks)](x, cval, cid, pmax, psum, pthr, counters, lp, tokens, V, k, chunks,
                                  BITS=_value_bits(x.dtype), CHUNK=chunk, TILE=tile, MP=mp, MT=min(mp, SEL_TILE),
                                  KP=triton.next_power_of_2(max(k, 2)), CP=triton.next_power_of_2(max(chunks, 2)),
-                                 GROUP_LO=cfg["topk_group_lo"], PIVOTS=cfg["topk_pivots"],
                                  num_warps=warps, **_cap(maxnreg),
                                  **pdl.options(x))
     return lp, tokens
@@ -680,17 +642,14 @@ def accept(tree, target_logits, temperature, floor, seeds, step):
     path = torch.empty(B, L + 1, dtype=torch.int32, device=x.device)
     path_len = torch.empty(B, dtype=torch.int32, device=x.device)
     next_token = torch.empty(B, dtype=torch.int64, device=x.device)
-    walk = (path_len if not cfg["walk_fused"] else arrival_counters("ddtree_accept", x.device, B), tree.tokens,
-            tree.parents, path, path_len, next_token, L)
-    sizes = dict(NP1=triton.next_power_of_2(max(N1, L + 1)), SP=triton.next_power_of_2(split), PRE=cfg["walk_pre"])
     _sample_kernel[(rows, split)](
         x, tree.num_nodes, seeds.contiguous(), step.contiguous(), floor if floor is not None else pval, pval, pidx,
-        V, N1, chunk, split, inv_t, *walk, GREEDY=temperature == 0, HAS_FLOOR=floor is not None, BLOCK=block,
-        UNROLL=unroll, WALK=cfg["walk_fused"], **sizes, num_warps=cfg["warps_v"], **_cap(cfg["maxnreg_v"]),
-        enable_fp_fusion=False, **pdl.options(x))  # x / T and the noise rounded as in torch
-    if not cfg["walk_fused"]:
-        _walk_kernel[(B,)](pval, pidx, *walk[1:-1], N1, L, split, **sizes, num_warps=cfg["walk_warps"],
-                           **pdl.options(x))
+        V, N1, chunk, split, inv_t, GREEDY=temperature == 0, HAS_FLOOR=floor is not None, BLOCK=block,
+        UNROLL=unroll, num_warps=cfg["warps_v"], **_cap(cfg["maxnreg_v"]), enable_fp_fusion=False,
+        **pdl.options(x))  # x / T and the noise rounded as in torch
+    _walk_kernel[(B,)](pval, pidx, tree.tokens, tree.parents, path, path_len, next_token, N1, L, split,
+                       NP1=triton.next_power_of_2(max(N1, L + 1)), SP=triton.next_power_of_2(split), num_warps=4,
+                       **pdl.options(x))
     return path, path_len, next_token
 
 
