@@ -319,11 +319,11 @@ def test_moe_k26_shapes_gpu(M, E, I):
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", ["default", "two_launch", "k_swap8_pre", "fused_items2", "static_split"])
+@pytest.mark.parametrize("variant", ["default", "fused", "k_swap8_pre", "fused_items2", "device_split"])
 def test_moe_variants_in_a_graph_gpu(variant):
-    """The entries (the fused decode path up to M = 4, the device-split gate/up above) and the variants (the
-    two-launch decode path with programmatic dependent launch, the routing-pass entry, the host-split gate/up)
-    at the TP8 expert shape on 16 experts, eager and
+    """The entries (the two-launch decode path with programmatic dependent launch up to M = 4, the routing pass
+    above) and the variants (the fused one-launch decode path, the routing-pass entry at small M, the
+    device-split gate/up with the persistent down) at the TP8 expert shape on 16 experts, eager and
     replayed three times in a CUDA graph (where launches overlap, and the decode path's sums and counters must
     be zero again after each replay), against the fp32 reference; the fused path's graph output equals its
     eager output bit for bit (fixed summation order)."""
@@ -379,13 +379,13 @@ print(json.dumps([vars(compile_for(kernel, *launch)) for arch in (90, 120)
 """
 
 
-@pytest.mark.parametrize("variant,M", [("default", 1), ("two_launch", 1), ("default", 16)])
+@pytest.mark.parametrize("variant,M", [("default", 1), ("fused", 1), ("device_split", 16)])
 def test_inline_ptx_variants_compile(variant, M):
     """sm_90 entries and variants with inline PTX (lop3, L2 prefetch, nanosleep, grid dependency control), which
     the interpreter cannot run, assemble for sm_90 without spills (and for sm_120, where the fused kernel, not
     an sm_120 entry, may spill a few bytes)."""
     results = compiled_in_child(PTX_COMPILE, variant, str(M))
-    fused = variant == "default" and M <= 4  # the fused kernel: sm_90 only
+    fused = variant == "fused"  # the fused kernel: an sm_90 variant
     assert all(res["spill_bytes"] == 0 for res in (results[: len(results) // 2] if fused else results)), results
 
 

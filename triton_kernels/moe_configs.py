@@ -23,27 +23,24 @@ CONFIGS = {
     # calls, bench/results/moe_variants_h200_s4b.md): with `pdl` and 2 gate/up CTAs an SM, so that 2 down CTAs fit
     # beside them and ask L2 for their words while gate/up runs: 20.0 / 19.5 / 19.3-19.6 against 20.7 / 20.4 /
     # 20.3-20.5 us for the decode entry without; slower at M = 2 (32.0 against 30.4) and 4 (50.6 against 45.7)
-    # session 6: the decode path in one launch (`fused`, moe_w4a16._fused_decode_kernel) for M <= 4, and gate/up K
-    # splits decided on the device from the blocks the routing pass filled (`device_split`,
-    # moe_w4a16._planned_gate_up_kernel) and down on a persistent grid over them (`persistent`) up to M = 256; both
-    # predicted faster (set before their measurement;
-    # `pdl` applies to the two-launch decode path only, the `two_launch` variant)
+    # session 6 added, unmeasured (no device call), the variants `fused` (the decode path in one launch) and
+    # `device_split` (gate/up splits decided on the device, down on a persistent grid); the entries are session 4's
     "sm_90": [
-        (1, dict(BM=8, panels=(1, 1), decode=True, fused=True, pdl=True,
+        (1, dict(BM=8, panels=(1, 1), decode=True, pdl=True,
                  gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
                               scales_ahead=True),
                  down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
                            scales_ahead=True, tiles=2))),
-        (4, dict(BM=8, panels=(1, 1), decode=True, fused=True,
+        (4, dict(BM=8, panels=(1, 1), decode=True,
                  gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
                               scales_ahead=True),
                  down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
                            scales_ahead=True, tiles=4))),
         (256, dict(BM=8, panels=(1, 1),
                    gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
-                                scales_ahead=True, device_split=True),
+                                scales_ahead=True),
                    down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
-                             scales_ahead=True, tiles=4, persistent=True))),
+                             scales_ahead=True, tiles=4))),
         (None, dict(BM=16, panels=(1, 1),
                     gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=4, swap=True, lop3=True, scales_ahead=True),
                     down=dict(BN=64, waves=2, num_warps=4, num_stages=3, swap=True, lop3=True, scales_ahead=True,
@@ -75,18 +72,19 @@ LAYOUTS = {"sm_90": (1, 1), "sm_120": (0, 0)}
 # `pdl` (top level, the two-launch decode path: programmatic dependent launch of down), `panels` (top level: the
 # weight layout the config expects). `python bench/bench_moe.py --variants` times them (TP8 shape).
 VARIANTS = {
-    # the M <= 4 entries as two launches (session 4's entries: 19.3-20.0 us at M = 1, bench/results/moe_h200.md)
-    "two_launch": dict(fused=False),
+    # the M <= 4 entries in one launch (`fused`: moe_w4a16._fused_decode_kernel; `pdl` applies to two launches only)
+    "fused": dict(fused=True),
     # the round 3 entry for 8 <= M <= 256 (routing pass, BM 8, K-major, prescaled), at M <= 4
     "k_swap8_pre": dict(decode=False, fused=False, pdl=False, gate_up=dict(waves=4), down=dict(tiles=4)),
     # the fused decode path with twice the gate/up K splits (2 gate/up items a program), or down 4 tiles an item
-    "fused_items2": dict(gate_up=dict(items=2)),
-    "fused_dn4": dict(down=dict(tiles=4)),
-    # the routing-pass entries as before session 6: gate/up's K split from the host's estimate of the experts
-    # touched (uniform routing) instead of `device_split`, and down on the static grid (a program a block, tile
-    # group and split, empty blocks included) instead of `persistent`; or only the latter
-    "static_split": dict(gate_up=dict(device_split=False), down=dict(persistent=False)),
-    "static_down": dict(down=dict(persistent=False)),
+    "fused_items2": dict(fused=True, gate_up=dict(items=2)),
+    "fused_dn4": dict(fused=True, down=dict(tiles=4)),
+    # the routing-pass entries with gate/up's K split decided on the device from the blocks the routing pass
+    # filled (`device_split`: moe_w4a16._planned_gate_up_kernel) instead of the host's estimate for uniform
+    # routing, and down on a persistent grid over those blocks (`persistent`) instead of a program for every block
+    # of the static bound (empty blocks included); or only the latter
+    "device_split": dict(gate_up=dict(device_split=True), down=dict(persistent=True)),
+    "persistent_down": dict(down=dict(persistent=True)),
 }
 
 
