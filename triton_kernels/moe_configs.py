@@ -23,8 +23,10 @@ CONFIGS = {
     # calls, bench/results/moe_variants_h200_s4b.md): with `pdl` and 2 gate/up CTAs an SM, so that 2 down CTAs fit
     # beside them and ask L2 for their words while gate/up runs: 20.0 / 19.5 / 19.3-19.6 against 20.7 / 20.4 /
     # 20.3-20.5 us for the decode entry without; slower at M = 2 (32.0 against 30.4) and 4 (50.6 against 45.7)
-    # session 6 added, unmeasured (no device call), the variants `fused` (the decode path in one launch) and
-    # `device_split` (gate/up splits decided on the device, down on a persistent grid); the entries are session 4's
+    # session 5 (bench/results/moe_variants_h200_s5.md, H200 11:46 UTC): `device_split` (gate/up K splits decided on
+    # the device from the blocks the routing pass filled, down on a persistent grid) for 5 <= M <= 33: with the
+    # verify step's expert counts 61.9 / 103.9 us against 70.3 / 120.6 at M = 9 / 33, but 84.6 against 79.5 at
+    # M = 16, and with uniform routing 83.7 / 204.1 against 78.0 / 199.2 at M = 8 / 32; slower from M = 65 on
     "sm_90": [
         (1, dict(BM=8, panels=(1, 1), decode=True, pdl=True,
                  gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
@@ -36,6 +38,11 @@ CONFIGS = {
                               scales_ahead=True),
                  down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
                            scales_ahead=True, tiles=4))),
+        (33, dict(BM=8, panels=(1, 1),
+                  gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
+                               scales_ahead=True, device_split=True),
+                  down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
+                            scales_ahead=True, tiles=4, persistent=True))),
         (256, dict(BM=8, panels=(1, 1),
                    gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
                                 scales_ahead=True),
