@@ -70,28 +70,22 @@ LAYOUTS = {"sm_90": (1, 1), "sm_120": (0, 0)}
 
 
 # sm_90 variants under test, as overrides of an entry's per-kernel dicts (not used by config_for). The variants
-# measured in sessions 2-4 were removed once measured slower (numbers: triton_kernels/README.md and
+# measured in sessions 2-5 were removed once measured slower (numbers: triton_kernels/README.md and
 # bench/results/moe_variants_h200_*.md). Other config keys the kernels take (tests/test_moe_kernel.py runs them):
 # `lean` (slab pointers carried across the K loop, no column masks when BN divides N), `decode` (top level: a block
-# per (token, expert) pair, no routing pass, memset or cast), `fused` (top level, with `decode`: one launch),
-# `device_split` (gate/up, with the routing pass: a persistent grid whose K split is chosen on the device),
-# `persistent` (down, with the routing pass: a persistent grid over the filled blocks),
-# `pdl` (top level, the two-launch decode path: programmatic dependent launch of down), `panels` (top level: the
-# weight layout the config expects). `python bench/bench_moe.py --variants` times them (TP8 shape).
+# per (token, expert) pair, no routing pass, memset or cast), `device_split` (gate/up, with the routing pass: a
+# persistent grid whose K split is chosen on the device), `persistent` (down, with the routing pass: a persistent
+# grid over the filled blocks), `pdl` (top level, the two-launch decode path: programmatic dependent launch of
+# down), `panels` (top level: the weight layout the config expects). `python bench/bench_moe.py --variants` times
+# them (TP8 shape).
 VARIANTS = {
-    # the M <= 4 entries in one launch (`fused`: moe_w4a16._fused_decode_kernel; `pdl` applies to two launches only)
-    "fused": dict(fused=True),
     # the round 3 entry for 8 <= M <= 256 (routing pass, BM 8, K-major, prescaled), at M <= 4
-    "k_swap8_pre": dict(decode=False, fused=False, pdl=False, gate_up=dict(waves=4), down=dict(tiles=4)),
-    # the fused decode path with twice the gate/up K splits (2 gate/up items a program), or down 4 tiles an item
-    "fused_items2": dict(fused=True, gate_up=dict(items=2)),
-    "fused_dn4": dict(fused=True, down=dict(tiles=4)),
+    "k_swap8_pre": dict(decode=False, pdl=False, gate_up=dict(waves=4), down=dict(tiles=4)),
     # the routing-pass entries with gate/up's K split decided on the device from the blocks the routing pass
     # filled (`device_split`: moe_w4a16._planned_gate_up_kernel) instead of the host's estimate for uniform
     # routing, and down on a persistent grid over those blocks (`persistent`) instead of a program for every block
-    # of the static bound (empty blocks included); or only the latter
+    # of the static bound (empty blocks included): the sm_90 entry for 5 <= M <= 33, a variant elsewhere
     "device_split": dict(gate_up=dict(device_split=True), down=dict(persistent=True)),
-    "persistent_down": dict(down=dict(persistent=True)),
 }
 
 

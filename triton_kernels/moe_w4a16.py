@@ -10,9 +10,7 @@ Three launches per `moe` call and a cast, no host synchronisation:
 With a `decode` config (few tokens) there are two launches: no routing pass (block b of the GEMMs holds pair b
 alone), and the K splits of gate/up and the top-k pairs of a token in down add into fp32 sums that stay zeroed
 between calls (`_decode_scratch`); the last program to arrive at a tile's counter finishes it (h, or the output
-in x's dtype: no cast) and zeroes the sums and the counter again. With `decode` and `fused`, one launch
-(`_fused_decode_kernel`): every program does its gate/up items, then its down items, each of which waits for its
-pair's h (a readiness count); partial sums are stored and added in a fixed order (deterministic).
+in x's dtype: no cast) and zeroes the sums and the counter again.
 """
 
 import itertools
@@ -682,205 +680,6 @@ def _down_sums(sums, y_row, counter, tile0, D, arrivals, BN: tl.constexpr, TILES
         tl.store(counter, 0)
 
 
-@triton.jit
-def _nanosleep(x):
-    """Pause the calling thread about 100 ns (a spin's back-off; PTX, so not interpretable); returns x."""
-    return tl.inline_asm_elementwise("nanosleep.u32 100;\n\tmov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _fused_gate_up(item, x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, ready_ptr, ids_ptr, D, I, n_slabs,
-                   per_split, split, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp, up_w, up_s,
-                   TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TILES_N: tl.constexpr,
-                   SPLIT_PAD: tl.constexpr, EVEN_N: tl.constexpr, PANEL: tl.constexpr, MAGIC: tl.constexpr,
-                   MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
-                   LOP3: tl.constexpr, AHEAD: tl.constexpr, PRESCALE: tl.constexpr):
-    """Gate/up work item `item` = (pair, N tile, K split) of `_fused_decode_kernel`: the split's partial gate and
-    up rows [BN] go to part [P, split, 2 I] (fp32); the last split to arrive at the tile's counter sums the
-    split partials in split order, writes h [P, I] = silu(gate) * up, zeroes the counter and adds 1 to the
-    pair's readiness count (release: its h stores are visible to whoever acquires the count)."""
-    j = item % split
-    t = (item // split) % TILES_N
-    p = item // (split * TILES_N)
-    e = tl.load(ids_ptr + p)
-    row0 = tl.arange(0, BM) == 0  # the pair's one row of the MMA tile
-    token = tl.where(row0, p // TOP_K, 0).to(tl.int64)  # [BM]
-    n = t * BN + tl.arange(0, BN)  # [BN] gate columns; up columns are n + I
-    n_mask = (n < I) | EVEN_N
-    _, col_mask = _orient(row0, n_mask, SWAP)
-    w_base = w_ptr + e.to(tl.int64) * stride_we
-    s_base = s_ptr + e.to(tl.int64) * stride_se
-    first = j * per_split
-    end = tl.minimum(first + per_split, n_slabs)
-    a_rows, kw, kg = x_ptr + token * D, tl.arange(0, _SLAB_WORDS // 2), tl.arange(0, _GROUP)
-    w_cols, s_cols = _tile_cols(t, stride_wp, BN, PANEL), _tile_cols(t, stride_sp, BN, _scale_panel(PANEL))
-    acc_g = _acc_zeros(BM, BN, SWAP)
-    acc_u = _acc_zeros(BM, BN, SWAP)
-    sg, su = 0, 0  # with AHEAD: the gate and up scales [BN, 8] of the slab being computed
-    if AHEAD:
-        s0 = s_base + (first * 8) * s_row + s_cols
-        sg, su = _load_scales(s0, n_mask, s_row), _load_scales(s0 + up_s, n_mask, s_row)
-    for slab in range(first, end):  # pointers recomputed from the slab (fewer registers than carried ones)
-        w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, a_rows, kw, kg, w_cols, s_cols, slab, w_row, s_row,
-                                               SWAP)
-        if AHEAD:
-            s_next = s_base + (tl.minimum(slab + 1, end - 1) * 8) * s_row + s_cols  # [BN]
-            sg_next, su_next = _load_scales(s_next, n_mask, s_row), _load_scales(s_next + up_s, n_mask, s_row)
-        g0, g1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
-        u0, u1 = _load_slab(w_ptrs + up_w, w_row, col_mask)
-        acc_g = _slab_dot(acc_g, a_ptrs, row0, k, D, g0, g1, s_ptrs, n_mask, s_row, sg, MAGIC, MAGIC_VALUE,
-                          WIDE, x_ptr.dtype.element_ty, EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
-        acc_u = _slab_dot(acc_u, a_ptrs, row0, k, D, u0, u1, s_ptrs + up_s, n_mask, s_row, su, MAGIC,
-                          MAGIC_VALUE, WIDE, x_ptr.dtype.element_ty, EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
-        if AHEAD:
-            sg, su = sg_next, su_next
-    first_row, _ = _orient(row0, n, SWAP)
-    axis: tl.constexpr = 1 if SWAP else 0
-    part = part_ptr + (p * split + j).to(tl.int64) * (2 * I)
-    tl.store(part + n, tl.sum(tl.where(first_row, acc_g, 0.0), axis), mask=n_mask)
-    tl.store(part + I + n, tl.sum(tl.where(first_row, acc_u, 0.0), axis), mask=n_mask)
-    tl.debug_barrier()  # every thread's stores precede the arrival that releases them
-    if tl.atomic_add(counter_ptr + p * TILES_N + t, 1, sem="acq_rel") == split - 1:
-        js = tl.arange(0, SPLIT_PAD)[:, None]  # [SPLIT_PAD, 1]
-        parts = part_ptr + (p * split + js).to(tl.int64) * (2 * I) + n[None, :]  # [SPLIT_PAD, BN]
-        m2 = (js < split) & n_mask[None, :]
-        g = tl.sum(tl.load(parts, mask=m2, other=0.0, cache_modifier=".cg"), 0)  # [BN]
-        u = tl.sum(tl.load(parts + I, mask=m2, other=0.0, cache_modifier=".cg"), 0)
-        tl.store(h_ptr + p.to(tl.int64) * I + n, (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty),
-                 mask=n_mask)
-        tl.store(counter_ptr + p * TILES_N + t, 0)
-        tl.debug_barrier()  # the h stores precede the release
-        tl.atomic_add(ready_ptr + p, 1, sem="release")
-
-
-@triton.jit
-def _prefetch_tile(w_base, tile, slab, stride_wp, w_row, BN: tl.constexpr, PANEL: tl.constexpr):
-    """Ask L2 for N tile `tile`'s words of slab `slab` (PTX prefetch: not interpretable)."""
-    if PANEL == 1:  # a column's slab: 32 words, one 128-byte line
-        _prefetch_l2(w_base + _tile_cols(tile, stride_wp, BN, PANEL) + slab * _SLAB_WORDS)
-    else:
-        _prefetch_slab(w_base + _tile_cols(tile, stride_wp, BN, PANEL, 32)[None, :], slab, w_row)
-
-
-@triton.jit
-def _fused_down(item, h_ptr, w_ptr, s_ptr, part_ptr, y_ptr, counter_ptr, ready_ptr, ids_ptr, weights_ptr,
-                D, I, n_slabs, per_split, split, stride_we, stride_se, w_row, s_row, stride_wp, stride_sp,
-                TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TILES: tl.constexpr, GROUPS: tl.constexpr,
-                GU_TILES: tl.constexpr, KS_PAD: tl.constexpr, EVEN_N: tl.constexpr, PANEL: tl.constexpr,
-                MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
-                SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, PRESCALE: tl.constexpr,
-                PTX: tl.constexpr, ONE_SLAB: tl.constexpr):
-    """Down work item `item` = (pair, group of TILES N tiles, K split) of `_fused_decode_kernel`: asks L2 for its
-    words, waits until the pair's GU_TILES gate/up tiles are ready (acquire), stores the weighted partial rows
-    [BN] to part [P, split, D] (fp32); the last of the token's TOP_K x split items to arrive at the group's
-    counter sums them in (pair, split) order, writes y [M, D] in its dtype and zeroes the counter. The pair's
-    readiness count is zeroed by its last user (GU_TILES + GROUPS x split arrivals). ONE_SLAB: an item's K range
-    is one slab (no K loop)."""
-    j = item % split
-    grp = (item // split) % GROUPS
-    p = item // (split * GROUPS)
-    token = p // TOP_K
-    e = tl.load(ids_ptr + p)
-    w_base = w_ptr + e.to(tl.int64) * stride_we
-    s_base = s_ptr + e.to(tl.int64) * stride_se
-    first = j * per_split
-    end = tl.minimum(first + per_split, n_slabs)
-    if PTX:
-        for s in tl.static_range(TILES):
-            _prefetch_tile(w_base, grp * TILES + s, first, stride_wp, w_row, BN, PANEL)
-    weight = tl.load(weights_ptr + p)
-    # acquire: the read that sees the last tile's release synchronises with every tile's (a release sequence)
-    ready = tl.atomic_add(ready_ptr + p, 0, sem="acquire")
-    while ready < GU_TILES:
-        if PTX:
-            ready = _nanosleep(ready)
-        ready = tl.atomic_add(ready_ptr + p, 0, sem="acquire")
-    tl.debug_barrier()  # the other threads read h after the acquire
-    row0 = tl.arange(0, BM) == 0
-    h_rows = h_ptr + p.to(tl.int64) * I + tl.zeros((BM,), tl.int64)  # [BM]: row 0 valid
-    kw = tl.arange(0, _SLAB_WORDS // 2)
-    kg = tl.arange(0, _GROUP)
-    part = part_ptr + (p * split + j).to(tl.int64) * D
-    for t in range(TILES):
-        tile = grp * TILES + t
-        n = tile * BN + tl.arange(0, BN)  # [BN] hidden columns
-        n_mask = (n < D) | EVEN_N
-        w_cols = _tile_cols(tile, stride_wp, BN, PANEL)
-        s_cols = _tile_cols(tile, stride_sp, BN, _scale_panel(PANEL))
-        first_row, col_mask = _orient(row0, n_mask, SWAP)
-        w_ptrs, a_ptrs, s_ptrs, k = _slab_ptrs(w_base, s_base, h_rows, kw, kg, w_cols, s_cols, first, w_row, s_row,
-                                               SWAP)
-        if ONE_SLAB:  # no K loop: the tile loop is the innermost, so tile t + 1's words load during tile t
-            w0, w1 = _load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
-            acc = _slab_dot(_acc_zeros(BM, BN, SWAP), a_ptrs, row0, k, I, w0, w1, s_ptrs, n_mask, s_row, 0, MAGIC,
-                            MAGIC_VALUE, WIDE, h_ptr.dtype.element_ty, EVEN_K, SWAP, LOP3, False, PRESCALE)
-        else:
-            acc = _down_slabs(_acc_zeros(BM, BN, SWAP), w_base, s_base, h_rows, kw, kg, w_cols, s_cols, w_ptrs,
-                              a_ptrs, s_ptrs, k, row0, n_mask, col_mask, tile, first, end, I, w_row, s_row, MAGIC,
-                              MAGIC_VALUE, WIDE, h_ptr.dtype.element_ty, EVEN_K, SWAP, LOP3, AHEAD, False, BN, PANEL,
-                              PRESCALE)
-        axis: tl.constexpr = 1 if SWAP else 0
-        tl.store(part + n, tl.sum(tl.where(first_row, acc, 0.0), axis) * weight, mask=n_mask)
-    if tl.atomic_add(ready_ptr + p, 1, sem="relaxed") == GU_TILES + GROUPS * split - 1:  # the pair's last user
-        tl.store(ready_ptr + p, 0)
-    tl.debug_barrier()  # every thread's stores precede the arrival that releases them
-    arrivals = TOP_K * split
-    if tl.atomic_add(counter_ptr + token * GROUPS + grp, 1, sem="acq_rel") == arrivals - 1:
-        rs = tl.arange(0, KS_PAD)[:, None]  # [KS_PAD, 1]: the token's (pair, split) rows in order
-        rows = part_ptr + (token * arrivals + rs).to(tl.int64) * D
-        for s in tl.static_range(TILES):
-            n = (grp * TILES + s) * BN + tl.arange(0, BN)
-            n_mask = (n < D) | EVEN_N
-            v = tl.load(rows + n[None, :], mask=(rs < arrivals) & n_mask[None, :], other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + token.to(tl.int64) * D + n, tl.sum(v, 0).to(y_ptr.dtype.element_ty), mask=n_mask)
-        tl.store(counter_ptr + token * GROUPS + grp, 0)
-
-
-@triton.jit(do_not_specialize=["gu_per_split", "gu_split", "dn_per_split", "dn_split", "n_gu", "n_dn"])
-def _fused_decode_kernel(x_ptr, gu_w, gu_s, dn_w, dn_s, h_ptr, gu_part, dn_part, y_ptr, counter_ptr, ids_ptr,
-                         weights_ptr, D, I, gu_slabs, gu_per_split, gu_split, dn_slabs, dn_per_split, dn_split,
-                         n_gu, n_dn, gu_stride_we, gu_stride_se, dn_stride_we, dn_stride_se,
-                         gu_w_row, gu_s_row, gu_stride_wp, gu_stride_sp, up_w, up_s,
-                         dn_w_row, dn_s_row, dn_stride_wp, dn_stride_sp,
-                         TOP_K: tl.constexpr, BM: tl.constexpr, GU_BN: tl.constexpr, DN_BN: tl.constexpr,
-                         GU_TILES: tl.constexpr, TILES: tl.constexpr, GROUPS: tl.constexpr,
-                         SPLIT_PAD: tl.constexpr, KS_PAD: tl.constexpr, GU_EVEN_N: tl.constexpr,
-                         DN_EVEN_N: tl.constexpr, GU_PANEL: tl.constexpr, DN_PANEL: tl.constexpr,
-                         GU_EVEN_K: tl.constexpr, DN_EVEN_K: tl.constexpr, MAGIC: tl.constexpr,
-                         MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, SWAP: tl.constexpr, LOP3: tl.constexpr,
-                         AHEAD: tl.constexpr, PRESCALE: tl.constexpr, PTX: tl.constexpr, PHASES: tl.constexpr,
-                         ONE_SLAB: tl.constexpr):
-    """The decode path in one launch: n_gu gate/up items (`_fused_gate_up`), then n_dn down items
-    (`_fused_down`), program g taking items g, g + G, ... of each (G programs, all co-resident: a down item waits
-    for gate/up items of other programs, which must not be queued behind it). PHASES: 3 both (the GPU), 1 the
-    gate/up items only, 2 the down items only (the interpreter runs programs one after the other, so it runs
-    two launches). Counters [P GU_TILES | P | M GROUPS] int32 at counter_ptr, zero again at the end."""
-    pid, G = tl.program_id(0), tl.num_programs(0)
-    P = n_gu // (GU_TILES * gu_split)
-    ready_ptr = counter_ptr + P * GU_TILES
-    dn_counter = ready_ptr + P
-    if PTX:  # the first down item's words stream into L2 while the gate/up items run
-        if pid < n_dn:
-            grp = (pid // dn_split) % GROUPS
-            e = tl.load(ids_ptr + pid // (dn_split * GROUPS))
-            for t in tl.static_range(TILES):
-                _prefetch_tile(dn_w + e.to(tl.int64) * dn_stride_we, grp * TILES + t, (pid % dn_split) * dn_per_split,
-                               dn_stride_wp, dn_w_row, DN_BN, DN_PANEL)
-    if PHASES % 2:
-        for item in range(pid, n_gu, G):
-            _fused_gate_up(item, x_ptr, gu_w, gu_s, h_ptr, gu_part, counter_ptr, ready_ptr, ids_ptr, D, I, gu_slabs,
-                           gu_per_split, gu_split, gu_stride_we, gu_stride_se, gu_w_row, gu_s_row, gu_stride_wp,
-                           gu_stride_sp, up_w, up_s, TOP_K, BM, GU_BN, GU_TILES, SPLIT_PAD, GU_EVEN_N, GU_PANEL,
-                           MAGIC, MAGIC_VALUE, WIDE, GU_EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
-    if PHASES // 2:
-        for item in range(pid, n_dn, G):
-            _fused_down(item, h_ptr, dn_w, dn_s, dn_part, y_ptr, dn_counter, ready_ptr, ids_ptr, weights_ptr, D, I,
-                        dn_slabs, dn_per_split, dn_split, dn_stride_we, dn_stride_se, dn_w_row, dn_s_row,
-                        dn_stride_wp, dn_stride_sp, TOP_K, BM, DN_BN, TILES, GROUPS, GU_TILES, KS_PAD, DN_EVEN_N,
-                        DN_PANEL, MAGIC, MAGIC_VALUE, WIDE, DN_EVEN_K, SWAP, LOP3, AHEAD, PRESCALE, PTX, ONE_SLAB)
-
-
 # ----------------------------------------------------------------------------------------------- repack
 
 
@@ -1095,67 +894,6 @@ def _resident_programs(kernel, args, constexprs, device, dtype):
     return _GRID[key]
 
 
-def _fused_decode(x, topk_ids, topk_weights, experts, cfg, explicit):
-    """The decode path in one launch (`_fused_decode_kernel`; config key `fused`, with `decode`): a grid no larger
-    than what the GPU holds at once (SMs x the compiled kernel's CTAs an SM), as the kernel's waits require, and
-    gate/up K splits for about `items` (gate/up config key, default 1) gate/up items a program. explicit: cfg was
-    given by the caller (a table entry's down tiles that do not divide D fall back to one)."""
-    M, D = x.shape
-    top_k, I = topk_ids.shape[1], experts.intermediate
-    P, dev = M * top_k, x.device
-    g, d = cfg["gate_up"], cfg["down"]
-    for key in ("swap", "lop3", "scales_ahead", "prescale"):
-        if g.get(key, False) != d.get(key, False):
-            raise ValueError(f"moe (triton): a fused config takes one `{key}` for both kernels")
-    sms, ptx = _sm_count(dev), dev.type == "cuda"
-    gu_bn, dn_bn, tiles = g["BN"], d["BN"], d.get("tiles", 1)
-    if tiles > 1 and D % (dn_bn * tiles):
-        if explicit:
-            raise ValueError(f"moe (triton): down tiles {tiles} x BN {dn_bn} must divide the hidden size {D}")
-        tiles = 1
-    gu_tiles, groups = triton.cdiv(I, gu_bn), triton.cdiv(D, dn_bn * tiles)
-    gu_slabs, dn_slabs = experts.gate_up.shape[-2] // SLAB_WORDS, experts.down.shape[-2] // SLAB_WORDS
-    dn_per = triton.cdiv(dn_slabs, _split(dn_slabs, P * groups, sms, d["waves"]))
-    dn_split = triton.cdiv(dn_slabs, dn_per)
-    n_dn = P * groups * dn_split
-    rows = max(M, DECODE_ROWS)  # counters sized for at least DECODE_ROWS tokens (see _decode_scratch)
-    counters = arrival_counters("moe_w4a16_fused", dev, rows * top_k * (gu_tiles + 1) + rows * groups)
-    h = torch.empty((P, I), dtype=x.dtype, device=dev)
-    dn_part = torch.empty((P * dn_split, D), dtype=torch.float32, device=dev)
-    y = torch.empty((M, D), dtype=x.dtype, device=dev)
-    gu_layout = _layout(experts.gate_up, experts.gate_up_scale, experts.panel_gate_up, gu_bn, up=I)
-    dn_layout = _layout(experts.down, experts.down_scale, experts.panel_down, dn_bn)
-    flags = _flags(g, I, ptx)
-
-    def args(gu_part, gu_per, gu_split):
-        return (x, experts.gate_up, experts.gate_up_scale, experts.down, experts.down_scale, h, gu_part, dn_part, y,
-                counters, topk_ids, topk_weights, D, I, gu_slabs, gu_per, gu_split, dn_slabs, dn_per, dn_split,
-                P * gu_tiles * gu_split, n_dn, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
-                experts.down.stride(0), experts.down_scale.stride(0), gu_layout["w_row"], gu_layout["s_row"],
-                gu_layout["stride_wp"], gu_layout["stride_sp"], gu_layout["up_w"], gu_layout["up_s"],
-                dn_layout["w_row"], dn_layout["s_row"], dn_layout["stride_wp"], dn_layout["stride_sp"])
-
-    constexprs = dict(TOP_K=top_k, BM=cfg["BM"], GU_BN=gu_bn, DN_BN=dn_bn, GU_TILES=gu_tiles, TILES=tiles,
-                      GROUPS=groups, SPLIT_PAD=max(2, triton.next_power_of_2(gu_slabs)),
-                      KS_PAD=max(2, triton.next_power_of_2(top_k * dn_split)), GU_EVEN_N=I % gu_bn == 0,
-                      DN_EVEN_N=D % dn_bn == 0, GU_PANEL=experts.panel_gate_up, DN_PANEL=experts.panel_down,
-                      GU_EVEN_K=D % SLAB == 0, DN_EVEN_K=I % SLAB == 0, SWAP=flags["SWAP"], LOP3=flags["LOP3"],
-                      AHEAD=flags["AHEAD"], PRESCALE=flags["PRESCALE"], PTX=ptx, ONE_SLAB=dn_per == 1,
-                      PHASES=3, **UNPACK[x.dtype], num_warps=g["num_warps"], num_stages=g["num_stages"])
-    # programs the GPU holds at once (the split arguments are not specialised on: any values compile the same)
-    grid = _resident_programs(_fused_decode_kernel, args(dn_part, 1, 1), constexprs, dev, x.dtype) if ptx else 4 * sms
-    gu_per = triton.cdiv(gu_slabs, min(gu_slabs, max(1, g.get("items", 1) * grid // (P * gu_tiles))))
-    gu_split = triton.cdiv(gu_slabs, gu_per)
-    gu_part = torch.empty((P * gu_split, 2 * I), dtype=torch.float32, device=dev)
-    grid = min(grid, max(P * gu_tiles * gu_split, n_dn))
-    if ptx:
-        _fused_decode_kernel[(grid,)](*args(gu_part, gu_per, gu_split), **constexprs)
-    else:  # the interpreter runs programs in turn: the gate/up items first, then the down items
-        for phase in (1, 2):
-            _fused_decode_kernel[(grid,)](*args(gu_part, gu_per, gu_split), **{**constexprs, "PHASES": phase})
-    return y
-
-
 def _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g, BM, top_k, ptx):
     """Launch `_planned_gate_up_kernel` (gate/up config g with `device_split`): as many programs as the GPU holds
     at once (in the interpreter, `waves` x 4), partials for up to 4 x that many work items."""
@@ -1213,8 +951,6 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
     if tuple(cfg.get("panels", (experts.panel_gate_up, experts.panel_down))) != (experts.panel_gate_up, experts.panel_down):
         raise ValueError(f"moe (triton): config for panels {cfg['panels']}, experts laid out with "
                          f"{(experts.panel_gate_up, experts.panel_down)}")
-    if cfg.get("fused", False):
-        return _fused_decode(x, topk_ids, topk_weights, experts, cfg, config is not None)
     BM, decode = cfg["BM"], cfg.get("decode", False)
     nb_max = P if decode else triton.cdiv(P, BM) + min(E, P)
     capacity = nb_max * BM
@@ -1296,8 +1032,6 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
                 stride_we="i64", stride_se="i64", **layout)
     g, d, decode = cfg["gate_up"], cfg["down"], cfg.get("decode", False)
     p_gu, p_dn = cfg.get("panels", (0, 0))
-    if cfg.get("fused", False):
-        return [_fused_spec(cfg, dtype, magic, top_k, arch, D, I)]
     if g.get("device_split", False) and not decode:
         planned = dict(x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", h_ptr=f"*{dtype}", part_ptr="*fp32",
                        counter_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32", nb_ptr="*i32", D="i32",
@@ -1328,24 +1062,3 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
                                    PANEL=p_dn, TILES=d.get("tiles", 1), ONE_SLAB=I <= SLAB and d.get("tiles", 1) > 1,
                                    PDL=cfg.get("pdl", False), **magic), arch, d["num_warps"], d["num_stages"])),
     ]
-
-
-def _fused_spec(cfg, dtype, magic, top_k, arch, D, I):
-    """compile_specs' entry of the fused decode kernel (one K split, as at TP8's down)."""
-    g, d = cfg["gate_up"], cfg["down"]
-    p_gu, p_dn = cfg.get("panels", (0, 0))
-    ints = ("D", "I", "gu_slabs", "gu_per_split", "gu_split", "dn_slabs", "dn_per_split", "dn_split", "n_gu", "n_dn")
-    layout = ("gu_w_row", "gu_s_row", "gu_stride_wp", "gu_stride_sp", "up_w", "up_s", "dn_w_row", "dn_s_row",
-              "dn_stride_wp", "dn_stride_sp")
-    signature = dict(x_ptr=f"*{dtype}", gu_w="*i32", gu_s="*bf16", dn_w="*i32", dn_s="*bf16", h_ptr=f"*{dtype}",
-                     gu_part="*fp32", dn_part="*fp32", y_ptr=f"*{dtype}", counter_ptr="*i32", ids_ptr="*i32",
-                     weights_ptr="*fp32", **dict.fromkeys(ints, "i32"), gu_stride_we="i64", gu_stride_se="i64",
-                     dn_stride_we="i64", dn_stride_se="i64", **dict.fromkeys(layout, "i32"))
-    tiles, flags = d.get("tiles", 1), _flags(g, I)
-    constexprs = dict(TOP_K=top_k, BM=cfg["BM"], GU_BN=g["BN"], DN_BN=d["BN"], GU_TILES=triton.cdiv(I, g["BN"]),
-                      TILES=tiles, GROUPS=D // (d["BN"] * tiles), KS_PAD=top_k,
-                      SPLIT_PAD=triton.next_power_of_2(triton.cdiv(D, SLAB)),
-                      GU_EVEN_N=I % g["BN"] == 0, DN_EVEN_N=D % d["BN"] == 0, GU_PANEL=p_gu, DN_PANEL=p_dn,
-                      GU_EVEN_K=True, DN_EVEN_K=True, SWAP=flags["SWAP"], LOP3=flags["LOP3"], AHEAD=flags["AHEAD"],
-                      PRESCALE=flags["PRESCALE"], PTX=True, PHASES=3, ONE_SLAB=I <= SLAB, **magic)
-    return _fused_decode_kernel, (signature, constexprs, arch, g["num_warps"], g["num_stages"])
