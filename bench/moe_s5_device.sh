@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 6's MoE device call (issue #5): the GPU tests of tests/test_moe_kernel.py (the device-split gate/up,
+# Session 5's MoE device call (issue #5): the GPU tests of tests/test_moe_kernel.py (the device-split gate/up,
 # eager and in CUDA graphs), then TP8 timings: the verify step's expert counts (--routing step) and uniform routing
 # at every M, the entries beside `device_split`; M = 1, 2, 4 with a small unrelated kernel before each call (as the
 # model runs it; its time alone subtracted), the entries; then the entries at the EP8 shape. (As run at 7e6ffb4 it
