@@ -5,7 +5,7 @@
 # model runs it; its time alone subtracted), the entries; then the entries at the EP8 shape. (As run at 7e6ffb4 it
 # also timed the one-launch decode path `fused` and `persistent_down`, since removed:
 # bench/results/moe_variants_h200_s5.md.) At most 8 files come back under $OUT.
-# Usage (device): bash bench/moe_s6_device.sh [tests-s] [step-s] [uniform-s] [gap-s] [ep8-s]
+# Usage (device): bash bench/moe_s5_device.sh [tests-s] [step-s] [uniform-s] [gap-s] [ep8-s]
 source bench/device_env.sh
 timeout "${1:-40}" python -m pytest -q -n 8 -rf -p no:cacheprovider tests/test_moe_kernel.py -k gpu \
   >"$OUT/moe_gpu_tests.log" 2>&1
