@@ -97,6 +97,24 @@ def run(probe, P, l_split, q, kv, out):
                         num_warps=warps, num_stages=stages)
 
 
+def graph_us(call, calls=10):
+    """Median us per call of `calls` calls of `call` captured in one CUDA graph (5 timed replays)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            call()
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[2]
+
+
 def measure(probe, P=132, l_split=2048):
     """Graph-timed probe (tiles a program, us a tile) and its error against torch on program 0's slice."""
     bm = probe[0]
@@ -108,20 +126,8 @@ def measure(probe, P=132, l_split=2048):
     keys = kv[:l_split].float()
     ref = torch.softmax(q.float() @ keys.T * 0.1446802, -1) @ keys[:, :512]
     err = ((out[0].float() - ref).norm() / ref.norm()).item()
-    graph = torch.cuda.CUDAGraph()  # descriptors made in the kernel: the allocator's scratch is captured too
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            run(probe, P, l_split, q, kv, out)
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / 10)
-    us = sorted(times)[2]
+    # descriptors made in the kernel: the allocator's scratch is captured too
+    us = graph_us(lambda: run(probe, P, l_split, q, kv, out))
     tiles = l_split // 64
     return {"probe": probe, "us": us, "us_per_64_tile": us / tiles, "rel_err": err,
             "TFLOPs": 2 * P * bm * l_split * (576 + 512) / us / 1e6}
@@ -138,20 +144,7 @@ def measure_kernel(P=132, l_split=2048):
     lens = torch.full((1,), P * l_split, dtype=torch.int32, device="cuda")
     mask = torch.full((1, 8, 1), 255, dtype=torch.int32, device="cuda")  # every tree entry visible to every row
     mla_attention(q, kv, lens, mask, 0.1446802, num_splits=P)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            mla_attention(q, kv, lens, mask, 0.1446802, num_splits=P)
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / 10)
-    us = sorted(times)[2]
+    us = graph_us(lambda: mla_attention(q, kv, lens, mask, 0.1446802, num_splits=P))
     return {"probe": ["kernel", *pick_config(64)], "us": us, "us_per_64_tile": us / (l_split // 64),
             "TFLOPs": 2 * P * 64 * l_split * (576 + 512) / us / 1e6}
 
