@@ -101,8 +101,7 @@ def _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K: tl.constexpr):
         k = tl.minimum(k_start + t * BLOCK_K + lines, k_end - 1)
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_rows + k[None, :]],
                                   dtype=tl.int32, is_pure=False, pack=1)
-    tl.extra.cuda.gdc_wait()
-    tl.extra.cuda.gdc_launch_dependents()
+    pdl.enter(True)
 
 
 @triton.jit

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_kernels import pdl
 from triton_kernels.counters import arrival_counters
 from triton_kernels.moe_configs import config_for, layout_for
 
@@ -331,9 +332,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     panel strides (PANEL > 0), up_w / up_s the offsets of the up columns from the gate columns.
     """
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # after the wait: the down kernel reads the routing pass's output
+    pdl.enter(PDL)  # release after the wait: the down kernel reads the routing pass's output
     rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
     e = tl.load(block_expert_ptr + pid_b)
     if DECODE:  # block b holds pair b alone, in row 0 (block_expert_ptr is topk_ids; no routing pass)
@@ -563,8 +562,7 @@ def _down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, pid_n,
             else:
                 lines = w_base + _tile_cols(pid_n * TILES + t, stride_wp, BN, PANEL, 32)[None, :]  # [1, BN / 32]
                 _prefetch_slab(lines, first, w_row)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch (it waits for this one)
+        pdl.enter(PDL)  # then the next kernel may launch (it waits for this one)
     last = pid_n * TILES + TILES - 1  # this program's last N tile
     sc_tile = 0  # ONE_SLAB with AHEAD: the scales [BN, 8] of the tile being computed
     if ONE_SLAB:
@@ -809,10 +807,10 @@ def _flags(kernel_cfg, N, ptx=True):
                 AHEAD=kernel_cfg.get("scales_ahead", False), PRESCALE=kernel_cfg.get("prescale", False))
 
 
-def _launch(kernel_cfg, pdl):
-    """Launch options of a kernel config: num_warps, num_stages and, with pdl, programmatic dependent launch."""
+def _launch(kernel_cfg, use_pdl):
+    """Launch options of a kernel config: num_warps, num_stages and, with use_pdl, programmatic dependent launch."""
     return dict(num_warps=kernel_cfg["num_warps"], num_stages=kernel_cfg["num_stages"],
-                **({"launch_pdl": True} if pdl else {}))
+                **({"launch_pdl": True} if use_pdl else {}))
 
 
 def _layout(words, scales, panel, BN, up=0):
@@ -976,7 +974,7 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
 
     dev = x.device
     ptx = dev.type == "cuda"  # inline PTX (lop3) compiles; the interpreter runs the plain forms
-    pdl = ptx and decode and cfg.get("pdl", False)  # programmatic dependent launch of the GEMMs (CUDA only)
+    use_pdl = ptx and decode and cfg.get("pdl", False)  # programmatic dependent launch of the GEMMs (CUDA only)
     h = torch.empty((capacity, I), dtype=x.dtype, device=dev)
     if decode:  # no routing pass, no memset, no cast: zeroed sums and counters that the kernels zero again
         sorted_pairs = block_expert = topk_ids
@@ -1003,7 +1001,7 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
             D, I, gu_slabs, gu_per_split, gu_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
             part.stride(0) if gu_split > 1 and not decode else 0, **gu_layout,
             TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_flags(g, I, ptx), DECODE=decode,
-            PDL=pdl, **_launch(g, pdl), **magic)
+            PDL=use_pdl, **_launch(g, use_pdl), **magic)
     d = cfg["down"]
     if not decode and d.get("persistent", False):
         _persistent_down(h, experts, out, topk_weights, sorted_pairs, block_expert, nb, d, BM, top_k, dn_per_cta,
@@ -1013,7 +1011,7 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
         h, experts.down, experts.down_scale, out, y, dn_counters, topk_weights, sorted_pairs, block_expert,
         D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0), **dn_layout,
         TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_flags(d, D, ptx), DECODE=decode, TILES=dn_per_cta,
-        ONE_SLAB=dn_slabs == 1 and dn_per_cta > 1, PDL=pdl, **_launch(d, pdl), **magic)
+        ONE_SLAB=dn_slabs == 1 and dn_per_cta > 1, PDL=use_pdl, **_launch(d, use_pdl), **magic)
     return y if decode else out.to(x.dtype)
 
 
