@@ -15,14 +15,21 @@ from triton_kernels import pdl
 
 
 @triton.jit
+def rotate(first, second, angle, factor):
+    """One RoPE turn of fp32 pairs (first, second) by `angle`: factor * (f cos - s sin, s cos + f sin)."""
+    cos, sin = tl.cos(angle) * factor, tl.sin(angle) * factor
+    return first * cos - second * sin, second * cos + first * sin
+
+
+@triton.jit
 def rope_pairs(src, dst, angle, factor, mask, ty):
     """Turn the interleaved pairs whose even elements src points at (any shape) by `angle` (broadcast to it) and
-    store them, cast to `ty`, at dst: (e, o) -> factor * (e cos - o sin, o cos + e sin), in fp32."""
-    cos, sin = tl.cos(angle) * factor, tl.sin(angle) * factor
+    store them, cast to `ty`, at dst (`rotate`, in fp32)."""
     even = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     odd = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst, (even * cos - odd * sin).to(ty), mask=mask)
-    tl.store(dst + 1, (odd * cos + even * sin).to(ty), mask=mask)
+    even, odd = rotate(even, odd, angle, factor)
+    tl.store(dst, even.to(ty), mask=mask)
+    tl.store(dst + 1, odd.to(ty), mask=mask)
 
 
 @triton.jit
@@ -126,11 +133,10 @@ def _head_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, stride_xn, 
     # the norm's output rounded to x's dtype, as the reference's rms_norm returns it
     lo = (lo * rstd[:, None] * tl.load(w_ptr + offs_i).to(tl.float32)).to(ty).to(tl.float32)
     hi = (hi * rstd[:, None] * tl.load(w_ptr + HALF + offs_i).to(tl.float32)).to(ty).to(tl.float32)
-    angle = tl.load(pos_ptr + n).to(tl.float32) * tl.load(freq_ptr + offs_i)  # [1, HALF]
-    cos, sin = tl.cos(angle) * factor, tl.sin(angle) * factor
+    lo, hi = rotate(lo, hi, tl.load(pos_ptr + n).to(tl.float32) * tl.load(freq_ptr + offs_i), factor)  # [1, HALF] angle
     dst = out_ptr + n * H * 2 * HALF + offs_h * 2 * HALF + offs_i
-    tl.store(dst, (lo * cos - hi * sin).to(ty), mask=ok)
-    tl.store(dst + HALF, (hi * cos + lo * sin).to(ty), mask=ok)
+    tl.store(dst, lo.to(ty), mask=ok)
+    tl.store(dst + HALF, hi.to(ty), mask=ok)
 
 
 def head_norm_rope(x, norm_weight, eps, positions, inv_freq, attention_factor=1.0):
