@@ -73,6 +73,9 @@ class Attention(nn.Module):
         a q_a projection its norm runs in the same launch as the cache write."""
         cfg = self.cfg
         qa, ckv = ops.linear(x, self.down_proj_weight).split([cfg.q_lora_rank or 0, cfg.cache_entry_dim], -1)
+        if PREFETCH_ATTENTION_WEIGHTS and _side_stream(x.device) is not None:  # read after latency-bound kernels
+            later = (self.q_b_proj.weight,) if cfg.q_lora_rank else ()
+            _on_side_stream(x.device, ops.prefetch_l2, *later, self.kv_b_proj.weight, self.o_proj.weight)
         latent = (kv, ckv, self.kv_a_layernorm.weight, cfg.latent_norm_eps, meta.positions, self.inv_freq,
                   self.rope_factor, meta.starts)
         if cfg.q_lora_rank:
@@ -98,7 +101,9 @@ class Attention(nn.Module):
             o_lat = ops.mla_attention(q.view(meta.B, meta.T, self.heads, cfg.cache_entry_dim), kv, meta.lens_after,
                                       meta.tree_mask, cfg.softmax_scale, cfg.kv_lora_rank)
         o = ops.absorb_output(o_lat.reshape(N, self.heads, cfg.kv_lora_rank), w_uv)
-        return ops.linear(o, self.o_proj.weight)
+        out = ops.linear(o, self.o_proj.weight)
+        _join_side_stream(x.device)  # the prefetch (long done): a CUDA graph's capture must join every fork
+        return out
 
 
 def naive_latent_attention(q_nope, q_pe, w_uk, kv, meta, scale, rank):
@@ -168,17 +173,13 @@ class MoE(nn.Module):
                                        dtype, device, "shared expert intermediate")
 
     def forward(self, x):
-        side = _side_stream(x.device)
-        if side is None:
+        if _side_stream(x.device) is None:
             return self.routed(x) + self.shared_experts(x)
         # The shared expert's small GEMMs leave most SMs idle; on a second stream they overlap the router and the
-        # routed experts (a fork and a join inside a CUDA graph). x outlives the join, so no record_stream.
-        main = torch.cuda.current_stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            shared = self.shared_experts(x)
+        # routed experts (a fork and a join inside a CUDA graph).
+        shared = _on_side_stream(x.device, self.shared_experts, x)
         routed = self.routed(x)
-        main.wait_stream(side)
+        _join_side_stream(x.device)
         return routed.add_(shared)
 
     def routed(self, x):
@@ -189,6 +190,8 @@ class MoE(nn.Module):
 
 
 OVERLAP_SHARED_EXPERT = True  # False: the shared expert runs on the main stream (for A/B timing)
+PREFETCH_ATTENTION_WEIGHTS = True  # q_b, kv_b and o_proj asked into L2 from the side stream (False: for A/B timing)
+PREFETCH_NEXT_LAYER = False  # the next layer's [q_a; kv_a] asked into L2 while this layer's MLP runs
 _SIDE_STREAMS = {}
 
 
@@ -200,6 +203,24 @@ def _side_stream(device):
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(index)
     return _SIDE_STREAMS[index]
+
+
+def _on_side_stream(device, fn, *args):
+    """fn(*args) on the side stream after the main stream's work so far (on the main stream off the GPU or with
+    the overlap off). Its inputs outlive the join that follows, so no record_stream."""
+    side = _side_stream(device)
+    if side is None:
+        return fn(*args)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        return fn(*args)
+
+
+def _join_side_stream(device):
+    """The main stream waits for everything queued on the side stream so far."""
+    side = _side_stream(device)
+    if side is not None:
+        torch.cuda.current_stream(device).wait_stream(side)
 
 
 class DecoderLayer(nn.Module):
@@ -214,15 +235,18 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, par, dtype, device, "intermediate_size")
 
-    def forward(self, h, delta, meta, kv):
+    def forward(self, h, delta, meta, kv, upcoming=()):
         """The residual stream arrives as h + delta (delta: the previous layer's MLP output, or None) so that
-        each residual add runs fused with the norm after it. Returns (h, delta) the same way."""
+        each residual add runs fused with the norm after it. Returns (h, delta) the same way. upcoming: weights
+        asked into L2 from the side stream while the MLP runs (joined by the next layer's attention)."""
         if delta is None:
             x = ops.rms_norm(h, self.input_layernorm.weight, self.eps)
         else:
             h, x = ops.add_rms_norm(delta, h, self.input_layernorm.weight, self.eps)
         attn = self.par.all_reduce(self.self_attn(x, meta, kv))
         h, x = ops.add_rms_norm(attn, h, self.post_attention_layernorm.weight, self.eps)
+        if upcoming and _side_stream(x.device) is not None:
+            _on_side_stream(x.device, ops.prefetch_l2, *upcoming)
         return h, self.par.all_reduce(self.mlp(x))
 
 
@@ -294,7 +318,8 @@ class KimiModel(nn.Module):
         h, delta = F.embedding(tokens.reshape(-1), self.embed_tokens.weight), None
         kept = {}
         for i, layer in enumerate(self.layers):
-            h, delta = layer(h, delta, meta, cache.kv[i])
+            nxt = self.layers[i + 1].self_attn if PREFETCH_NEXT_LAYER and i + 1 < len(self.layers) else None
+            h, delta = layer(h, delta, meta, cache.kv[i], () if nxt is None else (nxt.down_proj_weight,))
             if i in hidden_layers:
                 kept[i] = delta + h
         h = ops.add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[1].view(B, T, -1)
