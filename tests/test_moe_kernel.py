@@ -292,13 +292,14 @@ def test_moe_k26_shapes_gpu(M, E, I):
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", ["default", "k_swap8_pre", "device_split"])
+@pytest.mark.parametrize("variant", ["default", "k_swap8_pre", "device_split", "pf_lines", "pf_bulk", "bm16_pre",
+                                     "bm16_split", "bm16_ahead"])
 def test_moe_variants_in_a_graph_gpu(variant):
     """The entries (the two-launch decode path with programmatic dependent launch up to M = 4, the routing pass
     above) and the variants (the routing-pass entry at small M, the device-split gate/up with the persistent
-    down) at the TP8 expert shape on 16 experts, eager and replayed three times in a CUDA graph (where launches
-    overlap, and the decode path's sums and counters must be zero again after each replay), against the fp32
-    reference."""
+    down, the decode path's gate/up asking L2 for down's weights per line or in bulk, BM 16 blocks) at the TP8
+    expert shape on 16 experts, eager and replayed three times in a CUDA graph (where launches overlap, and the
+    decode path's sums and counters must be zero again after each replay), against the fp32 reference."""
     from triton_kernels.moe_configs import config_for, with_variant
 
     raw = make_experts(16, 7168, 256, seed=7)
@@ -348,7 +349,7 @@ print(json.dumps([vars(compile_for(kernel, *launch)) for arch in (90, 120)
 """
 
 
-@pytest.mark.parametrize("variant,M", [("default", 1), ("device_split", 16)])
+@pytest.mark.parametrize("variant,M", [("default", 1), ("device_split", 16), ("pf_lines", 1), ("pf_bulk", 4)])
 def test_inline_ptx_variants_compile(variant, M):
     """sm_90 entries and variants with inline PTX (lop3, L2 prefetch, grid dependency control), which the
     interpreter cannot run, assemble for sm_90 and sm_120 without spills."""
