@@ -349,7 +349,7 @@ print(json.dumps([vars(compile_for(kernel, *launch)) for arch in (90, 120)
 """
 
 
-@pytest.mark.parametrize("variant,M", [("default", 1), ("device_split", 16), ("pf_lines", 1), ("pf_bulk", 4)])
+@pytest.mark.parametrize("variant,M", [("default", 1), ("device_split", 16), ("pf_last", 1), ("pf_bulk", 4)])
 def test_inline_ptx_variants_compile(variant, M):
     """sm_90 entries and variants with inline PTX (lop3, L2 prefetch, grid dependency control), which the
     interpreter cannot run, assemble for sm_90 and sm_120 without spills."""

@@ -87,9 +87,10 @@ VARIANTS = {
     # of the static bound (empty blocks included): the sm_90 entry for 5 <= M <= 33, a variant elsewhere
     "device_split": dict(gate_up=dict(device_split=True), down=dict(persistent=True)),
     # the decode entries (M <= 4) with gate/up's programs first asking L2 for their share of their pair's down
-    # words and scales (`prefetch_down`: one prefetch.global.L2 a 128-byte line, or one cp.async.bulk.prefetch.L2 a
-    # program), so that down reads them from L2
+    # words and scales (`prefetch_down`: one prefetch.global.L2 a 128-byte line, the same with evict_last priority,
+    # or one cp.async.bulk.prefetch.L2 a program), so that down reads them from L2
     "pf_lines": dict(gate_up=dict(prefetch_down="lines")),
+    "pf_last": dict(gate_up=dict(prefetch_down="lines_last")),
     "pf_bulk": dict(gate_up=dict(prefetch_down="bulk")),
     # the routing-pass entry with BM 16 (an expert with 9-16 tokens read once, not twice): the BM 8 kernels as they
     # are (prescaled weights), with the device-decided split and persistent down, and the M > 256 entry's kernels

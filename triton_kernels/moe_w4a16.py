@@ -215,10 +215,15 @@ def _scale_panel(PANEL):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the lines holding ptrs (a hint: no result to wait for; PTX prefetch, so not interpretable)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
+def _prefetch_l2(ptrs, LAST: tl.constexpr = False):
+    """Ask L2 for the lines holding ptrs (a hint: no result to wait for; PTX prefetch, so not interpretable); LAST:
+    with the evict_last priority (kept over lines streamed past meanwhile)."""
+    if LAST:
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -233,15 +238,16 @@ def _prefetch_slab(lines, slab, w_row):
 def _prefetch_share(base, n_bytes, part, parts, MODE: tl.constexpr):
     """Ask L2 for share `part` of `parts` of the n_bytes bytes at base (whole 128-byte lines a share; base and
     n_bytes multiples of 16): MODE 1 one `prefetch.global.L2` per line, 128 lines a step of the program's
-    threads; MODE 2 one `cp.async.bulk.prefetch.L2` of the whole share, issued by thread 0 (sm_90 and newer)."""
+    threads (MODE 3: the same with evict_last); MODE 2 one `cp.async.bulk.prefetch.L2` of the whole share, issued
+    by thread 0 (sm_90 and newer)."""
     ptr = base.to(tl.pointer_type(tl.int8))
     share = tl.cdiv(tl.cdiv(n_bytes, parts), 128) * 128
     start = part.to(tl.int64) * share
     size = tl.minimum(share, n_bytes - start)  # bytes of this share, <= 0 past the end
-    if MODE == 1:
+    if MODE != 2:
         for off in range(0, size, 128 * 128):
             lines = off + tl.arange(0, 128).to(tl.int64) * 128  # [128] byte offsets of lines
-            _prefetch_l2(ptr + start + tl.where(lines < size, lines, 0))
+            _prefetch_l2(ptr + start + tl.where(lines < size, lines, 0), MODE == 3)
     elif size > 0:
         tl.inline_asm_elementwise(
             "{\n\t.reg .pred p;\n\t.reg .u32 t;\n\tmov.u32 t, %tid.x;\n\tsetp.eq.u32 p, t, 0;\n\t"
@@ -350,9 +356,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     kernel waits for the previous one (whatever wrote x) first.
     Layout (TritonExperts): w_row / s_row are the row strides of words / scales, stride_wp / stride_sp their
     panel strides (PANEL > 0), up_w / up_s the offsets of the up columns from the gate columns.
-    PREFETCH (DECODE; 1 per line, 2 bulk: `_prefetch_share`): before its own weights, the program asks L2 for its
-    share (of the pair's gate/up programs) of the pair's down words dn_w_ptr [dn_we int32 an expert] and scales
-    dn_s_ptr [dn_se bf16 an expert], so that the down kernel reads them from L2.
+    PREFETCH (DECODE; 1 per line, 2 bulk, 3 per line with evict_last: `_prefetch_share`): before its own weights,
+    the program asks L2 for its share (of the pair's gate/up programs) of the pair's down words dn_w_ptr [dn_we
+    int32 an expert] and scales dn_s_ptr [dn_se bf16 an expert], so that the down kernel reads them from L2.
     """
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pdl.enter(PDL)  # release after the wait: the down kernel reads the routing pass's output
@@ -834,11 +840,11 @@ def _flags(kernel_cfg, N, ptx=True):
                 AHEAD=kernel_cfg.get("scales_ahead", False), PRESCALE=kernel_cfg.get("prescale", False))
 
 
-PREFETCH_MODES = {None: 0, "lines": 1, "bulk": 2}  # gate/up's `prefetch_down` -> _gate_up_kernel's PREFETCH
+PREFETCH_MODES = {None: 0, "lines": 1, "bulk": 2, "lines_last": 3}  # gate/up's `prefetch_down` -> PREFETCH
 
 
 def _prefetch_mode(kernel_cfg, decode, ptx=True):
-    """PREFETCH of `_gate_up_kernel` for a gate/up config: its `prefetch_down` ("lines" or "bulk") on the decode
+    """PREFETCH of `_gate_up_kernel` for a gate/up config: its `prefetch_down` (a PREFETCH_MODES key) on the decode
     path (the pair's expert known to each program) where PTX compiles, else 0."""
     return PREFETCH_MODES[kernel_cfg.get("prefetch_down")] if decode and ptx else 0
 
