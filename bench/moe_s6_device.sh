@@ -2,11 +2,11 @@
 # Session 6's MoE device call (issue #5): the GPU tests of tests/test_moe_kernel.py, then TP8 timings of the
 # entries beside the session-6 variants (moe_configs.VARIANTS): M = 1, 2, 4 with a small unrelated kernel before
 # each call (as the model runs it; its time alone subtracted) against gate/up asking L2 for down's weights
-# (pf_lines, pf_last, pf_bulk); the verify step's expert counts at M = 65, 129 (--routing step) and uniform
+# (pf_lines, pf_last, pf_bulk); the verify step's expert counts at M = 129, 65 (--routing step) and uniform
 # routing at M = 64, 128, 256 against BM 16 blocks (bm16_pre, bm16_split, bm16_ahead). Logs and markdown under
 # $OUT, the JSON in $OUT/moe_s6.tar. Usage (device): bash bench/moe_s6_device.sh [tests-s] [gap-s] [step-s] [uniform-s]
 source bench/device_env.sh
-timeout "${1:-35}" python -m pytest -q -n 8 -rf -p no:cacheprovider tests/test_moe_kernel.py -k gpu \
+timeout "${1:-40}" python -m pytest -q -n 8 -rf -p no:cacheprovider tests/test_moe_kernel.py -k gpu \
   >"$OUT/moe_gpu_tests.log" 2>&1
 echo "pytest exit $? at ${SECONDS}s"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/moe_gpu_tests.log" | tail -8
 run() {  # seconds, then bench_moe.py --variants arguments
@@ -15,6 +15,6 @@ run() {  # seconds, then bench_moe.py --variants arguments
     | grep -v -i warn | grep "M=" ; echo "exit $? at ${SECONDS}s"
 }
 run "${2:-45}" --gap --ms 1,2,4,1 --names pf_lines,pf_last,pf_bulk --tag _gap
-run "${3:-35}" --routing step --ms 65,129 --names bm16_pre,bm16_split,bm16_ahead --tag _step
-run "${4:-30}" --ms 64,128,256 --names bm16_pre,bm16_split,bm16_ahead --tag _uniform
+run "${3:-45}" --routing step --ms 129,65 --names bm16_pre,bm16_split,bm16_ahead --tag _step
+run "${4:-35}" --ms 64,128,256 --names bm16_pre,bm16_split,bm16_ahead --tag _uniform
 cat "$OUT"/v/*.md >"$OUT/moe_variants.md"; tar -C "$OUT/v" -cf "$OUT/moe_s6.tar" . && rm -rf "$OUT/v"
