@@ -6,8 +6,9 @@ case against the fp32 reference, and writes attention.json + attention.md. --tun
 configs and split counts per case; --focus a short tune at 32k/128k; --round2 the round-2 options (all split
 counts, bf16 partials, small configs, the whole-wave split rule) beside the default; --defaults the committed
 defaults alone at 32k/128k (the short re-measure); --step also split counts and the other tile load path at the 4k
-step shapes; --tma the other load path at 32k. Every mode also times the verify step's shapes (STEP_CASES: T =
-budget + 1 at 32k and 4k, the cache padded past the length as in bench_step.py). As a pytest-benchmark sweep: `pytest bench/bench_attention.py` (GPU only).
+step shapes; --tma the other load path at 32k; --early each case's default with the other early/prefetch settings
+(early_runs). Every mode also times the verify step's shapes (STEP_CASES: T = budget + 1 at 32k and 4k, the cache
+padded past the length as in bench_step.py). As a pytest-benchmark sweep: `pytest bench/bench_attention.py` (GPU only).
 
 Each case captures one CUDA graph of R launches over R different caches (R * cache >= 256 MiB, so every
 launch finds its cache cold in L2, as the model's layers would) and reports graph time / R.
@@ -58,10 +59,10 @@ HALF_PARTIALS_MAX_ROWS = 64  # --tune also times bf16 per-split outputs where T*
 # context + T + pad entries (its cache is sized for the largest context and bucket)
 STEP_CACHE = 32898  # entries of bench_step.py's cache (32k context + the largest tree + 1)
 STEP_CASES = ((32768, 8, 33, 97), (32768, 8, 9, 121), (32768, 8, 65, 65), (32768, 8, 1, 129)) + tuple(
-    (4096, 8, T, STEP_CACHE - 4096 - T) for T in (1, 9, 33, 65))  # 4k: budgets 0, 8, 32, 64 (issue #7's step)
+    (4096, 8, T, STEP_CACHE - 4096 - T) for T in (1, 9, 33, 65, 129))  # 4k: budgets 0-128 (issue #7's step)
 # --step: split counts timed at the 4k step shapes (by T), for the actual ~4.1k entries (the kernel splits the
 # length, not the padded cache): at T 1, 129 splits is one 32-entry tile each (the default's 258 busy ones)
-STEP_SPLITS = {1: (8, 16, 32, 64, 129), 9: (16, 33, 66), 33: (13, 26), 65: (7, 14)}
+STEP_SPLITS = {1: (8, 16, 32, 64, 129), 9: (16, 33, 66), 33: (13, 26), 65: (7, 14), 129: (4, 7)}
 WAVES_RULE = (8, True)  # --round2 "waves": mk.SPLIT_RULE candidate (length window, whole-wave counts)
 
 
@@ -207,7 +208,7 @@ def round2_runs(row, sms):
 
 
 def step_runs(row, sms):
-    """--step candidates (label, config, splits, partials[, tma]) at a 4k step shape: the default, the STEP_SPLITS
+    """--step candidates (label, config, splits, partials[, options]) at a 4k step shape: the default, the STEP_SPLITS
     counts (also with bf16 partials where the default's are fp32) and the other tile load path (tma_runs)."""
     T = row["T"]
     cfg, splits, partials = default_choice(T * row["H"], row["B"], row["L"] + row.get("pad", 0), sms)
@@ -224,23 +225,81 @@ def tma_runs(row, sms):
     rows = row["T"] * row["H"]
     cfg, splits, partials = default_choice(rows, row["B"], row["L"] + row.get("pad", 0), sms)
     tma = mk.entry_for(rows, 90).tma
-    return [("pointers" if tma else "tma", cfg, splits, getattr(torch, partials), not tma)] if tma or rows > 16 else []
+    return [("pointers" if tma else "tma", cfg, splits, getattr(torch, partials), {"tma": not tma})] if tma or rows > 16 \
+        else []
+
+
+def early_runs(row, sms):
+    """--early: the default config and split count with the other settings of CONFIGS' early and prefetch fields:
+    "base" (neither: the kernel of run 9), "early" (no prefetch), "pf x2" (twice the default's prefetch lines)."""
+    rows = row["T"] * row["H"]
+    cfg, splits, partials = default_choice(rows, row["B"], row["L"] + row.get("pad", 0), sms)
+    entry, dt = mk.entry_for(rows, 90), getattr(torch, partials)
+    runs = [("base", cfg, splits, dt, {"early": False, "prefetch": 0}),
+            ("early", cfg, splits, dt, {"early": True, "prefetch": 0})]
+    if entry.prefetch:
+        runs.append(("pf x2", cfg, splits, dt, {"early": True, "prefetch": 2 * entry.prefetch}))
+    return [r for r in runs if r[4] != {"early": entry.early, "prefetch": entry.prefetch}]  # not the default again
 
 
 def step_rows():
     return [{"L": L + T, "B": 1, "T": T, "H": H, "pad": pad} for L, H, T, pad in STEP_CASES if L < 8192]
 
 
+def case_options(rows, opts=None):
+    """The launcher's options a case of `rows` query rows runs with: CONFIGS' (tma, early, prefetch), then `opts`."""
+    entry = mk.entry_for(rows, 90)
+    return tuple(sorted({"tma": entry.tma, "early": entry.early, "prefetch": entry.prefetch, **(opts or {})}.items()))
+
+
+def variant_jobs(rows_runs):
+    """Kernel variants (H, config, splits, causal, 16-bit partials, options) of [(case row, runs)]."""
+    return {(row["H"], cfg, 1 if splits == 1 else mk.merge_blocks(splits)[0], False, dt == torch.bfloat16,
+             case_options(row["T"] * row["H"], opts[0] if opts else None))
+            for row, runs in rows_runs for _, cfg, splits, dt, *opts in runs}
+
+
 def step_jobs(sms):
-    """The kernel variants --step and --tma run: (H, config, splits, causal, 16-bit partials[, tma])."""
-    jobs = set()
-    for row in step_rows():
-        for _, cfg, splits, dt, *tma in step_runs(row, sms):
-            jobs.add((row["H"], cfg, 1 if splits == 1 else mk.merge_blocks(splits)[0], False, dt == torch.bfloat16,
-                      *tma))
+    """The kernel variants --step and --tma run."""
+    jobs = variant_jobs((row, step_runs(row, sms)) for row in step_rows())
     for H in HEADS:  # --tma's variants (64-row config: fp32 partials above 64 rows, bf16 up to it)
-        jobs |= {(H, mk.pick_config(64), 2, False, half, not mk.entry_for(64, 90).tma) for half in (False, True)}
+        jobs |= {(H, mk.pick_config(64), 2, False, half, case_options(64, {"tma": not mk.entry_for(64, 90).tma}))
+                 for half in (False, True)}
     return jobs
+
+
+def sweep_rows(contexts):
+    """The --defaults cases (B 1, trees) of `contexts` and STEP_CASES, as report rows."""
+    return [{"L": L, "B": 1, "T": T, "H": H} for L in contexts for H in HEADS for T in TREE_SIZES] + [
+        {"L": L + T, "B": 1, "T": T, "H": H, "pad": pad} for L, H, T, pad in STEP_CASES]
+
+
+def early_jobs(contexts, sms):
+    """The kernel variants --early runs: every case's default and early_runs."""
+    def runs(row):
+        cfg, splits, partials = default_choice(row["T"] * row["H"], 1, row["L"] + row.get("pad", 0), sms)
+        return [("default", cfg, splits, getattr(torch, partials))] + early_runs(row, sms)
+
+    return variant_jobs((row, runs(row)) for row in sweep_rows(contexts))
+
+
+def early_table(report):
+    """Lines: the default beside --early's runs (us, x roofline) per case."""
+    rows = [r for r in report["cases"] if r.get("early")]
+    if not rows:
+        return []
+    e0 = mk.entry_for(1, 90)
+    lines = ["", "Early loads and L2 prefetch (--early): default = CONFIGS' early/prefetch (16-row entry: "
+             f"{e0.early}/{e0.prefetch}, 64-row entries: {mk.entry_for(64, 90).early}/{mk.entry_for(64, 90).prefetch}"
+             f"); base = neither (run 9's kernel); early = no prefetch; pf x2 = twice the prefetch lines", "",
+             "| L | H | T | splits | default us | runs: us (x roofline) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{t['per_sm']}: {t['us']:.1f} ({t['us'] / r['roofline_us']:.2f}x)" if "us" in t else
+                 f"{t['per_sm']}: {t.get('error', '-')[:60]}" for t in r["early"]]
+        pad = f" (+{r['pad']})" if r.get("pad") else ""
+        lines.append(f"| {r['L']}{pad} | {r['H']} | {r['T']} | {r['splits']} | {r['us']:.1f} "
+                     f"({r['x_roofline']:.2f}x) | " + "; ".join(cells) + " |")
+    return lines
 
 
 def tma_table(report):
@@ -288,11 +347,12 @@ def tune_case(row, runs):
     q, caches, lens, mask = make_inputs(L, H, T, B, causal=row["causal"], pad=row.get("pad", 0))
     ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE).double()
     results = []
-    for label, cfg, splits, dt, *tma in runs:  # tma: (True/False,) for the --step and --tma runs of a load path
+    for label, cfg, splits, dt, *opts in runs:  # opts: ({launcher options},) for the --step, --tma, --early runs
         entry = {"config": list(cfg), "splits": splits, "per_sm": label, "partials": str(dt).split(".")[-1]}
         kwargs = dict(num_splits=splits, config=cfg, partials=dt)
-        if tma:
-            entry["tma"] = kwargs["tma"] = tma[0]
+        if opts:
+            entry.update(opts[0])
+            kwargs.update(opts[0])
         try:
             out = mk.mla_attention(q, caches[0], lens, mask, SCALE, **kwargs)
             entry["rel_err"] = ((out.double() - ref).norm() / ref.norm()).item()
@@ -329,7 +389,7 @@ def markdown(report):
         lines.append(f"| {r['L']}{pad} | {r['H']} | {r['T']}{kind} | {r['us']:.1f} | {r['GBps']:.0f} | {r['frac_read_bw']:.2f} "
                      f"| {r['TFLOPs']:.0f} | {r['roofline_us']:.1f} | {r['x_roofline']:.2f} | {best_s} | {best_x} | {torch_s} "
                      f"| {r['rel_err']:.1e} |")
-    return "\n".join(lines + round2_table(report) + step_table(report) + tma_table(report)) + "\n"
+    return "\n".join(lines + round2_table(report) + step_table(report) + tma_table(report) + early_table(report)) + "\n"
 
 
 def round2_table(report):
@@ -401,20 +461,20 @@ def summary(report):
 
 def _warm(job):
     """Compile one kernel variant (run in a worker so compiles overlap; the main process hits Triton's disk cache)."""
-    H, cfg, splits, causal, half, *tma = job  # tma: (True/False,) for the --step and --tma variants
+    H, cfg, splits, causal, half, *opts = job  # opts: (launcher options as sorted items,)
     try:
-        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32, *tma)
+        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32, dict(*opts))
     except Exception as exc:  # recorded; the sweep reports the same failure where it matters
         return f"{job}: {exc}"[:300]
     return None
 
 
-def _run_tiny(H, cfg, splits, causal, partials, tma=None):
+def _run_tiny(H, cfg, splits, causal, partials, opts=None):
     q = torch.randn(1, 1, H, 576, dtype=torch.bfloat16, device="cuda")
     kv = torch.randn(1, 256, 576, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((1,), 256, dtype=torch.int32, device="cuda")
     mask = None if causal else random_tree_mask(1, 1, 0)
-    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials, tma=tma)
+    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials, **(opts or {}))
     torch.cuda.synchronize()
 
 
@@ -471,7 +531,8 @@ def run_default(report, L, H, T, causal, pad, focus, out):
     torch.cuda.empty_cache()
 
 
-def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, round2=False, step=False, tma=False):
+def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, round2=False, step=False, tma=False,
+          early=False):
     report = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -498,6 +559,11 @@ def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, ro
             (out / "attention.json").write_text(json.dumps(report, indent=1))
     for L, H, T, causal, pad in late:
         run_default(report, L, H, T, causal, pad, focus, out)
+    for row in report["cases"] if early else []:  # --early: after every default
+        if not row["causal"]:
+            row["early"] = tune_case(row, early_runs(row, report["sms"]))
+            print("early", row["L"], row["H"], row["T"], json.dumps(row["early"]), flush=True)
+            (out / "attention.json").write_text(json.dumps(report, indent=1))
     # round 2: the step's shapes, then the fewest rows first
     order = report["cases"]
     if round2:
@@ -537,6 +603,8 @@ def main(argv=None):
     parser.add_argument("--tma", action="store_true",
                         help="also time the default with the other tile load path (TMA <-> pointers) at the 64-row "
                              "config's 32k cases")
+    parser.add_argument("--early", action="store_true",
+                        help="also time each case's default with the other early/prefetch settings (early_runs)")
     parser.add_argument("--budget", type=float, help="seconds from the start after which no further case is tuned")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling kernel variants up front")
     parser.add_argument("--with-tests", action="store_true", help="first run tests/test_attention_kernel.py here")
@@ -559,13 +627,13 @@ def main(argv=None):
     start = time.time()
     sms = mk.num_sms(torch.device("cuda"))
     extra = (round2_jobs(contexts, HEADS, TREE_SIZES, sms) if args.round2 else set()) | (
-        step_jobs(sms) if args.step or args.tma else set())
+        step_jobs(sms) if args.step or args.tma else set()) | (early_jobs(contexts, sms) if args.early else set())
     print("precompiled", precompile(HEADS, TREE_SIZES, args.tune and not args.round2, args.workers,
                                     prefill=not args.focus, table=FOCUS if args.focus else CANDIDATES, extra=extra),
           "variants in", f"{time.time() - start:.0f}s", flush=True)
     deadline = start + args.budget if args.budget else None
     report = sweep(contexts, HEADS, TREE_SIZES, args.tune, args.out, focus=args.focus, deadline=deadline,
-                   round2=args.round2, step=args.step, tma=args.tma)
+                   round2=args.round2, step=args.step, tma=args.tma, early=args.early)
     (args.out / "attention.json").write_text(json.dumps(report, indent=1))
     (args.out / "attention.md").write_text(markdown(report))
     print(markdown(report))

@@ -1,19 +1,18 @@
 #!/usr/bin/env bash
-# Attention on the H200 (issue #6): the GPU tests of tests/test_attention_kernel.py under xdist while the bench's
-# kernel variants compile, then `bench_attention.py --defaults --step --tma` (the committed defaults at 32k/128k
-# and the step shapes; split counts and the other tile load path at the 4k step shapes, and at 32k), then
-# the warp-specialisation probe (bench/probe_ws_attention.py). Usage (device): bash bench/device_attention.sh
-# [total-s]; results under $OUT.
+# Attention on the H200 (issues #6, #7): the GPU tests of tests/test_attention_kernel.py under xdist while the
+# bench's kernel variants compile, then `bench_attention.py --defaults --early` (the committed defaults at 32k/128k
+# and the verify step's shapes, 4k T 1-129 included, each beside the other early-load / L2-prefetch settings).
+# Everything comes back as one tarball, $OUT/attention.tar. Usage (device): bash bench/device_attention.sh [total-s]
 source bench/device_env.sh
-total=${1:-210}
-timeout 120 python -m pytest -q -n 6 -rf --tb=short -p no:cacheprovider --durations=5 -k "not sm120 and not sm90" \
-  tests/test_attention_kernel.py >"$OUT/attention_gpu_tests.log" 2>&1 &
+total=${1:-190}
+R="$OUT/r"; mkdir -p "$R"
+timeout 100 python -m pytest -x -q -n 8 -rf --tb=short -p no:cacheprovider --durations=5 -k "not sm120 and not sm90" \
+  tests/test_attention_kernel.py >"$R/attention_gpu_tests.log" 2>&1 &
 tests=$!
-(cd bench && timeout 110 python -c "import bench_attention as ba; print('precompiled', ba.precompile(ba.HEADS, \
-ba.TREE_SIZES, False, 10, prefill=False, table=ba.FOCUS, extra=ba.step_jobs(132)))")
-wait $tests; echo "pytest exit $? at ${SECONDS}s"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/attention_gpu_tests.log" | tail -8
-timeout $((total - 40 - SECONDS)) python bench/bench_attention.py --out "$OUT" --defaults --step --tma --workers 12 2>&1 \
-  | tee "$OUT/attention_bench.log" | grep -v "^{\|^step\|^ceil"
+(cd bench && timeout 90 python -c "import bench_attention as ba; print('precompiled', ba.precompile((), (), False, \
+8, prefill=False, extra=ba.early_jobs((32768, 131072), 132)), 'at', round(__import__('time').time()))")
+wait $tests; echo "pytest exit $? at ${SECONDS}s"; grep -E "^(FAILED|ERROR)|passed|failed" "$R/attention_gpu_tests.log" | tail -8
+timeout $((total - SECONDS)) python bench/bench_attention.py --out "$R" --defaults --early --contexts 32768 131072 \
+  --workers 12 2>&1 | tee "$R/attention_bench.log" | grep -v "^{\|^early\|^ceil\|[Ww]arn"
 echo "bench exit $? at ${SECONDS}s"
-timeout $((total - SECONDS)) python bench/probe_ws_attention.py --out "$OUT" 2>&1 | tee "$OUT/ws_probe.log"
-echo "probe exit $? at ${SECONDS}s"
+tar -C "$R" -cf "$OUT/attention.tar" . && rm -rf "$R"
