@@ -191,7 +191,6 @@ class MoE(nn.Module):
 
 OVERLAP_SHARED_EXPERT = True  # False: the shared expert runs on the main stream (for A/B timing)
 PREFETCH_ATTENTION_WEIGHTS = True  # q_b, kv_b and o_proj asked into L2 from the side stream (False: for A/B timing)
-PREFETCH_NEXT_LAYER = False  # the next layer's [q_a; kv_a] asked into L2 while this layer's MLP runs
 _SIDE_STREAMS = {}
 
 
@@ -235,18 +234,15 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, par, dtype, device, "intermediate_size")
 
-    def forward(self, h, delta, meta, kv, upcoming=()):
+    def forward(self, h, delta, meta, kv):
         """The residual stream arrives as h + delta (delta: the previous layer's MLP output, or None) so that
-        each residual add runs fused with the norm after it. Returns (h, delta) the same way. upcoming: weights
-        asked into L2 from the side stream while the MLP runs (joined by the next layer's attention)."""
+        each residual add runs fused with the norm after it. Returns (h, delta) the same way."""
         if delta is None:
             x = ops.rms_norm(h, self.input_layernorm.weight, self.eps)
         else:
             h, x = ops.add_rms_norm(delta, h, self.input_layernorm.weight, self.eps)
         attn = self.par.all_reduce(self.self_attn(x, meta, kv))
         h, x = ops.add_rms_norm(attn, h, self.post_attention_layernorm.weight, self.eps)
-        if upcoming and _side_stream(x.device) is not None:
-            _on_side_stream(x.device, ops.prefetch_l2, *upcoming)
         return h, self.par.all_reduce(self.mlp(x))
 
 
@@ -318,8 +314,7 @@ class KimiModel(nn.Module):
         h, delta = F.embedding(tokens.reshape(-1), self.embed_tokens.weight), None
         kept = {}
         for i, layer in enumerate(self.layers):
-            nxt = self.layers[i + 1].self_attn if PREFETCH_NEXT_LAYER and i + 1 < len(self.layers) else None
-            h, delta = layer(h, delta, meta, cache.kv[i], () if nxt is None else (nxt.down_proj_weight,))
+            h, delta = layer(h, delta, meta, cache.kv[i])
             if i in hidden_layers:
                 kept[i] = delta + h
         h = ops.add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[1].view(B, T, -1)
