@@ -6,8 +6,8 @@ case against the fp32 reference, and writes attention.json + attention.md. --tun
 configs and split counts per case; --focus a short tune at 32k/128k; --round2 the round-2 options (all split
 counts, bf16 partials, small configs, the whole-wave split rule) beside the default; --defaults the committed
 defaults alone at 32k/128k (the short re-measure); --step also split counts and the other tile load path at the 4k
-step shapes; --tma the other load path at 32k; --early each case's default with the other early/prefetch settings
-(early_runs). Every mode also times the verify step's shapes (STEP_CASES: T = budget + 1 at 32k and 4k, the cache
+step shapes; --tma the other load path at 32k; --variants each case's default beside the other early/prefetch
+settings and candidates (variant_runs). Every mode also times the verify step's shapes (STEP_CASES: T = budget + 1 at 32k and 4k, the cache
 padded past the length as in bench_step.py). As a pytest-benchmark sweep: `pytest bench/bench_attention.py` (GPU only).
 
 Each case captures one CUDA graph of R launches over R different caches (R * cache >= 256 MiB, so every
@@ -229,9 +229,11 @@ def tma_runs(row, sms):
         else []
 
 
-def early_runs(row, sms):
-    """--early: the default config and split count with the other settings of CONFIGS' early and prefetch fields:
-    "base" (neither: the kernel of run 9), "early" (no prefetch), "pf x2" (twice the default's prefetch lines)."""
+def variant_runs(row, sms):
+    """--variants: the default config and split count with the other settings of CONFIGS' early and prefetch fields
+    ("base": neither, the kernel of run 9; "early": no prefetch; "pf x2": twice the default's prefetch lines), and
+    the default's other candidates: TMA tile loads for the 16-row config ("tma"), 16 warps for the 64-row one
+    ("w16": four warpgroups, 128 registers a thread)."""
     rows = row["T"] * row["H"]
     cfg, splits, partials = default_choice(rows, row["B"], row["L"] + row.get("pad", 0), sms)
     entry, dt = mk.entry_for(rows, 90), getattr(torch, partials)
@@ -239,7 +241,12 @@ def early_runs(row, sms):
             ("early", cfg, splits, dt, {"early": True, "prefetch": 0})]
     if entry.prefetch:
         runs.append(("pf x2", cfg, splits, dt, {"early": True, "prefetch": 2 * entry.prefetch}))
-    return [r for r in runs if r[4] != {"early": entry.early, "prefetch": entry.prefetch}]  # not the default again
+    runs = [r for r in runs if r[4] != {"early": entry.early, "prefetch": entry.prefetch}]  # not the default again
+    if cfg[0] == 16 and not entry.tma:
+        runs.append(("tma", cfg, splits, dt, {"tma": True}))
+    if cfg[0] == 64 and cfg[2] == 8:
+        runs.append(("w16", (*cfg[:2], 16, *cfg[3:]), splits, dt))
+    return runs
 
 
 def step_rows():
@@ -274,28 +281,29 @@ def sweep_rows(contexts):
         {"L": L + T, "B": 1, "T": T, "H": H, "pad": pad} for L, H, T, pad in STEP_CASES]
 
 
-def early_jobs(contexts, sms):
-    """The kernel variants --early runs: every case's default and early_runs."""
+def variants_jobs(contexts, sms):
+    """The kernel variants --variants runs: every case's default and variant_runs."""
     def runs(row):
         cfg, splits, partials = default_choice(row["T"] * row["H"], 1, row["L"] + row.get("pad", 0), sms)
-        return [("default", cfg, splits, getattr(torch, partials))] + early_runs(row, sms)
+        return [("default", cfg, splits, getattr(torch, partials))] + variant_runs(row, sms)
 
     return variant_jobs((row, runs(row)) for row in sweep_rows(contexts))
 
 
-def early_table(report):
-    """Lines: the default beside --early's runs (us, x roofline) per case."""
-    rows = [r for r in report["cases"] if r.get("early")]
+def variants_table(report):
+    """Lines: the default beside --variants' runs (us, x roofline) per case."""
+    rows = [r for r in report["cases"] if r.get("variants")]
     if not rows:
         return []
     e0 = mk.entry_for(1, 90)
-    lines = ["", "Early loads and L2 prefetch (--early): default = CONFIGS' early/prefetch (16-row entry: "
+    lines = ["", "Early loads, L2 prefetch, other candidates (--variants): default = CONFIGS' early/prefetch (16-row: "
              f"{e0.early}/{e0.prefetch}, 64-row entries: {mk.entry_for(64, 90).early}/{mk.entry_for(64, 90).prefetch}"
-             f"); base = neither (run 9's kernel); early = no prefetch; pf x2 = twice the prefetch lines", "",
+             f"); base = neither (run 9's kernel); early = no prefetch; pf x2 = twice the prefetch lines; tma = TMA "
+             "tiles (16-row config); w16 = 16 warps (64-row config)", "",
              "| L | H | T | splits | default us | runs: us (x roofline) |", "|---|---|---|---|---|---|"]
     for r in rows:
         cells = [f"{t['per_sm']}: {t['us']:.1f} ({t['us'] / r['roofline_us']:.2f}x)" if "us" in t else
-                 f"{t['per_sm']}: {t.get('error', '-')[:60]}" for t in r["early"]]
+                 f"{t['per_sm']}: {t.get('error', '-')[:60]}" for t in r["variants"]]
         pad = f" (+{r['pad']})" if r.get("pad") else ""
         lines.append(f"| {r['L']}{pad} | {r['H']} | {r['T']} | {r['splits']} | {r['us']:.1f} "
                      f"({r['x_roofline']:.2f}x) | " + "; ".join(cells) + " |")
@@ -389,7 +397,7 @@ def markdown(report):
         lines.append(f"| {r['L']}{pad} | {r['H']} | {r['T']}{kind} | {r['us']:.1f} | {r['GBps']:.0f} | {r['frac_read_bw']:.2f} "
                      f"| {r['TFLOPs']:.0f} | {r['roofline_us']:.1f} | {r['x_roofline']:.2f} | {best_s} | {best_x} | {torch_s} "
                      f"| {r['rel_err']:.1e} |")
-    return "\n".join(lines + round2_table(report) + step_table(report) + tma_table(report) + early_table(report)) + "\n"
+    return "\n".join(lines + round2_table(report) + step_table(report) + tma_table(report) + variants_table(report)) + "\n"
 
 
 def round2_table(report):
@@ -532,7 +540,7 @@ def run_default(report, L, H, T, causal, pad, focus, out):
 
 
 def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, round2=False, step=False, tma=False,
-          early=False):
+          variants=False):
     report = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -559,10 +567,10 @@ def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, ro
             (out / "attention.json").write_text(json.dumps(report, indent=1))
     for L, H, T, causal, pad in late:
         run_default(report, L, H, T, causal, pad, focus, out)
-    for row in report["cases"] if early else []:  # --early: after every default
+    for row in report["cases"] if variants else []:  # --variants: after every default
         if not row["causal"]:
-            row["early"] = tune_case(row, early_runs(row, report["sms"]))
-            print("early", row["L"], row["H"], row["T"], json.dumps(row["early"]), flush=True)
+            row["variants"] = tune_case(row, variant_runs(row, report["sms"]))
+            print("variants", row["L"], row["H"], row["T"], json.dumps(row["variants"]), flush=True)
             (out / "attention.json").write_text(json.dumps(report, indent=1))
     # round 2: the step's shapes, then the fewest rows first
     order = report["cases"]
@@ -603,8 +611,9 @@ def main(argv=None):
     parser.add_argument("--tma", action="store_true",
                         help="also time the default with the other tile load path (TMA <-> pointers) at the 64-row "
                              "config's 32k cases")
-    parser.add_argument("--early", action="store_true",
-                        help="also time each case's default with the other early/prefetch settings (early_runs)")
+    parser.add_argument("--variants", action="store_true",
+                        help="also time each case's default with the other early/prefetch settings and candidates "
+                             "(variant_runs)")
     parser.add_argument("--budget", type=float, help="seconds from the start after which no further case is tuned")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling kernel variants up front")
     parser.add_argument("--with-tests", action="store_true", help="first run tests/test_attention_kernel.py here")
@@ -627,13 +636,14 @@ def main(argv=None):
     start = time.time()
     sms = mk.num_sms(torch.device("cuda"))
     extra = (round2_jobs(contexts, HEADS, TREE_SIZES, sms) if args.round2 else set()) | (
-        step_jobs(sms) if args.step or args.tma else set()) | (early_jobs(contexts, sms) if args.early else set())
+        step_jobs(sms) if args.step or args.tma else set()) | (
+        variants_jobs(contexts, sms) if args.variants else set())
     print("precompiled", precompile(HEADS, TREE_SIZES, args.tune and not args.round2, args.workers,
                                     prefill=not args.focus, table=FOCUS if args.focus else CANDIDATES, extra=extra),
           "variants in", f"{time.time() - start:.0f}s", flush=True)
     deadline = start + args.budget if args.budget else None
     report = sweep(contexts, HEADS, TREE_SIZES, args.tune, args.out, focus=args.focus, deadline=deadline,
-                   round2=args.round2, step=args.step, tma=args.tma, early=args.early)
+                   round2=args.round2, step=args.step, tma=args.tma, variants=args.variants)
     (args.out / "attention.json").write_text(json.dumps(report, indent=1))
     (args.out / "attention.md").write_text(markdown(report))
     print(markdown(report))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Attention on the H200 (issues #6, #7): the GPU tests of tests/test_attention_kernel.py under xdist while the
-# bench's kernel variants compile, then `bench_attention.py --defaults --early` (the committed defaults at 32k/128k
-# and the verify step's shapes, 4k T 1-129 included, each beside the other early-load / L2-prefetch settings).
+# bench's kernel variants compile, then `bench_attention.py --defaults --variants` (the committed defaults at 32k/128k
+# and the verify step's shapes, 4k T 1-129 included, each beside the other early-load / L2-prefetch settings and
+# candidates: 16-row TMA tiles, 16 warps for the 64-row config).
 # Everything comes back as one tarball, $OUT/attention.tar. Usage (device): bash bench/device_attention.sh [total-s]
 source bench/device_env.sh
 total=${1:-190}
@@ -10,9 +11,9 @@ timeout 100 python -m pytest -x -q -n 8 -rf --tb=short -p no:cacheprovider --dur
   tests/test_attention_kernel.py >"$R/attention_gpu_tests.log" 2>&1 &
 tests=$!
 (cd bench && timeout 90 python -c "import bench_attention as ba; print('precompiled', ba.precompile((), (), False, \
-8, prefill=False, extra=ba.early_jobs((32768, 131072), 132)), 'at', round(__import__('time').time()))")
+8, prefill=False, extra=ba.variants_jobs((32768, 131072), 132)), 'at', round(__import__('time').time()))")
 wait $tests; echo "pytest exit $? at ${SECONDS}s"; grep -E "^(FAILED|ERROR)|passed|failed" "$R/attention_gpu_tests.log" | tail -8
-timeout $((total - SECONDS)) python bench/bench_attention.py --out "$R" --defaults --early --contexts 32768 131072 \
-  --workers 12 2>&1 | tee "$R/attention_bench.log" | grep -v "^{\|^early\|^ceil\|[Ww]arn"
+timeout $((total - SECONDS)) python bench/bench_attention.py --out "$R" --defaults --variants --contexts 32768 131072 \
+  --workers 12 2>&1 | tee "$R/attention_bench.log" | grep -v "^{\|^variants\|^ceil\|[Ww]arn"
 echo "bench exit $? at ${SECONDS}s"
 tar -C "$R" -cf "$OUT/attention.tar" . && rm -rf "$R"
