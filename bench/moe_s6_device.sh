@@ -15,6 +15,6 @@ run() {  # seconds, then bench_moe.py --variants arguments
     | grep -v -i warn | grep "M=" ; echo "exit $? at ${SECONDS}s"
 }
 run "${2:-45}" --gap --ms 1,2,4,1 --names pf_lines,pf_last,pf_bulk --tag _gap
-run "${3:-45}" --routing step --ms 129,65 --names bm16_pre,bm16_split,bm16_ahead --tag _step
+run "${3:-50}" --routing step --ms 129,65 --names bm16_pre,bm16_split,bm16_ahead --tag _step
 run "${4:-35}" --ms 64,128,256 --names bm16_pre,bm16_split,bm16_ahead --tag _uniform
 cat "$OUT"/v/*.md >"$OUT/moe_variants.md"; tar -C "$OUT/v" -cf "$OUT/moe_s6.tar" . && rm -rf "$OUT/v"
