@@ -572,8 +572,8 @@ def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, ro
             (out / "attention.json").write_text(json.dumps(report, indent=1))
     for L, H, T, causal, pad in late:
         run_default(report, L, H, T, causal, pad, focus, out)
-    for row in report["cases"] if variants else []:  # --variants: after every default
-        if not row["causal"]:
+    for row in sorted(report["cases"], key=lambda r: (r["L"] > 65536, not r.get("pad"))) if variants else []:
+        if not row["causal"]:  # --variants: after every default, the step's shapes first and 128k last
             row["variants"] = tune_case(row, variant_runs(row, report["sms"]))
             print("variants", row["L"], row["H"], row["T"], json.dumps(row["variants"]), flush=True)
             (out / "attention.json").write_text(json.dumps(report, indent=1))

@@ -5,12 +5,12 @@
 # candidates: 16-row TMA tiles, 16 warps for the 64-row config).
 # Everything comes back as one tarball, $OUT/attention.tar. Usage (device): bash bench/device_attention.sh [total-s]
 source bench/device_env.sh
-total=${1:-190}
+total=${1:-200}
 R="$OUT/r"; mkdir -p "$R"
-timeout 100 python -m pytest -x -q -n 8 -rf --tb=short -p no:cacheprovider --durations=5 -k "not sm120 and not sm90" \
+timeout 80 python -m pytest -x -q -n 8 -rf --tb=short -p no:cacheprovider --durations=5 -k "not sm120 and not sm90" \
   tests/test_attention_kernel.py >"$R/attention_gpu_tests.log" 2>&1 &
 tests=$!
-(cd bench && timeout 90 python -c "import bench_attention as ba; print('precompiled', ba.precompile((), (), False, \
+(cd bench && timeout 75 python -c "import bench_attention as ba; print('precompiled', ba.precompile((), (), False, \
 8, prefill=False, extra=ba.variants_jobs((32768, 131072), 132)), 'at', round(__import__('time').time()))")
 wait $tests; echo "pytest exit $? at ${SECONDS}s"; grep -E "^(FAILED|ERROR)|passed|failed" "$R/attention_gpu_tests.log" | tail -8
 timeout $((total - SECONDS)) python bench/bench_attention.py --out "$R" --defaults --variants --contexts 32768 131072 \

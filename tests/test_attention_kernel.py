@@ -166,6 +166,7 @@ EARLY_CASES = [  # B, T, H, lens, tree kind, num_splits, config: empty splits (u
     (2, 3, 4, [3, 40], "wide", 6, None),
     (2, 9, 8, [50, 120], "deep", 3, BIG),
     (2, 33, 2, [40, 131], "causal", 4, None),
+    (1, 7, 8, [90], "deep", 3, (32, 32, 4, 2, 256, True)),  # values split over two programs (the other half's query)
 ]
 
 
