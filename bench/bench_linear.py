@@ -58,16 +58,16 @@ def shapes():
 
 
 def candidates(M):
-    """Triton configs timed at M rows (five or six; compile cost: one per kernel, tile, bulk and BLOCK_M). The
-    bench's launches are on the PDL chain (pdl.active), so every candidate asks L2 for its first tiles (or with
-    `bulk` its whole range) before its wait."""
+    """Triton configs timed at M rows (six or seven; compile cost: one per kernel, tile, pdl and BLOCK_M).
+    Measured slower and removed: a bulk prefetch of each program's whole weight range before its PDL wait
+    (bench/results/linear_h200_s6.md)."""
     C = lk.Config
     if M == 1:
-        return [C("gemv", 32, 256, 4, 3, 2), C("gemv", 32, 256, 4, 3, 8), C("gemv", 32, 256, 4, 3, 2, bulk=True),
-                C("gemv", 32, 256, 4, 3, 1, bulk=True), C("gemv", 64, 128, 4, 4, 2, bulk=True)]
-    return [C("swap", 64, 128, 4, 4, 1), C("swap", 64, 128, 4, 4, 2), C("swap", 64, 128, 4, 4, 1, bulk=True),
-            C("swap", 64, 128, 4, 4, 2, bulk=True), C("swap", 128, 128, 4, 3, 2, bulk=True),
-            C("dot", 32, 128, 4, 4, 2, bulk=True)]
+        return [C("gemv", 32, 256, 4, 3, 2), C("gemv", 32, 256, 4, 3, 8), C("gemv", 64, 128, 4, 4, 2),
+                C("gemv", 32, 256, 4, 3, 2, True), C("swap", 64, 128, 4, 4, 2), C("dot", 32, 128, 4, 4, 2)]
+    return [C("swap", 64, 128, 4, 4, 1), C("swap", 64, 128, 4, 4, 2), C("swap", 64, 128, 4, 4, 4),
+            C("swap", 64, 128, 4, 4, 2, True), C("swap", 128, 128, 4, 3, 2), C("swap", 64, 256, 4, 3, 2),
+            C("dot", 32, 128, 4, 4, 2)]
 
 
 def _compile_one(job):
@@ -101,8 +101,7 @@ def precompile(ms, workers, defaults):
 
 
 def label(cfg):
-    return (f"{cfg.kind} {cfg.block_n}x{cfg.block_k} w{cfg.warps} s{cfg.stages} x{cfg.waves:g}" + " pdl" * cfg.pdl
-            + " bulk" * cfg.bulk)
+    return f"{cfg.kind} {cfg.block_n}x{cfg.block_k} w{cfg.warps} s{cfg.stages} x{cfg.waves:g}" + " pdl" * cfg.pdl
 
 
 def per_call_us(fn, x, copies):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The dense-projection call: the skinny GEMM's GPU tests (bf16, CUDA-graph replay, pdl, bulk prefetch), then every
+# The dense-projection call: the skinny GEMM's GPU tests (bf16, CUDA-graph replay, pdl), then every
 # Triton candidate against cuBLAS at one TP8 rank's projection shapes (and the drafter's), cold L2, CUDA graphs; one
 # MoE layer's projections as a chain; the TP8 verify at 4k (budgets 0, 32) captured with cuBLAS, the current table
 # and the proposed one. At most 4 files come back under $OUT.

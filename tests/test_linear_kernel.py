@@ -21,8 +21,6 @@ CASES = [  # (config, M, N, K): M not a power of two, N and K off the tiles, one
     (C("swap", 64, 256, 4, 3, 1), 65, 130, 300),
     (C("dot", 32, 128, 4, 4, 2), 9, 72, 1100),
     (C("dot", 32, 128, 4, 4, 16), 3, 40, 256),
-    (C("gemv", 32, 256, 4, 3, 2, True, True), 1, 72, 1024),  # bulk prefetch of whole row ranges (GPU)
-    (C("swap", 64, 128, 4, 4, 2, True, True), 33, 130, 2048),
 ]
 
 
@@ -145,7 +143,6 @@ def sm120_resources():
 
     configs = set(lk.DEFAULTS["sm_120"].values())
     configs |= {cfg for entries in lk.ADOPTED["sm_120"].values() for cfg in entries.values()}
-    configs |= {cfg._replace(bulk=True) for cfg in lk.DEFAULTS["sm_120"].values()}
     common = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", N="i32", K="i32",
                   k_per_split="i32", splits="i32")
     out = []
@@ -155,13 +152,12 @@ def sm120_resources():
             if cfg.kind == "gemv":
                 res = compile_for(lk._gemv_kernel, common,
                                   dict(stride_wn=7168, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
-                                       STAGES=p.stages, PDL=True, BULK=cfg.bulk),
+                                       STAGES=p.stages, PDL=True),
                                   num_warps=cfg.warps, aligned=True, divisible=("N", "K", "k_per_split"))
             else:
                 res = compile_for(lk._dot_kernel, dict(common, M="i32"),
                                   dict(stride_xm=7168, stride_wn=7168, BLOCK_M=p.block_m, BLOCK_N=cfg.block_n,
-                                       BLOCK_K=cfg.block_k, EVEN_K=True, SWAP=cfg.kind == "swap", PDL=True,
-                                       BULK=cfg.bulk),
+                                       BLOCK_K=cfg.block_k, EVEN_K=True, SWAP=cfg.kind == "swap", PDL=True),
                                   num_warps=cfg.warps, num_stages=p.stages, aligned=True,
                                   divisible=("N", "K", "k_per_split"))
             out.append(dict(config=list(cfg), block_m=p.block_m, **vars(res)))

@@ -38,7 +38,6 @@ class Config(NamedTuple):
     stages: int
     waves: float  # programs per SM that the K splits aim for
     pdl: bool = False  # programmatic dependent launch: ask L2 for the first weight tiles, then wait for x
-    bulk: bool = False  # under PDL, ask L2 for the program's whole weight range instead (a bulk prefetch a row)
 
 
 GEMV = Config("gemv", 32, 256, 4, 3, 2)
@@ -47,18 +46,20 @@ DEFAULTS = {"sm_90": {1: GEMV, None: SWAP}, "sm_120": {1: GEMV, None: SWAP}}  # 
 
 C = Config
 # (N, K) -> {M bucket: Config} where the kernel beat cuBLAS by >= 2% (H200, 2026-11-30 08:59 UTC,
-# bench/results/linear_h200.md); shapes or buckets not listed run cuBLAS. sm_120: not measured, nothing adopted.
+# bench/results/linear_h200.md; q_a + kv_a at 17 and shared down at 33: 12:41 UTC on the PDL chain, 12.74 / 3.50 us
+# against cuBLAS's 13.86 / 3.90, linear_h200_s6.md); shapes or buckets not listed run cuBLAS. sm_120: not
+# measured, nothing adopted.
 ADOPTED = {
     "sm_90": {
         (2112, 7168): {1: C("gemv", 32, 256, 4, 3, 2), 2: C("swap", 64, 128, 4, 4, 1), 4: C("swap", 64, 128, 4, 4, 1),
-                       9: C("swap", 64, 128, 4, 4, 1)},  # q_a + kv_a
+                       9: C("swap", 64, 128, 4, 4, 1), 17: C("swap", 64, 128, 4, 4, 1)},  # q_a + kv_a
         (1536, 1536): {1: C("gemv", 32, 256, 4, 3, 2, True), 2: C("swap", 64, 128, 4, 4, 2)},  # q_b
         (7168, 1024): {1: C("gemv", 32, 256, 4, 3, 2)},  # o_proj, drafter o
         (512, 7168): {1: C("gemv", 32, 256, 4, 3, 2), 2: C("dot", 32, 128, 4, 4, 2), 4: C("dot", 32, 128, 4, 4, 2),
                       9: C("dot", 32, 128, 4, 4, 2)},  # shared expert gate/up
         (7168, 256): {1: C("gemv", 32, 256, 4, 3, 2, True), 2: C("swap", 64, 256, 4, 3, 2),
                       4: C("swap", 64, 128, 4, 4, 1), 9: C("swap", 64, 128, 4, 4, 1),
-                      17: C("swap", 64, 128, 4, 4, 1)},  # shared expert down
+                      17: C("swap", 64, 128, 4, 4, 1), 33: C("swap", 64, 128, 4, 4, 1)},  # shared expert down
         (4608, 7168): {1: C("gemv", 32, 256, 4, 3, 2)},  # dense layer and drafter gate/up
         (7168, 2304): {1: C("gemv", 32, 256, 4, 3, 2)},  # dense layer and drafter down
         (20480, 7168): {1: C("gemv", 32, 256, 4, 3, 8), 4: C("swap", 64, 128, 4, 4, 2, True)},  # lm_head shard
@@ -92,23 +93,16 @@ def _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, tile, split, splits):
 
 
 @triton.jit
-def _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K: tl.constexpr, BULK: tl.constexpr):
+def _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K: tl.constexpr):
     """Under programmatic dependent launch the program may start before the previous kernel ends: ask L2 for
-    its weights (constant data) — the first two [BN, BK] tiles of its K range, one PTX prefetch per 128-byte
-    line, or with BULK the whole range, one bulk prefetch per row (16-byte aligned rows: the launcher checks) —
-    then wait for the previous grid before anything reads x or writes (y, partials and counters may reuse its
+    the first two [BN, BK] weight tiles of its K range (constant data, one PTX prefetch per 128-byte line), then
+    wait for the previous grid before anything reads x or writes (y, partials and counters may reuse its
     memory), then let the next kernel launch (triton_kernels/pdl.py)."""
-    if BULK:
-        row_bytes = (k_end - k_start) * (w_rows.dtype.element_ty.primitive_bitwidth // 8)
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [w_rows + k_start, tl.zeros(w_rows.shape, tl.int32) + row_bytes],
+    lines = tl.arange(0, BLOCK_K // 64) * 64  # [BK / 64] line starts (64 bf16 a line)
+    for t in tl.static_range(2):
+        k = tl.minimum(k_start + t * BLOCK_K + lines, k_end - 1)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_rows + k[None, :]],
                                   dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        lines = tl.arange(0, BLOCK_K // 64) * 64  # [BK / 64] line starts (64 bf16 a line)
-        for t in tl.static_range(2):
-            k = tl.minimum(k_start + t * BLOCK_K + lines, k_end - 1)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_rows + k[None, :]],
-                                      dtype=tl.int32, is_pure=False, pack=1)
     pdl.enter(True)
 
 
@@ -123,7 +117,7 @@ def _split_range(split, k_per_split, K, BLOCK_K: tl.constexpr):
 @triton.jit(do_not_specialize=["splits"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, splits, stride_wn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
-                 PDL: tl.constexpr, BULK: tl.constexpr = False):
+                 PDL: tl.constexpr):
     """One row: y [1, N] = x [1, K] @ W^T. Grid (N tiles, K splits)."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,7 +127,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, sp
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_start, k_end, k_full = _split_range(split, k_per_split, K, BLOCK_K)
     if PDL:
-        _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K, BULK)
+        _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K)
     for k in tl.range(k_start, k_full, BLOCK_K, num_stages=STAGES):
         w = tl.load(w_rows + k + offs_k[None, :])  # [BN, BK]
         x = tl.load(x_ptr + k + offs_k)  # [BK]
@@ -160,7 +154,7 @@ def _mma(x, w, acc, SWAP: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "splits"])
 def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, splits, stride_xm, stride_wn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                SWAP: tl.constexpr, PDL: tl.constexpr, BULK: tl.constexpr = False):
+                SWAP: tl.constexpr, PDL: tl.constexpr):
     """y [M, N] = x [M, K] @ W^T, M <= BLOCK_M. Grid (N tiles, K splits)."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -176,7 +170,7 @@ def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start, k_end, k_full = _split_range(split, k_per_split, K, BLOCK_K)
     if PDL:
-        _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K, BULK)
+        _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K)
     for k in range(k_start, k_full, BLOCK_K):
         x = tl.load(x_rows + k + offs_k[None, :])  # [BM, BK]
         w = tl.load(w_rows + k + offs_k[None, :])  # [BN, BK]
@@ -249,9 +243,6 @@ def linear_kernel(x, weight, cfg=None):
     # PTX prefetch and grid-dependency control (not interpretable): where the table measured it, or on the chain
     use_pdl = x.is_cuda and (cfg.pdl or pdl.active(x))
     launch = dict(num_warps=cfg.warps, **({"launch_pdl": True} if use_pdl else {}))
-    e = weight.element_size()  # a bulk prefetch needs 16-byte aligned row ranges, a multiple of 16 bytes long
-    launch["BULK"] = (use_pdl and cfg.bulk and weight.data_ptr() % 16 == 0
-                      and all(v * e % 16 == 0 for v in (weight.stride(0), p.k_per_split, K)))
     if cfg.kind == "gemv":
         _gemv_kernel[(p.tiles, p.splits)](x, weight, y, part, counters, N, K, p.k_per_split, p.splits,
                                           weight.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
