@@ -233,7 +233,8 @@ def variant_runs(row, sms):
     """--variants: the default config and split count with the other settings of CONFIGS' early and prefetch fields
     ("base": neither, the kernel of run 9; "early": no prefetch; "pf x2": twice the default's prefetch lines), and
     the default's other candidates: TMA tile loads for the 16-row config ("tma"), 16 warps for the 64-row one
-    ("w16": four warpgroups, 128 registers a thread), the 16-row config where T*H is 65-128 ("r16")."""
+    ("w16": four warpgroups, 128 registers a thread), the merge's launch released at the split kernel's start for
+    the 64-row one ("rel0"), the 16-row config where T*H is 65-128 ("r16")."""
     rows = row["T"] * row["H"]
     cfg, splits, partials = default_choice(rows, row["B"], row["L"] + row.get("pad", 0), sms)
     entry, dt = mk.entry_for(rows, 90), getattr(torch, partials)
@@ -246,6 +247,8 @@ def variant_runs(row, sms):
         runs.append(("tma", cfg, splits, dt, {"tma": True}))
     if cfg[0] == 64 and cfg[2] == 8:
         runs.append(("w16", (*cfg[:2], 16, *cfg[3:]), splits, dt))
+    if cfg[0] == 64 and splits > 1 and not entry.release_first:
+        runs.append(("rel0", cfg, splits, dt, {"release_first": True}))
     if 64 < rows <= 128:  # the step's T 9 (72 rows): five 16-row tiles against two 64-row ones, the second nearly empty
         small = mk.entry_for(16, 90)
         small_splits = mk.default_splits(small, rows, row["B"], row["L"] + row.get("pad", 0), sms, 90, 2)
@@ -261,7 +264,8 @@ def step_rows():
 def case_options(rows, opts=None):
     """The launcher's options a case of `rows` query rows runs with: CONFIGS' (tma, early, prefetch), then `opts`."""
     entry = mk.entry_for(rows, 90)
-    return tuple(sorted({"tma": entry.tma, "early": entry.early, "prefetch": entry.prefetch, **(opts or {})}.items()))
+    return tuple(sorted({"tma": entry.tma, "early": entry.early, "prefetch": entry.prefetch,
+                         "release_first": entry.release_first, **(opts or {})}.items()))
 
 
 def variant_jobs(rows_runs):
@@ -304,7 +308,7 @@ def variants_table(report):
     lines = ["", "Early loads, L2 prefetch, other candidates (--variants): default = CONFIGS' early/prefetch (16-row: "
              f"{e0.early}/{e0.prefetch}, 64-row entries: {mk.entry_for(64, 90).early}/{mk.entry_for(64, 90).prefetch}"
              f"); base = neither (run 9's kernel); early = no prefetch; pf x2 = twice the prefetch lines; tma = TMA "
-             "tiles (16-row config); w16 = 16 warps (64-row config); r16 = the 16-row config", "",
+             "tiles (16-row config); w16 = 16 warps (64-row config); rel0 = merge released at the split's start; r16 = the 16-row config", "",
              "| L | H | T | splits | default us | runs: us (x roofline) |", "|---|---|---|---|---|---|"]
     for r in rows:
         cells = [f"{t['per_sm']}: {t['us']:.1f} ({t['us'] / r['roofline_us']:.2f}x)" if "us" in t else

@@ -37,6 +37,7 @@ class Entry(NamedTuple):
     early: bool = False  # the query loaded before the length, the merge's o loaded beside its lse (fewer round trips)
     prefetch: int = 0  # lines (128 bytes, 9 an entry; a power of two) of its split a program asks L2 for before
     # the PDL wait, and of its masked tail before the unmasked loop (CUDA, 16-bit caches; 0: none)
+    release_first: bool = False  # the split kernel lets the merge launch at its start, not its end (PDL; with splits)
 
 
 # Configs as data, per arch (compute capability major*10+minor). config = (BLOCK_M, BLOCK_N, warps, stages,
@@ -178,7 +179,7 @@ def _mla_split_kernel(
     H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DO: tl.constexpr,
     TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
+    EARLY: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, RELEASE_FIRST: tl.constexpr = False,
 ):
     SPLIT_V: tl.constexpr = BLOCK_DV < 512  # NV programs per query tile, each owning BLOCK_DV value columns
     NV: tl.constexpr = 512 // BLOCK_DV
@@ -201,7 +202,9 @@ def _mla_split_kernel(
         guess = tl.minimum(tl.maximum(tl.load(lens_ptr + b, cache_modifier=".cg"), 0), L_max)
         _, first, last = _split_range(guess, T, num_splits, pid_m, pid_s, H, CAUSAL, BLOCK_M, BLOCK_N)
         _prefetch_entries(kv_base, first, last, PREFETCH_LINES)
-    pdl.wait(PDL)  # released at the end (pdl.py): the merge's programs do not wait beside this grid
+    pdl.wait(PDL)  # released at the end (pdl.py), so the merge's programs do not wait beside this grid, unless
+    if RELEASE_FIRST:  # they cannot anyway (a program fills an SM): then they are resident when the grid ends
+        pdl.release(PDL)
     if EARLY:  # the query's loads in flight with the length's
         q_own, q_other, q_pe = _load_query(q_ptr, b, rows, offs_m, m_ok, offs_own, offs_other, offs_pe, SPLIT_V,
                                            BLOCK_M, BLOCK_DO)
@@ -258,7 +261,8 @@ def _mla_split_kernel(
                  mask=q_ok[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # [BM] log2-sum-exp of the split
         tl.store(lse_part_ptr + part_row, lse, mask=m_ok & (pid_v + 0 * offs_m == 0))
-    pdl.release(PDL)
+    if not RELEASE_FIRST:
+        pdl.release(PDL)
 
 
 @triton.jit(do_not_specialize=["rows", "num_splits"])
@@ -400,14 +404,15 @@ def _check(q, kv_cache, value_dim):
 
 
 def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, num_splits=None, config=None,
-                  partials=None, tma=None, early=None, prefetch=None):
+                  partials=None, tma=None, early=None, prefetch=None, release_first=None):
     """Triton twin of ops.mla_attention: q [B, T, H, 576], kv_cache [B, L_max, 576], cache_lens [B] int32,
     tree_mask [B, T, ceil(T/32)] int32 or None (causal), -> [B, T, H, 512] in q's dtype.
 
     num_splits (splits per sequence), config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)) and partials
     (dtype of the per-split outputs: torch.float32 or q.dtype) override the defaults; so does tma (True: the
     unmasked loop loads its tiles through tensor descriptors, TMA; needs BLOCK_DV 512 and a 16-byte aligned cache),
-    early and prefetch (Entry's fields: fewer dependent round trips; cache lines asked of L2 before the PDL wait).
+    early, prefetch and release_first (Entry's fields: fewer dependent round trips; cache lines asked of L2 before
+    the PDL wait; the merge's launch released at the split kernel's start).
     """
     _check(q, kv_cache, value_dim)
     B, T, H, _ = q.shape
@@ -424,6 +429,7 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     partials = partials or entry.partials or q.dtype
     early = entry.early if early is None else early
     prefetch = entry.prefetch if prefetch is None else prefetch
+    release_first = entry.release_first if release_first is None else release_first
     if prefetch & (prefetch - 1):
         raise ValueError(f"mla_attention (triton): prefetch must be 0 or a power of two (lines), got {prefetch}")
     lines = prefetch if q.is_cuda and q.element_size() == 2 else 0  # the PTX prefetch is not interpretable
@@ -446,7 +452,8 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         T, kv_cache.stride(0) // ENTRY, kv_cache.shape[1], scale * 1.4426950408889634,
         H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv,
         BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16, TAIL_STAGES=tail_stages, UNCHAIN=unchain,
-        TMA=lat_desc is not None, EARLY=early, PREFETCH_LINES=lines, num_warps=warps, num_stages=stages,
+        TMA=lat_desc is not None, EARLY=early, PREFETCH_LINES=lines, RELEASE_FIRST=release_first and not direct,
+        num_warps=warps, num_stages=stages,
         **pdl.options(q),
     )
     if not direct:
