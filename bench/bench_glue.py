@@ -1,6 +1,6 @@
 """Launch options of two small verify-step kernels on the GPU: the absorbed query (`absorb_query`, tokens per
-program) and the router (select kernel warps, K splits of the logits), at one TP8 rank's shapes (8 heads,
-E = 384, D = 7168) for 1-129 tree nodes.
+program) and the router (the logits kernel's token block and D tile, `router.LOGITS_TILES`), at one TP8 rank's
+shapes (8 heads, E = 384, D = 7168) for 1-129 tree nodes.
 
 `python bench/bench_glue.py --out DIR`: each op is captured 20 times back to back in one CUDA graph and timed as a
 replay (median, CUDA events), so the figure is its in-step cost (kernel plus launch gap) per call; outputs are
@@ -45,7 +45,7 @@ def absorb_rows(n, block_ns):
     return row
 
 
-def router_rows(m, warps, splits):
+def router_rows(m, tiles):
     dev = "cuda"
     x = torch.randn(m, 7168, device=dev, dtype=torch.bfloat16)
     w = torch.randn(384, 7168, device=dev, dtype=torch.bfloat16) / 85
@@ -53,16 +53,15 @@ def router_rows(m, warps, splits):
     call = lambda: router.route(x, w, bias, 8, 1, 1, 2.827)  # noqa: E731
     base_w, base_ids = call()
     row = {}
-    default_warps, default_max = router.SELECT_WARPS, router.MAX_SPLITS
+    default = router.LOGITS_TILES
     try:
-        for wp in warps:
-            for sp in splits:
-                router.SELECT_WARPS, router.MAX_SPLITS = wp, sp
-                got_w, got_ids = call()
-                ok = torch.equal(got_ids, base_ids) and (got_w - base_w).abs().max().item() < 1e-5
-                row[f"warps {wp} splits {sp}"] = dict(us=per_call_us(call), equal=bool(ok))
+        for block_m, block_d in tiles:
+            router.LOGITS_TILES = ((None, block_m, block_d),)
+            got_w, got_ids = call()
+            ok = torch.equal(got_ids, base_ids) and (got_w - base_w).abs().max().item() < 1e-5
+            row[f"logits {block_m}x{block_d}"] = dict(us=per_call_us(call), equal=bool(ok))
     finally:
-        router.SELECT_WARPS, router.MAX_SPLITS = default_warps, default_max
+        router.LOGITS_TILES = default
     return row
 
 
@@ -76,7 +75,7 @@ def main():
     report = dict(meta=meta, absorb_query={}, router={})
     for n in ROWS:
         report["absorb_query"][n] = absorb_rows(n, (16, 32, 64))
-        report["router"][n] = router_rows(n, (1, 2, 4), (8, 16, 32))
+        report["router"][n] = router_rows(n, ((16, 256), (32, 256), (64, 128), (64, 256)))
         print(n, json.dumps(report["absorb_query"][n]), json.dumps(report["router"][n]), flush=True)
         (args.out / "glue.json").write_text(json.dumps(report, indent=1))
     lines = [f"# absorb_query and router launch options ({meta['gpu']}, {meta['date']})", "",

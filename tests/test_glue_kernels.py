@@ -106,7 +106,7 @@ def sm120_resources():
     from triton_kernels.absorb import _absorb_output_kernel, _absorb_query_kernel
     from triton_kernels.aot import compile_for
     from triton_kernels.glue import _head_norm_rope_kernel, _rms_norm_kernel, _rope_kernel, _write_latent_kernel
-    from triton_kernels.router import BLOCK_D, BLOCK_E, BLOCK_M, SELECT_WARPS, _logits_kernel, _select_kernel
+    from triton_kernels.router import BLOCK_E, LOGITS_TILES, SELECT_WARPS, _logits_kernel, _select_kernel
 
     return [
         compile_for(_rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", stride_x="i32",
@@ -122,9 +122,11 @@ def sm120_resources():
         compile_for(_head_norm_rope_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", pos_ptr="*i64", freq_ptr="*fp32",
                                                  out_ptr="*bf16", stride_xn="i32", stride_xh="i32", H="i32", eps="fp32",
                                                  factor="fp32"), dict(HALF=64, BLOCK_H=8, PDL=True)),
-        compile_for(_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", M="i32", E="i32", D="i32",
-                                         d_per_split="i32"), dict(BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, PDL=True),
-                    num_stages=3, aligned=True),
+        *[compile_for(_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", M="i32", E="i32",
+                                           D="i32", d_per_split="i32"),
+                      dict(BLOCK_M=block_m, BLOCK_E=BLOCK_E, BLOCK_D=block_d, EVEN_D=True, PDL=True), num_stages=3,
+                      aligned=True, divisible=("D", "d_per_split"))
+          for block_m, block_d in {(bm, bd) for _, bm, bd in LOGITS_TILES}],
         compile_for(_select_kernel, dict(part_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i32",
                                          M="i32", E="i32", splits="i32", group_size="i32", n_group="i32",
                                          topk_group="i32", top_k="i32", scaling="fp32"),
@@ -249,11 +251,28 @@ def test_mlp_matches_reference(M, I):
 
 
 @requires_triton
+@pytest.mark.parametrize("block_m,block_d", [(16, 256), (32, 256), (64, 128)])
+def test_router_logits_tiles(monkeypatch, block_m, block_d):
+    """Every logits tile the bench times (several token blocks, a ragged last one, D off the tile)."""
+    from triton_kernels import router
+
+    monkeypatch.setattr(router, "LOGITS_TILES", ((None, block_m, block_d),))
+    dtype = kernel_dtypes()[0]
+    gen = torch.Generator().manual_seed(block_m)
+    x = torch.randn(70, 300, generator=gen).to(dtype).to(DEV)
+    w = (torch.randn(48, 300, generator=gen) / 17).to(dtype).to(DEV)
+    bias = (0.1 * torch.randn(48, generator=gen)).to(DEV)
+    weights, ids = router.route(x, w, bias, 8, 4, 2, 2.5)
+    ref_weights, ref_ids = route_torch(x, w, bias, 8, 4, 2, 2.5)
+    assert torch.equal(ids.cpu(), ref_ids.cpu()) and rel_err(weights, ref_weights) < 1e-4
+
+
+@requires_triton
 def test_router_sums_many_k_splits(monkeypatch):
     """On a GPU one token's logits are split along D over up to 16 programs; force that here."""
     from triton_kernels import router
 
-    monkeypatch.setattr(router, "_splits", lambda M, E, sms: 7)
+    monkeypatch.setattr(router, "_splits", lambda M, E, sms, block_m: 7)
     dtype = kernel_dtypes()[0]
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(2, 1800, generator=gen).to(dtype).to(DEV)

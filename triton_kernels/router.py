@@ -13,28 +13,37 @@ import triton.language as tl
 from triton_kernels import pdl
 from triton_kernels.ddtree import _ordered
 
-BLOCK_M, BLOCK_E, BLOCK_D = 16, 32, 256
+BLOCK_E = 32
+# (max rows, BLOCK_M, BLOCK_D) of the logits kernel, the first row whose max covers M (None: any): one token block
+# per program, so at 65-129 tree nodes a 16-row block re-reads the gate weight (5.5 MB at TP8's E = 384) 5-9 times
+LOGITS_TILES = ((16, 16, 256), (None, 16, 256))
 LOWEST = tl.constexpr(-(2**63))  # below every select key
 SELECT_WARPS = 4  # fastest at 1-129 rows (bench_glue, H200 10:03 UTC); 1 warp spills on sm_90 and sm_120
 
 
 @triton.jit
 def _logits_kernel(x_ptr, w_ptr, part_ptr, M, E, D, d_per_split,
-                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                    PDL: tl.constexpr = False):
     pdl.enter(PDL)
     pid_e, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_d = tl.arange(0, BLOCK_D)
+    # rows and experts past M and E are clamped, not masked, so that the loads stay unmasked (pipelined through
+    # shared memory); their duplicate sums are never stored
+    x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None].to(tl.int64) * D  # [BM, 1]
+    w_cols = w_ptr + tl.minimum(offs_e, E - 1)[None, :].to(tl.int64) * D  # [1, BE]
     acc = tl.zeros((BLOCK_M, BLOCK_E), dtype=tl.float32)
     d_start = split * d_per_split
     for d in range(d_start, tl.minimum(d_start + d_per_split, D), BLOCK_D):
-        d_ok = d + offs_d < D
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * D + d + offs_d[None, :],
-                    mask=(offs_m < M)[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
-        w = tl.load(w_ptr + offs_e[None, :].to(tl.int64) * D + d + offs_d[:, None],
-                    mask=(offs_e < E)[None, :] & d_ok[:, None], other=0.0)  # [BD, BE]
+        if EVEN_D:  # D and d_per_split whole tiles
+            x = tl.load(x_rows + d + offs_d[None, :])  # [BM, BD]
+            w = tl.load(w_cols + d + offs_d[:, None])  # [BD, BE]
+        else:
+            d_ok = d + offs_d < D
+            x = tl.load(x_rows + d + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+            w = tl.load(w_cols + d + offs_d[:, None], mask=d_ok[:, None], other=0.0)
         acc = tl.dot(x, w, acc)
     dst = part_ptr + (split * M + offs_m[:, None]).to(tl.int64) * E + offs_e[None, :]
     tl.store(dst, acc, mask=(offs_m < M)[:, None] & (offs_e < E)[None, :])
@@ -92,9 +101,14 @@ def _select_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, M, E, splits, group
 MAX_SPLITS = 16
 
 
-def _splits(M, E, sms):
+def logits_tile(M):
+    """(BLOCK_M, BLOCK_D) of the logits kernel for M rows."""
+    return next((bm, bd) for max_m, bm, bd in LOGITS_TILES if max_m is None or M <= max_m)
+
+
+def _splits(M, E, sms, block_m):
     """K splits so that the logits grid is about two programs per SM even for a single token."""
-    tiles = triton.cdiv(E, BLOCK_E) * triton.cdiv(M, BLOCK_M)
+    tiles = triton.cdiv(E, BLOCK_E) * triton.cdiv(M, block_m)
     return max(1, min(MAX_SPLITS, 2 * sms // tiles))
 
 
@@ -105,17 +119,18 @@ def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm
     E = gate_weight.shape[0]
     x, gate_weight = x.contiguous(), gate_weight.contiguous().to(x.dtype)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    splits = _splits(M, E, sms)
-    d_per_split = triton.cdiv(triton.cdiv(D, splits), BLOCK_D) * BLOCK_D
+    block_m, block_d = logits_tile(M)
+    splits = _splits(M, E, sms, block_m)
+    d_per_split = triton.cdiv(triton.cdiv(D, splits), block_d) * block_d
     splits = triton.cdiv(D, d_per_split)
     part = torch.empty(splits, M, E, dtype=torch.float32, device=x.device)
     weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
     if M == 0:
         return weights, ids
-    _logits_kernel[(triton.cdiv(E, BLOCK_E), triton.cdiv(M, BLOCK_M), splits)](
-        x, gate_weight, part, M, E, D, d_per_split, BLOCK_M=BLOCK_M, BLOCK_E=BLOCK_E, BLOCK_D=BLOCK_D, num_stages=3,
-        **pdl.options(x))
+    _logits_kernel[(triton.cdiv(E, BLOCK_E), triton.cdiv(M, block_m), splits)](
+        x, gate_weight, part, M, E, D, d_per_split, BLOCK_M=block_m, BLOCK_E=BLOCK_E, BLOCK_D=block_d,
+        EVEN_D=D % block_d == 0, num_stages=3, **pdl.options(x))
     _select_kernel[(M,)](part, bias.float().contiguous(), weights, ids, M, E, splits, E // n_group, n_group,
                          topk_group, top_k, float(scaling_factor), NORM=bool(norm_topk_prob),
                          BLOCK_E=triton.next_power_of_2(E), BLOCK_G=triton.next_power_of_2(n_group),
