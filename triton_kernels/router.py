@@ -15,8 +15,11 @@ from triton_kernels.ddtree import _ordered
 
 BLOCK_E = 32
 # (max rows, BLOCK_M, BLOCK_D) of the logits kernel, the first row whose max covers M (None: any): one token block
-# per program, so at 65-129 tree nodes a 16-row block re-reads the gate weight (5.5 MB at TP8's E = 384) 5-9 times
-LOGITS_TILES = ((16, 16, 256), (None, 16, 256))
+# per program, so at 65-129 tree nodes a 16-row block re-reads the gate weight (5.5 MB at TP8's E = 384) 5-9 times.
+# H200 12:44 UTC (bench/results/glue_h200_s6.md), logits + select us at 1 / 9 / 33 / 65 / 129 rows:
+# 16x256 6.83 / 6.85 / 8.40 / 10.41 / 15.27, 32x256 7.98 / 7.65 / 9.37 / 9.98 / 13.98, 64x128 9.48 / 8.58 / 8.26 /
+# 10.89 / 12.66, 64x256 9.14 / 9.29 / 9.10 / 12.44 / 13.59
+LOGITS_TILES = ((33, 16, 256), (65, 32, 256), (None, 64, 128))
 LOWEST = tl.constexpr(-(2**63))  # below every select key
 SELECT_WARPS = 4  # fastest at 1-129 rows (bench_glue, H200 10:03 UTC); 1 warp spills on sm_90 and sm_120
 
