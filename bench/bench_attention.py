@@ -230,30 +230,33 @@ def tma_runs(row, sms):
 
 
 def variant_runs(row, sms):
-    """--variants: the default config and split count with the other settings of CONFIGS' early and prefetch fields
-    ("base": neither, the kernel of run 9; "early": no prefetch; "pf x2": twice the default's prefetch lines), and
-    the default's other candidates: TMA tile loads for the 16-row config ("tma"), 16 warps for the 64-row one
-    ("w16": four warpgroups, 128 registers a thread), the merge's launch released at the split kernel's start for
-    the 64-row one ("rel0"), the 16-row config where T*H is 65-128 ("r16")."""
+    """--variants: the default config and split count with each of CONFIGS' early, prefetch, release_first and q_tma
+    fields turned off ("-early", "-pf", "-rel0", "-qtma"), all of them off ("base": the kernel of run 9), twice the
+    prefetch lines ("pf x2"), and the default's other candidates: TMA tiles for the 16-row config ("tma"), 16 warps
+    for the 64-row one ("w16": four warpgroups, 128 registers a thread), the 16-row config where T*H is 65-128
+    ("r16"). At 128k only base and -pf."""
     rows = row["T"] * row["H"]
     cfg, splits, partials = default_choice(rows, row["B"], row["L"] + row.get("pad", 0), sms)
     entry, dt = mk.entry_for(rows, 90), getattr(torch, partials)
-    runs = [("base", cfg, splits, dt, {"early": False, "prefetch": 0}),
-            ("early", cfg, splits, dt, {"early": True, "prefetch": 0})]
+    off = {"early": False, "prefetch": 0, "release_first": False, "q_tma": False}
+    runs = [("base", cfg, splits, dt, off)]
+    runs += [(f"-{name}", cfg, splits, dt, {field: off[field]}) for name, field, on in (
+        ("early", "early", entry.early), ("pf", "prefetch", entry.prefetch),
+        ("rel0", "release_first", entry.release_first and splits > 1), ("qtma", "q_tma", entry.q_tma and entry.tma))
+        if on]
+    if row["L"] > 65536:
+        return [r for r in runs if r[0] in ("base", "-pf")]
     if entry.prefetch:
-        runs.append(("pf x2", cfg, splits, dt, {"early": True, "prefetch": 2 * entry.prefetch}))
-    runs = [r for r in runs if r[4] != {"early": entry.early, "prefetch": entry.prefetch}]  # not the default again
+        runs.append(("pf x2", cfg, splits, dt, {"prefetch": 2 * entry.prefetch}))
     if cfg[0] == 16 and not entry.tma:
         runs.append(("tma", cfg, splits, dt, {"tma": True}))
     if cfg[0] == 64 and cfg[2] == 8:
         runs.append(("w16", (*cfg[:2], 16, *cfg[3:]), splits, dt))
-    if cfg[0] == 64 and splits > 1 and not entry.release_first:
-        runs.append(("rel0", cfg, splits, dt, {"release_first": True}))
     if 64 < rows <= 128:  # the step's T 9 (72 rows): five 16-row tiles against two 64-row ones, the second nearly empty
         small = mk.entry_for(16, 90)
         small_splits = mk.default_splits(small, rows, row["B"], row["L"] + row.get("pad", 0), sms, 90, 2)
-        runs.append(("r16", small.config, small_splits, torch.bfloat16,
-                     {"tma": small.tma, "early": small.early, "prefetch": small.prefetch}))
+        runs.append(("r16", small.config, small_splits, torch.bfloat16, {field: getattr(small, field) for field in (
+            "tma", "early", "prefetch", "release_first", "q_tma")}))
     return runs
 
 
@@ -265,7 +268,7 @@ def case_options(rows, opts=None):
     """The launcher's options a case of `rows` query rows runs with: CONFIGS' (tma, early, prefetch), then `opts`."""
     entry = mk.entry_for(rows, 90)
     return tuple(sorted({"tma": entry.tma, "early": entry.early, "prefetch": entry.prefetch,
-                         "release_first": entry.release_first, **(opts or {})}.items()))
+                         "release_first": entry.release_first, "q_tma": entry.q_tma, **(opts or {})}.items()))
 
 
 def variant_jobs(rows_runs):
@@ -305,10 +308,12 @@ def variants_table(report):
     if not rows:
         return []
     e0 = mk.entry_for(1, 90)
-    lines = ["", "Early loads, L2 prefetch, other candidates (--variants): default = CONFIGS' early/prefetch (16-row: "
-             f"{e0.early}/{e0.prefetch}, 64-row entries: {mk.entry_for(64, 90).early}/{mk.entry_for(64, 90).prefetch}"
-             f"); base = neither (run 9's kernel); early = no prefetch; pf x2 = twice the prefetch lines; tma = TMA "
-             "tiles (16-row config); w16 = 16 warps (64-row config); rel0 = merge released at the split's start; r16 = the 16-row config", "",
+    e1 = mk.entry_for(64, 90)
+    lines = ["", "Variants (--variants): the default is CONFIGS' early / prefetch / release_first / q_tma (16-row: "
+             f"{e0.early}/{e0.prefetch}/{e0.release_first}/{e0.q_tma}, 64-row entries: {e1.early}/{e1.prefetch}/"
+             f"{e1.release_first}/{e1.q_tma}); -x = that one off; base = all off (run 9's kernel); pf x2 = twice the "
+             "prefetch lines; tma = TMA tiles (16-row config); w16 = 16 warps (64-row config); r16 = the 16-row "
+             "config", "",
              "| L | H | T | splits | default us | runs: us (x roofline) |", "|---|---|---|---|---|---|"]
     for r in rows:
         cells = [f"{t['per_sm']}: {t['us']:.1f} ({t['us'] / r['roofline_us']:.2f}x)" if "us" in t else

@@ -38,6 +38,7 @@ class Entry(NamedTuple):
     prefetch: int = 0  # lines (128 bytes, 9 an entry; a power of two) of its split a program asks L2 for before
     # the PDL wait, and of its masked tail before the unmasked loop (CUDA, 16-bit caches; 0: none)
     release_first: bool = False  # the split kernel lets the merge launch at its start, not its end (PDL; with splits)
+    q_tma: bool = False  # the query block through tensor descriptors too, straight into shared memory (with tma)
 
 
 # Configs as data, per arch (compute capability major*10+minor). config = (BLOCK_M, BLOCK_N, warps, stages,
@@ -48,8 +49,8 @@ CONFIGS = {
     90: [  # the fastest measured on the H200, cache cold, CUDA graph (bench/results/attention_h200_run4.md; TMA:
         # run 8, 8-19% faster at 32k where T*H > 64, within 3% elsewhere; the 16-row config's TMA is untimed)
         Entry(16, (16, 32, 4, 3, 512, False), 2, 1.28, 10.0, None, early=True, prefetch=512),  # 93 KB, mma.sync
-        Entry(64, (64, 64, 8, 2, 512, True), 1, 3.2, 10.0, None, True, True, 1024),  # 229 KB: one per SM, wgmma
-        Entry(None, (64, 64, 8, 2, 512, True), 1, 3.2, 10.0, torch.float32, True, True, 1024),
+        Entry(64, (64, 64, 8, 2, 512, True), 1, 3.2, 10.0, None, True, True, 1024, True, True),  # 229 KB: one an SM
+        Entry(None, (64, 64, 8, 2, 512, True), 1, 3.2, 10.0, torch.float32, True, True, 1024, True, True),  # wgmma
     ],
     120: [  # compile-checked only (tests/test_attention_kernel.py): fit 101,376 bytes, no spills; untimed
         Entry(16, (16, 32, 4, 2, 512, False), 1, 1.28, 10.0, torch.float32),
@@ -174,12 +175,13 @@ def _load_query(q_ptr, b, rows, offs_m, ok, offs_own, offs_other, offs_pe, SPLIT
 
 @triton.jit(do_not_specialize=["T", "rows_kb", "L_max"])
 def _mla_split_kernel(
-    q_ptr, kv_ptr, lens_ptr, mask_ptr, out_ptr, o_part_ptr, lse_part_ptr, lat_desc, pe_desc,
+    q_ptr, kv_ptr, lens_ptr, mask_ptr, out_ptr, o_part_ptr, lse_part_ptr, lat_desc, pe_desc, q_lat_desc, q_pe_desc,
     T, rows_kb, L_max, sm_scale_log2,
     H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DO: tl.constexpr,
     TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr = False,
     EARLY: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, RELEASE_FIRST: tl.constexpr = False,
+    Q_TMA: tl.constexpr = False,
 ):
     SPLIT_V: tl.constexpr = BLOCK_DV < 512  # NV programs per query tile, each owning BLOCK_DV value columns
     NV: tl.constexpr = 512 // BLOCK_DV
@@ -205,7 +207,11 @@ def _mla_split_kernel(
     pdl.wait(PDL)  # released at the end (pdl.py), so the merge's programs do not wait beside this grid, unless
     if RELEASE_FIRST:  # they cannot anyway (a program fills an SM): then they are resident when the grid ends
         pdl.release(PDL)
-    if EARLY:  # the query's loads in flight with the length's
+    if Q_TMA:  # rows past the block's are the next sequence's (or zeros past q): computed, never stored
+        q_own = q_lat_desc.load([b * rows + pid_m * BLOCK_M, 0])  # [BM, 512]
+        q_pe = q_pe_desc.load([b * rows + pid_m * BLOCK_M, 0])  # [BM, 64]
+        q_other = tl.zeros([BLOCK_M, BLOCK_DO], dtype=q_ptr.dtype.element_ty)  # unused
+    elif EARLY:  # the query's loads in flight with the length's
         q_own, q_other, q_pe = _load_query(q_ptr, b, rows, offs_m, m_ok, offs_own, offs_other, offs_pe, SPLIT_V,
                                            BLOCK_M, BLOCK_DO)
     length = tl.load(lens_ptr + b)
@@ -215,7 +221,7 @@ def _mla_split_kernel(
     if PREFETCH_LINES > 0:  # the masked tail's first tiles (loaded unpipelined), while the unmasked loop runs
         if n_full > 0:
             _prefetch_entries(kv_base, start + n_full * BLOCK_N, end, PREFETCH_LINES)
-    if not EARLY:  # (an empty split loads no query)
+    if not EARLY and not Q_TMA:  # (an empty split loads no query)
         q_own, q_other, q_pe = _load_query(q_ptr, b, rows, offs_m, q_ok, offs_own, offs_other, offs_pe, SPLIT_V,
                                            BLOCK_M, BLOCK_DO)
 
@@ -404,15 +410,15 @@ def _check(q, kv_cache, value_dim):
 
 
 def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, num_splits=None, config=None,
-                  partials=None, tma=None, early=None, prefetch=None, release_first=None):
+                  partials=None, tma=None, early=None, prefetch=None, release_first=None, q_tma=None):
     """Triton twin of ops.mla_attention: q [B, T, H, 576], kv_cache [B, L_max, 576], cache_lens [B] int32,
     tree_mask [B, T, ceil(T/32)] int32 or None (causal), -> [B, T, H, 512] in q's dtype.
 
     num_splits (splits per sequence), config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)) and partials
     (dtype of the per-split outputs: torch.float32 or q.dtype) override the defaults; so does tma (True: the
     unmasked loop loads its tiles through tensor descriptors, TMA; needs BLOCK_DV 512 and a 16-byte aligned cache),
-    early, prefetch and release_first (Entry's fields: fewer dependent round trips; cache lines asked of L2 before
-    the PDL wait; the merge's launch released at the split kernel's start).
+    early, prefetch, release_first and q_tma (Entry's fields: fewer dependent round trips; cache lines asked of L2
+    before the PDL wait; the merge's launch released at the split kernel's start; the query through descriptors).
     """
     _check(q, kv_cache, value_dim)
     B, T, H, _ = q.shape
@@ -430,6 +436,7 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     early = entry.early if early is None else early
     prefetch = entry.prefetch if prefetch is None else prefetch
     release_first = entry.release_first if release_first is None else release_first
+    q_tma = entry.q_tma if q_tma is None else q_tma
     if prefetch & (prefetch - 1):
         raise ValueError(f"mla_attention (triton): prefetch must be 0 or a power of two (lines), got {prefetch}")
     lines = prefetch if q.is_cuda and q.element_size() == 2 else 0  # the PTX prefetch is not interpretable
@@ -447,12 +454,15 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     causal = tree_mask is None
     mask = cache_lens if causal else tree_mask.contiguous()
     lat_desc, pe_desc = _descriptors(kv_cache, block_n) if tma and kv_cache.data_ptr() % 16 == 0 else (None, None)
+    q_tma = q_tma and lat_desc is not None and q.data_ptr() % 16 == 0
+    q_lat_desc, q_pe_desc = _descriptors(q.view(1, B * rows, ENTRY), block_m) if q_tma else (None, None)
     _mla_split_kernel[(grid_m, num_splits, B)](
-        q, kv_cache, cache_lens, mask, out, o_part, lse_part, lat_desc, pe_desc,
+        q, kv_cache, cache_lens, mask, out, o_part, lse_part, lat_desc, pe_desc, q_lat_desc, q_pe_desc,
         T, kv_cache.stride(0) // ENTRY, kv_cache.shape[1], scale * 1.4426950408889634,
         H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv,
         BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16, TAIL_STAGES=tail_stages, UNCHAIN=unchain,
         TMA=lat_desc is not None, EARLY=early, PREFETCH_LINES=lines, RELEASE_FIRST=release_first and not direct,
+        Q_TMA=q_tma,
         num_warps=warps, num_stages=stages,
         **pdl.options(q),
     )
@@ -466,7 +476,8 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
 
 
 def _descriptors(kv_cache, block_n):
-    """Tensor descriptors over kv_cache's rows as one [rows, 576] matrix: [BN, 512] latent and [BN, 64] rope tiles."""
+    """Tensor descriptors over kv_cache's rows as one [rows, 576] matrix: [BN, 512] latent and [BN, 64] rope tiles
+    (also the query's rows, [BM, 512] and [BM, 64])."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     rows = (kv_cache.shape[0] - 1) * (kv_cache.stride(0) // ENTRY) + kv_cache.shape[1]
