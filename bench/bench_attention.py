@@ -6,9 +6,10 @@ case against the fp32 reference, and writes attention.json + attention.md. --tun
 configs and split counts per case; --focus a short tune at 32k/128k; --round2 the round-2 options (all split
 counts, bf16 partials, small configs, the whole-wave split rule) beside the default; --defaults the committed
 defaults alone at 32k/128k (the short re-measure); --step also split counts and the other tile load path at the 4k
-step shapes; --tma the other load path at 32k; --variants each case's default beside the other early/prefetch
-settings and candidates (variant_runs). Every mode also times the verify step's shapes (STEP_CASES: T = budget + 1 at 32k and 4k, the cache
-padded past the length as in bench_step.py). As a pytest-benchmark sweep: `pytest bench/bench_attention.py` (GPU only).
+step shapes; --tma the other load path at 32k; --variants each case's default beside its switches turned off and
+other candidates (variant_runs). Every mode also times the verify step's shapes (STEP_CASES: T = budget + 1 at 32k
+and 4k, the cache padded past the length as in bench_step.py). As a pytest-benchmark sweep: `pytest
+bench/bench_attention.py` (GPU only).
 
 Each case captures one CUDA graph of R launches over R different caches (R * cache >= 256 MiB, so every
 launch finds its cache cold in L2, as the model's layers would) and reports graph time / R.
@@ -225,8 +226,8 @@ def tma_runs(row, sms):
     rows = row["T"] * row["H"]
     cfg, splits, partials = default_choice(rows, row["B"], row["L"] + row.get("pad", 0), sms)
     tma = mk.entry_for(rows, 90).tma
-    return [("pointers" if tma else "tma", cfg, splits, getattr(torch, partials), {"tma": not tma})] if tma or rows > 16 \
-        else []
+    other = ("pointers" if tma else "tma", cfg, splits, getattr(torch, partials), {"tma": not tma})
+    return [other] if tma or rows > 16 else []
 
 
 def variant_runs(row, sms):
@@ -265,7 +266,7 @@ def step_rows():
 
 
 def case_options(rows, opts=None):
-    """The launcher's options a case of `rows` query rows runs with: CONFIGS' (tma, early, prefetch), then `opts`."""
+    """The launcher's options a case of `rows` query rows runs with: its CONFIGS entry's switches, then `opts`."""
     entry = mk.entry_for(rows, 90)
     return tuple(sorted({"tma": entry.tma, "early": entry.early, "prefetch": entry.prefetch,
                          "release_first": entry.release_first, "q_tma": entry.q_tma, **(opts or {})}.items()))
@@ -369,7 +370,7 @@ def tune_case(row, runs):
     q, caches, lens, mask = make_inputs(L, H, T, B, causal=row["causal"], pad=row.get("pad", 0))
     ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE).double()
     results = []
-    for label, cfg, splits, dt, *opts in runs:  # opts: ({launcher options},) for the --step, --tma, --early runs
+    for label, cfg, splits, dt, *opts in runs:  # opts: ({launcher options},) for the --step, --tma, --variants runs
         entry = {"config": list(cfg), "splits": splits, "per_sm": label, "partials": str(dt).split(".")[-1]}
         kwargs = dict(num_splits=splits, config=cfg, partials=dt)
         if opts:
@@ -411,7 +412,8 @@ def markdown(report):
         lines.append(f"| {r['L']}{pad} | {r['H']} | {r['T']}{kind} | {r['us']:.1f} | {r['GBps']:.0f} | {r['frac_read_bw']:.2f} "
                      f"| {r['TFLOPs']:.0f} | {r['roofline_us']:.1f} | {r['x_roofline']:.2f} | {best_s} | {best_x} | {torch_s} "
                      f"| {r['rel_err']:.1e} |")
-    return "\n".join(lines + round2_table(report) + step_table(report) + tma_table(report) + variants_table(report)) + "\n"
+    tables = round2_table(report) + step_table(report) + tma_table(report) + variants_table(report)
+    return "\n".join(lines + tables) + "\n"
 
 
 def round2_table(report):
@@ -626,7 +628,7 @@ def main(argv=None):
                         help="also time the default with the other tile load path (TMA <-> pointers) at the 64-row "
                              "config's 32k cases")
     parser.add_argument("--variants", action="store_true",
-                        help="also time each case's default with the other early/prefetch settings and candidates "
+                        help="also time each case's default with its switches turned off and other candidates "
                              "(variant_runs)")
     parser.add_argument("--budget", type=float, help="seconds from the start after which no further case is tuned")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling kernel variants up front")
