@@ -13,7 +13,7 @@ OUT="$R/moe" part "${1:-60}" bash bench/moe_closing.sh
 part "${2:-50}" python bench/bench_tree.py --out "$R/tree" --cases 8:8,64:8 2>&1 | grep -v -i warn | tail -6
 part "${3:-70}" python bench/bench_attention.py --out "$R/attn" --defaults --contexts 32768 131072 --workers 14 \
   2>&1 | grep -v -i warn | tail -4
-part "${4:-200}" python bench/bench_step.py --out "$R/step" --contexts 4096,32768 --buckets 0,8,32,64,128 \
+part "${4:-230}" python bench/bench_step.py --out "$R/step" --contexts 4096,32768 --buckets 0,8,16,32,64,128 \
   --long-buckets 0,32 --iters 10 2>&1 | grep -v Warn | tail -12
 part "${5:-210}" python -m pytest -q -n 8 -rf --tb=short -p no:cacheprovider tests \
   -k "not sm120 and not sm90 and not two_gloo and not torchrun" >"$R/gpu_tests.log" 2>&1
