@@ -4,7 +4,10 @@
 # each call (as the model runs it; its time alone subtracted) against gate/up asking L2 for down's weights
 # (pf_lines, pf_last, pf_bulk); the verify step's expert counts at M = 129, 65 (--routing step) and uniform
 # routing at M = 64, 128, 256 against BM 16 blocks (bm16_pre, bm16_split, bm16_ahead). Logs and markdown under
-# $OUT, the JSON in $OUT/moe_s6.tar. Usage (device): bash bench/moe_s6_device.sh [tests-s] [gap-s] [step-s] [uniform-s]
+# $OUT, the JSON in $OUT/moe_s6.tar. As run at 31179bd (H200 13:41 UTC, bench/results/moe_variants_h200_s6.md); the
+# prefetch variants and bm16_pre were then removed, bm16_split / bm16_ahead became the entries from M = 65 on, so
+# rerun it with names from moe_configs.VARIANTS.
+# Usage (device): bash bench/moe_s6_device.sh [tests-s] [gap-s] [step-s] [uniform-s]
 source bench/device_env.sh
 timeout "${1:-40}" python -m pytest -q -n 8 -rf -p no:cacheprovider tests/test_moe_kernel.py -k gpu \
   >"$OUT/moe_gpu_tests.log" 2>&1

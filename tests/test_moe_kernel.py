@@ -129,19 +129,21 @@ def test_moe_decode_sums_are_zeroed_again(BM, panels, swap, D, I, down):
 
 
 @requires_triton
-@pytest.mark.parametrize("panels,swap,waves,M,tiles", [((1, 1), True, 64, 7, 3), ((0, 0), False, 1, 3, 1)],
-                         ids=["kmajor_bm8_split_tiles3", "slab_bm16_items_a_program"])
-def test_moe_device_split(monkeypatch, panels, swap, waves, M, tiles):
+@pytest.mark.parametrize("panels,swap,waves,M,tiles,BM", [((1, 1), True, 64, 7, 3, 8), ((0, 0), False, 1, 3, 1, 16),
+                                                         ((1, 1), True, 64, 20, 3, 16)],
+                         ids=["kmajor_bm8_split_tiles3", "slab_bm16_items_a_program", "kmajor_bm16_split_tiles3"])
+def test_moe_device_split(monkeypatch, panels, swap, waves, M, tiles, BM):
     """`device_split`: the routing pass's count of filled blocks decides gate/up's K split on the device
     (`_plan_split`), and `persistent` down takes its work items from that count. First case: 256 programs for at
     most 14 blocks x 2 tiles, so each tile's 3 slabs split 3 ways (partials summed in split order by the last to
     arrive), down 3 tiles an item (one slab: the pipelined tile loop); second: 8 programs, several work items
-    each, no split, down's K loop. Ragged shapes and a repeated expert."""
+    each, no split, down's K loop; third: the first with BM 16 (the sm_90 entry for 65 <= M <= 128), experts
+    with more than 8 rows. Ragged shapes and a repeated expert."""
     monkeypatch.setattr(moe_w4a16, "_sm_count", lambda device: 4)
     E, D, I = (5, 576, 96) if swap else (6, 320, 96)
     kernel = dict(BN=64 if swap else 32, waves=waves, num_warps=4, num_stages=2, swap=swap, lop3=True,
                   prescale=swap, scales_ahead=True, device_split=True)
-    cfg = {"BM": 8 if swap else 16, "panels": panels, "gate_up": kernel,
+    cfg = {"BM": BM, "panels": panels, "gate_up": kernel,
            "down": dict(kernel, BN=64, tiles=tiles, persistent=True)}
     raw = make_experts(E, D, I, seed=10)
     ids, weights = make_routing(M, E, 2, seed=10)
@@ -292,18 +294,17 @@ def test_moe_k26_shapes_gpu(M, E, I):
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", ["default", "k_swap8_pre", "device_split", "pf_lines", "pf_bulk", "bm16_pre",
-                                     "bm16_split", "bm16_ahead"])
+@pytest.mark.parametrize("variant", ["default", "k_swap8_pre", "device_split"])
 def test_moe_variants_in_a_graph_gpu(variant):
     """The entries (the two-launch decode path with programmatic dependent launch up to M = 4, the routing pass
     above) and the variants (the routing-pass entry at small M, the device-split gate/up with the persistent
-    down, the decode path's gate/up asking L2 for down's weights per line or in bulk, BM 16 blocks) at the TP8
-    expert shape on 16 experts, eager and replayed three times in a CUDA graph (where launches overlap, and the
-    decode path's sums and counters must be zero again after each replay), against the fp32 reference."""
+    down) at the TP8 expert shape on 16 experts, M = 1, 3, 24 and 100 (the BM 16 entry), eager and replayed three
+    times in a CUDA graph (where launches overlap, and the decode path's sums and counters must be zero again after
+    each replay), against the fp32 reference."""
     from triton_kernels.moe_configs import config_for, with_variant
 
     raw = make_experts(16, 7168, 256, seed=7)
-    for M in (1, 3, 24):
+    for M in (1, 3, 24, 100):
         cfg = config_for(device(), M) if variant == "default" else with_variant(config_for(device(), M), variant)
         prepared = moe_w4a16.prepare_moe(*raw, panels=cfg.get("panels", (0, 0)))
         ids, weights = make_routing(M, 16, 8, seed=M)
@@ -349,7 +350,7 @@ print(json.dumps([vars(compile_for(kernel, *launch)) for arch in (90, 120)
 """
 
 
-@pytest.mark.parametrize("variant,M", [("default", 1), ("device_split", 16), ("pf_last", 1), ("pf_bulk", 4)])
+@pytest.mark.parametrize("variant,M", [("default", 1), ("device_split", 16), ("default", 100)])
 def test_inline_ptx_variants_compile(variant, M):
     """sm_90 entries and variants with inline PTX (lop3, L2 prefetch, grid dependency control), which the
     interpreter cannot run, assemble for sm_90 and sm_120 without spills."""

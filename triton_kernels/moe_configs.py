@@ -27,6 +27,11 @@ CONFIGS = {
     # the device from the blocks the routing pass filled, down on a persistent grid) for 5 <= M <= 33: with the
     # verify step's expert counts 61.9 / 103.9 us against 70.3 / 120.6 at M = 9 / 33, but 84.6 against 79.5 at
     # M = 16, and with uniform routing 83.7 / 204.1 against 78.0 / 199.2 at M = 8 / 32; slower from M = 65 on
+    # session 6 (bench/results/moe_variants_h200_s6.md, H200 13:41 UTC), the verify step's expert counts: BM 16 (an
+    # expert with 9-16 tokens read once, not twice) with the device-decided split for 65 <= M <= 128 (M = 65: 123.4
+    # against 132.9 us), the M > 256 entry (BM 16, scales ahead, not prescaled) from M = 129 on (164.5 against 197.2;
+    # 170.1 with the split). Uniform routing, slower but above 50%: M = 128 419.1 against 375.0 us (63% against 70%),
+    # M = 256 465.3 against 448.1 (61% against 63%); M = 64 stays BM 8 (BM 16: 323-341 against 288.5 us)
     "sm_90": [
         (1, dict(BM=8, panels=(1, 1), decode=True, pdl=True,
                  gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
@@ -43,11 +48,16 @@ CONFIGS = {
                                scales_ahead=True, device_split=True),
                   down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
                             scales_ahead=True, tiles=4, persistent=True))),
-        (256, dict(BM=8, panels=(1, 1),
+        (64, dict(BM=8, panels=(1, 1),
+                  gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
+                               scales_ahead=True),
+                  down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
+                            scales_ahead=True, tiles=4))),
+        (128, dict(BM=16, panels=(1, 1),
                    gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
-                                scales_ahead=True),
+                                scales_ahead=True, device_split=True),
                    down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
-                             scales_ahead=True, tiles=4))),
+                             scales_ahead=True, tiles=4, persistent=True))),
         (None, dict(BM=16, panels=(1, 1),
                     gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=4, swap=True, lop3=True, scales_ahead=True),
                     down=dict(BN=64, waves=2, num_warps=4, num_stages=3, swap=True, lop3=True, scales_ahead=True,
@@ -70,7 +80,7 @@ LAYOUTS = {"sm_90": (1, 1), "sm_120": (0, 0)}
 
 
 # sm_90 variants under test, as overrides of an entry's per-kernel dicts (not used by config_for). The variants
-# measured in sessions 2-5 were removed once measured slower (numbers: triton_kernels/README.md and
+# measured in sessions 2-6 were removed once measured slower (numbers: triton_kernels/README.md and
 # bench/results/moe_variants_h200_*.md). Other config keys the kernels take (tests/test_moe_kernel.py runs them):
 # `lean` (slab pointers carried across the K loop, no column masks when BN divides N), `decode` (top level: a block
 # per (token, expert) pair, no routing pass, memset or cast), `device_split` (gate/up, with the routing pass: a
@@ -84,20 +94,8 @@ VARIANTS = {
     # the routing-pass entries with gate/up's K split decided on the device from the blocks the routing pass
     # filled (`device_split`: moe_w4a16._planned_gate_up_kernel) instead of the host's estimate for uniform
     # routing, and down on a persistent grid over those blocks (`persistent`) instead of a program for every block
-    # of the static bound (empty blocks included): the sm_90 entry for 5 <= M <= 33, a variant elsewhere
+    # of the static bound (empty blocks included): in the sm_90 entries for 5 <= M <= 33 and 65 <= M <= 128
     "device_split": dict(gate_up=dict(device_split=True), down=dict(persistent=True)),
-    # the decode entries (M <= 4) with gate/up's programs first asking L2 for their share of their pair's down
-    # words and scales (`prefetch_down`: one prefetch.global.L2 a 128-byte line, the same with evict_last priority,
-    # or one cp.async.bulk.prefetch.L2 a program), so that down reads them from L2
-    "pf_lines": dict(gate_up=dict(prefetch_down="lines")),
-    "pf_last": dict(gate_up=dict(prefetch_down="lines_last")),
-    "pf_bulk": dict(gate_up=dict(prefetch_down="bulk")),
-    # the routing-pass entry with BM 16 (an expert with 9-16 tokens read once, not twice): the BM 8 kernels as they
-    # are (prescaled weights), with the device-decided split and persistent down, and the M > 256 entry's kernels
-    "bm16_pre": dict(BM=16),
-    "bm16_split": dict(BM=16, gate_up=dict(device_split=True), down=dict(persistent=True)),
-    "bm16_ahead": dict(BM=16, gate_up=dict(waves=2, num_stages=4, prescale=False),
-                       down=dict(waves=2, prescale=False)),
 }
 
 

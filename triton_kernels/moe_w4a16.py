@@ -215,15 +215,10 @@ def _scale_panel(PANEL):
 
 
 @triton.jit
-def _prefetch_l2(ptrs, LAST: tl.constexpr = False):
-    """Ask L2 for the lines holding ptrs (a hint: no result to wait for; PTX prefetch, so not interpretable); LAST:
-    with the evict_last priority (kept over lines streamed past meanwhile)."""
-    if LAST:
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+def _prefetch_l2(ptrs):
+    """Ask L2 for the lines holding ptrs (a hint: no result to wait for; PTX prefetch, so not interpretable)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -232,27 +227,6 @@ def _prefetch_slab(lines, slab, w_row):
     row."""
     rows = (slab * _SLAB_WORDS + tl.arange(0, _SLAB_WORDS))[:, None].to(tl.int64) * w_row  # [32, 1]
     _prefetch_l2(lines + rows)  # [32, BN / 32]
-
-
-@triton.jit
-def _prefetch_share(base, n_bytes, part, parts, MODE: tl.constexpr):
-    """Ask L2 for share `part` of `parts` of the n_bytes bytes at base (whole 128-byte lines a share; base and
-    n_bytes multiples of 16): MODE 1 one `prefetch.global.L2` per line, 128 lines a step of the program's
-    threads (MODE 3: the same with evict_last); MODE 2 one `cp.async.bulk.prefetch.L2` of the whole share, issued
-    by thread 0 (sm_90 and newer)."""
-    ptr = base.to(tl.pointer_type(tl.int8))
-    share = tl.cdiv(tl.cdiv(n_bytes, parts), 128) * 128
-    start = part.to(tl.int64) * share
-    size = tl.minimum(share, n_bytes - start)  # bytes of this share, <= 0 past the end
-    if MODE != 2:
-        for off in range(0, size, 128 * 128):
-            lines = off + tl.arange(0, 128).to(tl.int64) * 128  # [128] byte offsets of lines
-            _prefetch_l2(ptr + start + tl.where(lines < size, lines, 0), MODE == 3)
-    elif size > 0:
-        tl.inline_asm_elementwise(
-            "{\n\t.reg .pred p;\n\t.reg .u32 t;\n\tmov.u32 t, %tid.x;\n\tsetp.eq.u32 p, t, 0;\n\t"
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}", "=r,l,r",
-            [ptr + start, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -338,12 +312,12 @@ def _gate_up_sums(acc_g, acc_u, first_row, sums, counter, h_row, n, n_mask, spli
 @triton.jit(do_not_specialize=["n_slabs_per_split", "split_k", "stride_part"])
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_ptr, block_expert_ptr,
                     D, I, n_slabs, n_slabs_per_split, split_k, stride_we, stride_se, stride_part,
-                    w_row, s_row, stride_wp, stride_sp, up_w, up_s, dn_w_ptr, dn_s_ptr, dn_we, dn_se,
+                    w_row, s_row, stride_wp, stride_sp, up_w, up_s,
                     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, LEAN: tl.constexpr,
                     EVEN_N: tl.constexpr, DECODE: tl.constexpr, PANEL: tl.constexpr,
                     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
                     SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr = False,
-                    PRESCALE: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                    PRESCALE: tl.constexpr = False):
     """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate.
 
     With SPLIT, pid 2 of split_k sums a range of slabs into part; the last split to arrive finishes the tile:
@@ -356,9 +330,6 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     kernel waits for the previous one (whatever wrote x) first.
     Layout (TritonExperts): w_row / s_row are the row strides of words / scales, stride_wp / stride_sp their
     panel strides (PANEL > 0), up_w / up_s the offsets of the up columns from the gate columns.
-    PREFETCH (DECODE; 1 per line, 2 bulk, 3 per line with evict_last: `_prefetch_share`): before its own weights,
-    the program asks L2 for its share (of the pair's gate/up programs) of the pair's down words dn_w_ptr [dn_we
-    int32 an expert] and scales dn_s_ptr [dn_se bf16 an expert], so that the down kernel reads them from L2.
     """
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pdl.enter(PDL)  # release after the wait: the down kernel reads the routing pass's output
@@ -373,10 +344,6 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     if not DECODE:
         if not LEAN:
             pair = tl.load(sorted_ptr + rows)
-    if PREFETCH:
-        part, parts = pid_n * tl.num_programs(2) + pid_k, tl.num_programs(1) * tl.num_programs(2)
-        _prefetch_share(dn_w_ptr + e.to(tl.int64) * dn_we, dn_we * 4, part, parts, PREFETCH)
-        _prefetch_share(dn_s_ptr + e.to(tl.int64) * dn_se, dn_se * 2, part, parts, PREFETCH)
     DTYPE = x_ptr.dtype.element_ty
     token = tl.where(pair >= 0, pair // TOP_K, 0).to(tl.int64)
     n = pid_n * BN + tl.arange(0, BN)  # [BN] gate columns; up columns are n + I
@@ -840,15 +807,6 @@ def _flags(kernel_cfg, N, ptx=True):
                 AHEAD=kernel_cfg.get("scales_ahead", False), PRESCALE=kernel_cfg.get("prescale", False))
 
 
-PREFETCH_MODES = {None: 0, "lines": 1, "bulk": 2, "lines_last": 3}  # gate/up's `prefetch_down` -> PREFETCH
-
-
-def _prefetch_mode(kernel_cfg, decode, ptx=True):
-    """PREFETCH of `_gate_up_kernel` for a gate/up config: its `prefetch_down` (a PREFETCH_MODES key) on the decode
-    path (the pair's expert known to each program) where PTX compiles, else 0."""
-    return PREFETCH_MODES[kernel_cfg.get("prefetch_down")] if decode and ptx else 0
-
-
 def _launch(kernel_cfg, use_pdl):
     """Launch options of a kernel config: num_warps, num_stages and, with use_pdl, programmatic dependent launch."""
     return dict(num_warps=kernel_cfg["num_warps"], num_stages=kernel_cfg["num_stages"],
@@ -1041,10 +999,9 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
         _gate_up_kernel[(nb_max, gu_tiles, gu_split)](
             x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert,
             D, I, gu_slabs, gu_per_split, gu_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
-            part.stride(0) if gu_split > 1 and not decode else 0, **gu_layout, dn_w_ptr=experts.down,
-            dn_s_ptr=experts.down_scale, dn_we=experts.down.stride(0), dn_se=experts.down_scale.stride(0),
+            part.stride(0) if gu_split > 1 and not decode else 0, **gu_layout,
             TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_flags(g, I, ptx), DECODE=decode,
-            PDL=use_pdl, PREFETCH=_prefetch_mode(g, decode, ptx), **_launch(g, use_pdl), **magic)
+            PDL=use_pdl, **_launch(g, use_pdl), **magic)
     d = cfg["down"]
     if not decode and d.get("persistent", False):
         _persistent_down(h, experts, out, topk_weights, sorted_pairs, block_expert, nb, d, BM, top_k, dn_per_cta,
@@ -1067,7 +1024,7 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
     layout = dict(w_row="i32", s_row="i32", stride_wp="i32", stride_sp="i32")
     gate_up = dict(x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", h_ptr=f"*{dtype}", part_ptr="*fp32",
                    counter_ptr="*i32", **common, split_k="i32", stride_we="i64", stride_se="i64", stride_part="i64",
-                   **layout, up_w="i32", up_s="i32", dn_w_ptr="*i32", dn_s_ptr="*bf16", dn_we="i64", dn_se="i64")
+                   **layout, up_w="i32", up_s="i32")
     down = dict(h_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", y_ptr=f"*{dtype}",
                 counter_ptr="*i32", weights_ptr="*fp32", **common,
                 stride_we="i64", stride_se="i64", **layout)
@@ -1085,8 +1042,7 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
     else:
         gu_spec = (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT=True, EVEN_K=True,
                                                    **_flags(g, I), DECODE=decode, PANEL=p_gu,
-                                                   PDL=cfg.get("pdl", False), PREFETCH=_prefetch_mode(g, decode),
-                                                   **magic), arch, g["num_warps"],
+                                                   PDL=cfg.get("pdl", False), **magic), arch, g["num_warps"],
                                    g["num_stages"]))
     if d.get("persistent", False) and not decode:
         tiles = d.get("tiles", 1)
