@@ -6,10 +6,8 @@ case against the fp32 reference, and writes attention.json + attention.md. --tun
 configs and split counts per case; --focus a short tune at 32k/128k; --round2 the round-2 options (all split
 counts, bf16 partials, small configs, the whole-wave split rule) beside the default; --defaults the committed
 defaults alone at 32k/128k (the short re-measure); --step also split counts and the other tile load path at the 4k
-step shapes; --tma the other load path at 32k; --variants each case's default beside its switches turned off and
-other candidates (variant_runs). Every mode also times the verify step's shapes (STEP_CASES: T = budget + 1 at 32k
-and 4k, the cache padded past the length as in bench_step.py). As a pytest-benchmark sweep: `pytest
-bench/bench_attention.py` (GPU only).
+step shapes; --tma the other load path at 32k. Every mode also times the verify step's shapes (STEP_CASES: T =
+budget + 1 at 32k and 4k, the cache padded past the length as in bench_step.py). As a pytest-benchmark sweep: `pytest bench/bench_attention.py` (GPU only).
 
 Each case captures one CUDA graph of R launches over R different caches (R * cache >= 256 MiB, so every
 launch finds its cache cold in L2, as the model's layers would) and reports graph time / R.
@@ -209,7 +207,7 @@ def round2_runs(row, sms):
 
 
 def step_runs(row, sms):
-    """--step candidates (label, config, splits, partials[, options]) at a 4k step shape: the default, the STEP_SPLITS
+    """--step candidates (label, config, splits, partials[, tma]) at a 4k step shape: the default, the STEP_SPLITS
     counts (also with bf16 partials where the default's are fp32) and the other tile load path (tma_runs)."""
     T = row["T"]
     cfg, splits, partials = default_choice(T * row["H"], row["B"], row["L"] + row.get("pad", 0), sms)
@@ -226,103 +224,23 @@ def tma_runs(row, sms):
     rows = row["T"] * row["H"]
     cfg, splits, partials = default_choice(rows, row["B"], row["L"] + row.get("pad", 0), sms)
     tma = mk.entry_for(rows, 90).tma
-    other = ("pointers" if tma else "tma", cfg, splits, getattr(torch, partials), {"tma": not tma})
-    return [other] if tma or rows > 16 else []
-
-
-def variant_runs(row, sms):
-    """--variants: the default config and split count with each of CONFIGS' early, prefetch, release_first and q_tma
-    fields turned off ("-early", "-pf", "-rel0", "-qtma"), all of them off ("base": the kernel of run 9), twice the
-    prefetch lines ("pf x2"), and the default's other candidates: TMA tiles for the 16-row config ("tma"), 16 warps
-    for the 64-row one ("w16": four warpgroups, 128 registers a thread), the 16-row config where T*H is 65-128
-    ("r16"). At 128k only base and -pf."""
-    rows = row["T"] * row["H"]
-    cfg, splits, partials = default_choice(rows, row["B"], row["L"] + row.get("pad", 0), sms)
-    entry, dt = mk.entry_for(rows, 90), getattr(torch, partials)
-    off = {"early": False, "prefetch": 0, "release_first": False, "q_tma": False}
-    runs = [("base", cfg, splits, dt, off)]
-    runs += [(f"-{name}", cfg, splits, dt, {field: off[field]}) for name, field, on in (
-        ("early", "early", entry.early), ("pf", "prefetch", entry.prefetch),
-        ("rel0", "release_first", entry.release_first and splits > 1), ("qtma", "q_tma", entry.q_tma and entry.tma))
-        if on]
-    if row["L"] > 65536:
-        return [r for r in runs if r[0] in ("base", "-pf")]
-    if entry.prefetch:
-        runs.append(("pf x2", cfg, splits, dt, {"prefetch": 2 * entry.prefetch}))
-    if cfg[0] == 16 and not entry.tma:
-        runs.append(("tma", cfg, splits, dt, {"tma": True}))
-    if cfg[0] == 64 and cfg[2] == 8:
-        runs.append(("w16", (*cfg[:2], 16, *cfg[3:]), splits, dt))
-    if 64 < rows <= 128:  # the step's T 9 (72 rows): five 16-row tiles against two 64-row ones, the second nearly empty
-        small = mk.entry_for(16, 90)
-        small_splits = mk.default_splits(small, rows, row["B"], row["L"] + row.get("pad", 0), sms, 90, 2)
-        runs.append(("r16", small.config, small_splits, torch.bfloat16, {field: getattr(small, field) for field in (
-            "tma", "early", "prefetch", "release_first", "q_tma")}))
-    return runs
+    return [("pointers" if tma else "tma", cfg, splits, getattr(torch, partials), not tma)] if tma or rows > 16 else []
 
 
 def step_rows():
     return [{"L": L + T, "B": 1, "T": T, "H": H, "pad": pad} for L, H, T, pad in STEP_CASES if L < 8192]
 
 
-def case_options(rows, opts=None):
-    """The launcher's options a case of `rows` query rows runs with: its CONFIGS entry's switches, then `opts`."""
-    entry = mk.entry_for(rows, 90)
-    return tuple(sorted({"tma": entry.tma, "early": entry.early, "prefetch": entry.prefetch,
-                         "release_first": entry.release_first, "q_tma": entry.q_tma, **(opts or {})}.items()))
-
-
-def variant_jobs(rows_runs):
-    """Kernel variants (H, config, splits, causal, 16-bit partials, options) of [(case row, runs)]."""
-    return {(row["H"], cfg, 1 if splits == 1 else mk.merge_blocks(splits)[0], False, dt == torch.bfloat16,
-             case_options(row["T"] * row["H"], opts[0] if opts else None))
-            for row, runs in rows_runs for _, cfg, splits, dt, *opts in runs}
-
-
 def step_jobs(sms):
-    """The kernel variants --step and --tma run."""
-    jobs = variant_jobs((row, step_runs(row, sms)) for row in step_rows())
+    """The kernel variants --step and --tma run: (H, config, splits, causal, 16-bit partials[, tma])."""
+    jobs = set()
+    for row in step_rows():
+        for _, cfg, splits, dt, *tma in step_runs(row, sms):
+            jobs.add((row["H"], cfg, 1 if splits == 1 else mk.merge_blocks(splits)[0], False, dt == torch.bfloat16,
+                      *tma))
     for H in HEADS:  # --tma's variants (64-row config: fp32 partials above 64 rows, bf16 up to it)
-        jobs |= {(H, mk.pick_config(64), 2, False, half, case_options(64, {"tma": not mk.entry_for(64, 90).tma}))
-                 for half in (False, True)}
+        jobs |= {(H, mk.pick_config(64), 2, False, half, not mk.entry_for(64, 90).tma) for half in (False, True)}
     return jobs
-
-
-def sweep_rows(contexts):
-    """The --defaults cases (B 1, trees) of `contexts` and STEP_CASES, as report rows."""
-    return [{"L": L, "B": 1, "T": T, "H": H} for L in contexts for H in HEADS for T in TREE_SIZES] + [
-        {"L": L + T, "B": 1, "T": T, "H": H, "pad": pad} for L, H, T, pad in STEP_CASES]
-
-
-def variants_jobs(contexts, sms):
-    """The kernel variants --variants runs: every case's default and variant_runs."""
-    def runs(row):
-        cfg, splits, partials = default_choice(row["T"] * row["H"], 1, row["L"] + row.get("pad", 0), sms)
-        return [("default", cfg, splits, getattr(torch, partials))] + variant_runs(row, sms)
-
-    return variant_jobs((row, runs(row)) for row in sweep_rows(contexts))
-
-
-def variants_table(report):
-    """Lines: the default beside --variants' runs (us, x roofline) per case."""
-    rows = [r for r in report["cases"] if r.get("variants")]
-    if not rows:
-        return []
-    e0 = mk.entry_for(1, 90)
-    e1 = mk.entry_for(64, 90)
-    lines = ["", "Variants (--variants): the default is CONFIGS' early / prefetch / release_first / q_tma (16-row: "
-             f"{e0.early}/{e0.prefetch}/{e0.release_first}/{e0.q_tma}, 64-row entries: {e1.early}/{e1.prefetch}/"
-             f"{e1.release_first}/{e1.q_tma}); -x = that one off; base = all off (run 9's kernel); pf x2 = twice the "
-             "prefetch lines; tma = TMA tiles (16-row config); w16 = 16 warps (64-row config); r16 = the 16-row "
-             "config", "",
-             "| L | H | T | splits | default us | runs: us (x roofline) |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        cells = [f"{t['per_sm']}: {t['us']:.1f} ({t['us'] / r['roofline_us']:.2f}x)" if "us" in t else
-                 f"{t['per_sm']}: {t.get('error', '-')[:60]}" for t in r["variants"]]
-        pad = f" (+{r['pad']})" if r.get("pad") else ""
-        lines.append(f"| {r['L']}{pad} | {r['H']} | {r['T']} | {r['splits']} | {r['us']:.1f} "
-                     f"({r['x_roofline']:.2f}x) | " + "; ".join(cells) + " |")
-    return lines
 
 
 def tma_table(report):
@@ -370,12 +288,11 @@ def tune_case(row, runs):
     q, caches, lens, mask = make_inputs(L, H, T, B, causal=row["causal"], pad=row.get("pad", 0))
     ref = mla_attention_torch(q.float(), caches[0].float(), lens, mask, SCALE).double()
     results = []
-    for label, cfg, splits, dt, *opts in runs:  # opts: ({launcher options},) for the --step, --tma, --variants runs
+    for label, cfg, splits, dt, *tma in runs:  # tma: (True/False,) for the --step and --tma runs of a load path
         entry = {"config": list(cfg), "splits": splits, "per_sm": label, "partials": str(dt).split(".")[-1]}
         kwargs = dict(num_splits=splits, config=cfg, partials=dt)
-        if opts:
-            entry.update(opts[0])
-            kwargs.update(opts[0])
+        if tma:
+            entry["tma"] = kwargs["tma"] = tma[0]
         try:
             out = mk.mla_attention(q, caches[0], lens, mask, SCALE, **kwargs)
             entry["rel_err"] = ((out.double() - ref).norm() / ref.norm()).item()
@@ -412,8 +329,7 @@ def markdown(report):
         lines.append(f"| {r['L']}{pad} | {r['H']} | {r['T']}{kind} | {r['us']:.1f} | {r['GBps']:.0f} | {r['frac_read_bw']:.2f} "
                      f"| {r['TFLOPs']:.0f} | {r['roofline_us']:.1f} | {r['x_roofline']:.2f} | {best_s} | {best_x} | {torch_s} "
                      f"| {r['rel_err']:.1e} |")
-    tables = round2_table(report) + step_table(report) + tma_table(report) + variants_table(report)
-    return "\n".join(lines + tables) + "\n"
+    return "\n".join(lines + round2_table(report) + step_table(report) + tma_table(report)) + "\n"
 
 
 def round2_table(report):
@@ -485,20 +401,20 @@ def summary(report):
 
 def _warm(job):
     """Compile one kernel variant (run in a worker so compiles overlap; the main process hits Triton's disk cache)."""
-    H, cfg, splits, causal, half, *opts = job  # opts: (launcher options as sorted items,)
+    H, cfg, splits, causal, half, *tma = job  # tma: (True/False,) for the --step and --tma variants
     try:
-        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32, dict(*opts))
+        _run_tiny(H, cfg, splits, causal, torch.bfloat16 if half else torch.float32, *tma)
     except Exception as exc:  # recorded; the sweep reports the same failure where it matters
         return f"{job}: {exc}"[:300]
     return None
 
 
-def _run_tiny(H, cfg, splits, causal, partials, opts=None):
+def _run_tiny(H, cfg, splits, causal, partials, tma=None):
     q = torch.randn(1, 1, H, 576, dtype=torch.bfloat16, device="cuda")
     kv = torch.randn(1, 256, 576, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((1,), 256, dtype=torch.int32, device="cuda")
     mask = None if causal else random_tree_mask(1, 1, 0)
-    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials, **(opts or {}))
+    mk.mla_attention(q, kv, lens, mask, SCALE, num_splits=splits, config=cfg, partials=partials, tma=tma)
     torch.cuda.synchronize()
 
 
@@ -555,8 +471,7 @@ def run_default(report, L, H, T, causal, pad, focus, out):
     torch.cuda.empty_cache()
 
 
-def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, round2=False, step=False, tma=False,
-          variants=False):
+def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, round2=False, step=False, tma=False):
     report = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -583,11 +498,6 @@ def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, ro
             (out / "attention.json").write_text(json.dumps(report, indent=1))
     for L, H, T, causal, pad in late:
         run_default(report, L, H, T, causal, pad, focus, out)
-    for row in sorted(report["cases"], key=lambda r: (r["L"] > 65536, not r.get("pad"))) if variants else []:
-        if not row["causal"]:  # --variants: after every default, the step's shapes first and 128k last
-            row["variants"] = tune_case(row, variant_runs(row, report["sms"]))
-            print("variants", row["L"], row["H"], row["T"], json.dumps(row["variants"]), flush=True)
-            (out / "attention.json").write_text(json.dumps(report, indent=1))
     # round 2: the step's shapes, then the fewest rows first
     order = report["cases"]
     if round2:
@@ -627,9 +537,6 @@ def main(argv=None):
     parser.add_argument("--tma", action="store_true",
                         help="also time the default with the other tile load path (TMA <-> pointers) at the 64-row "
                              "config's 32k cases")
-    parser.add_argument("--variants", action="store_true",
-                        help="also time each case's default with its switches turned off and other candidates "
-                             "(variant_runs)")
     parser.add_argument("--budget", type=float, help="seconds from the start after which no further case is tuned")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling kernel variants up front")
     parser.add_argument("--with-tests", action="store_true", help="first run tests/test_attention_kernel.py here")
@@ -652,14 +559,13 @@ def main(argv=None):
     start = time.time()
     sms = mk.num_sms(torch.device("cuda"))
     extra = (round2_jobs(contexts, HEADS, TREE_SIZES, sms) if args.round2 else set()) | (
-        step_jobs(sms) if args.step or args.tma else set()) | (
-        variants_jobs(contexts, sms) if args.variants else set())
+        step_jobs(sms) if args.step or args.tma else set())
     print("precompiled", precompile(HEADS, TREE_SIZES, args.tune and not args.round2, args.workers,
                                     prefill=not args.focus, table=FOCUS if args.focus else CANDIDATES, extra=extra),
           "variants in", f"{time.time() - start:.0f}s", flush=True)
     deadline = start + args.budget if args.budget else None
     report = sweep(contexts, HEADS, TREE_SIZES, args.tune, args.out, focus=args.focus, deadline=deadline,
-                   round2=args.round2, step=args.step, tma=args.tma, variants=args.variants)
+                   round2=args.round2, step=args.step, tma=args.tma)
     (args.out / "attention.json").write_text(json.dumps(report, indent=1))
     (args.out / "attention.md").write_text(markdown(report))
     print(markdown(report))

@@ -162,36 +162,6 @@ def test_more_splits_than_tiles_leaves_empty_splits_harmless():
     assert rel_err(out, ref) < 1e-2
 
 
-EARLY_CASES = [  # B, T, H, lens, tree kind, num_splits, config: empty splits (unwritten, NaN-filled partials)
-    (2, 3, 4, [3, 40], "wide", 6, None),
-    (2, 9, 8, [50, 120], "deep", 3, BIG),
-    (2, 33, 2, [40, 131], "causal", 4, None),
-    (1, 7, 8, [90], "deep", 3, (32, 32, 4, 2, 256, True)),  # values split over two programs (the other half's query)
-]
-
-
-@requires_triton
-@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
-@pytest.mark.parametrize("B,T,H,lens,kind,splits,config", EARLY_CASES,
-                         ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-{c[4]}-S{c[5]}" for c in EARLY_CASES])
-def test_early_loads_match_reference(B, T, H, lens, kind, splits, config, dtype):
-    """early=True: the query loaded before the length (also by empty splits), the merge loading every split's o
-    beside its lse and zeroing an empty split's unwritten (NaN) one; the query through tensor descriptors where the
-    tiles are (a block's rows past the sequence's are the next one's or zeros); on the GPU also the L2 prefetch and
-    the merge released at the split kernel's start (both kernels on the PDL chain)."""
-    from triton_kernels.mla_attention import mla_attention
-
-    q, kv, cache_lens, mask = make_case(B, T, H, lens, kind, dtype, device(), seed=B * 100 + T)
-    config = None if gpu() else config
-    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=splits, config=config, early=True,
-                        prefetch=1024 if gpu() else 0, release_first=True, q_tma=True)
-    ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
-    assert not out.isnan().any()
-    assert rel_err(out, ref) < bound(dtype)
-    with pytest.raises(ValueError, match="prefetch"):
-        mla_attention(q, kv, cache_lens, mask, SCALE, prefetch=1000)
-
-
 LOAD_CASES = [  # B, T, H, lens, tree kind, num_splits, config (None: the launcher's)
     (2, 16, 8, [200, 17], "deep", 2, BIG),
     (2, 5, 3, [150, 70], "wide", 3, UNCHAINED),
@@ -257,24 +227,19 @@ import json, sys
 from triton_kernels.aot import compile_for
 from triton_kernels.mla_attention import CONFIGS, TAIL_STAGES, _mla_split_kernel
 sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "lens_ptr": "*i32", "mask_ptr": "*i32", "out_ptr": "*bf16",
-       "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "T": "i32", "rows_kb": "i32", "L_max": "i32",
-       "sm_scale_log2": "fp32"}
+       "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "T": "i32", "rows_kb": "i32", "sm_scale_log2": "fp32"}
 causal, arch = sys.argv[1] == "causal", int(sys.argv[2])
 configs = ([tuple(c) for c in json.loads(sys.argv[3])] if len(sys.argv) > 3 else
-           [(*e.config, e.tma, e.early, e.prefetch, e.release_first, e.q_tma) for e in CONFIGS[arch]])
+           [(*e.config, e.tma) for e in CONFIGS[arch]])
 report = []
-for block_m, block_n, warps, stages, block_dv, unchain, tma, early, prefetch, release_first, q_tma in configs:
+for block_m, block_n, warps, stages, block_dv, unchain, tma in configs:
     descs = ({"lat_desc": f"tensordesc<bf16[{block_n}, 512]>", "pe_desc": f"tensordesc<bf16[{block_n}, 64]>"} if tma
              else {"lat_desc": "constexpr", "pe_desc": "constexpr"})
-    descs.update({"q_lat_desc": f"tensordesc<bf16[{block_m}, 512]>", "q_pe_desc": f"tensordesc<bf16[{block_m}, 64]>"}
-                 if q_tma else {"q_lat_desc": "constexpr", "q_pe_desc": "constexpr"})
     res = compile_for(_mla_split_kernel, {**sig, **descs},
                       {"H": 8, "CAUSAL": causal, "DIRECT": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
                        "BLOCK_DV": block_dv, "BLOCK_DO": 512 - block_dv if block_dv < 512 else 16,
                        "TAIL_STAGES": TAIL_STAGES[arch] or stages, "UNCHAIN": unchain, "TMA": tma, "PDL": True,
-                       "EARLY": early, "PREFETCH_LINES": prefetch, "RELEASE_FIRST": release_first, "Q_TMA": q_tma,
-                       **({} if tma else {"lat_desc": None, "pe_desc": None}),
-                       **({} if q_tma else {"q_lat_desc": None, "q_pe_desc": None})},
+                       **({} if tma else {"lat_desc": None, "pe_desc": None})},
                       arch=arch, num_warps=warps, num_stages=stages, aligned=True)
     report.append([block_m, block_n, res.shared, res.registers, res.spill_bytes])
 print(json.dumps(report))

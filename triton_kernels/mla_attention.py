@@ -34,11 +34,6 @@ class Entry(NamedTuple):
     program_us: float  # a program's fixed time: prologue, partial store, masked tail
     partials: torch.dtype | None  # dtype of the per-split outputs (None: q's)
     tma: bool = False  # the unmasked loop's tiles through tensor descriptors (needs BLOCK_DV 512)
-    early: bool = False  # the query loaded before the length, the merge's o loaded beside its lse (fewer round trips)
-    prefetch: int = 0  # lines (128 bytes, 9 an entry; a power of two) of its split a program asks L2 for before
-    # the PDL wait, and of its masked tail before the unmasked loop (CUDA, 16-bit caches; 0: none)
-    release_first: bool = False  # the split kernel lets the merge launch at its start, not its end (PDL; with splits)
-    q_tma: bool = False  # the query block through tensor descriptors too, straight into shared memory (with tma)
 
 
 # Configs as data, per arch (compute capability major*10+minor). config = (BLOCK_M, BLOCK_N, warps, stages,
@@ -48,9 +43,9 @@ class Entry(NamedTuple):
 CONFIGS = {
     90: [  # the fastest measured on the H200, cache cold, CUDA graph (bench/results/attention_h200_run4.md; TMA:
         # run 8, 8-19% faster at 32k where T*H > 64, within 3% elsewhere; the 16-row config's TMA is untimed)
-        Entry(16, (16, 32, 4, 3, 512, False), 2, 1.28, 10.0, None, early=True, prefetch=512),  # 93 KB, mma.sync
-        Entry(64, (64, 64, 8, 2, 512, True), 1, 3.2, 10.0, None, True, True, 1024, True, True),  # 229 KB: one an SM
-        Entry(None, (64, 64, 8, 2, 512, True), 1, 3.2, 10.0, torch.float32, True, True, 1024, True, True),  # wgmma
+        Entry(16, (16, 32, 4, 3, 512, False), 2, 1.28, 10.0, None),  # 93 KB of shared memory, mma.sync
+        Entry(64, (64, 64, 8, 2, 512, True), 1, 3.2, 10.0, None, True),  # 229 KB: one per SM, wgmma
+        Entry(None, (64, 64, 8, 2, 512, True), 1, 3.2, 10.0, torch.float32, True),
     ],
     120: [  # compile-checked only (tests/test_attention_kernel.py): fit 101,376 bytes, no spills; untimed
         Entry(16, (16, 32, 4, 2, 512, False), 1, 1.28, 10.0, torch.float32),
@@ -135,53 +130,13 @@ def _softmax_step(s, v, m_i, l_i, acc, live, UNCHAIN: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
-def _split_range(length, T, num_splits, pid_m, pid_s, H: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """(first tree entry, start, end) of split pid_s of a length-entry sequence for query tile pid_m."""
-    tree_start = length - T  # first new token's entry
-    kv_end = length
-    if CAUSAL:  # entries past this tile's last token are invisible to all its rows
-        t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // H, T - 1)
-        kv_end = tree_start + t_last + 1
-    split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-    start = pid_s * split_len
-    return tree_start, start, tl.minimum(start + split_len, kv_end)
-
-
-@triton.jit
-def _prefetch_entries(kv_base, first, last, LINES: tl.constexpr):
-    """Ask L2 for cache entries [first, last) (16-bit: nine 128-byte lines an entry), at most LINES lines."""
-    n_lines = (last - first) * 9
-    if (first >= 0) & (n_lines > 0):
-        line = tl.minimum(tl.arange(0, LINES), n_lines - 1).to(tl.int64) * 64  # [LINES] in 16-bit elements
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                  [kv_base + first.to(tl.int64) * 576 + line], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _load_query(q_ptr, b, rows, offs_m, ok, offs_own, offs_other, offs_pe, SPLIT_V: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_DO: tl.constexpr):
-    """The query block's owned latent columns [BM, DV], the other ones [BM, DO] (SPLIT_V) and rope part [BM, 64]."""
-    q_rows = q_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 576
-    q_own = tl.load(q_rows + offs_own[None, :], mask=ok[:, None], other=0.0)  # [BM, DV]
-    if SPLIT_V:
-        q_other = tl.load(q_rows + offs_other[None, :], mask=ok[:, None], other=0.0)  # [BM, DO]
-    else:
-        q_other = tl.zeros([BLOCK_M, BLOCK_DO], dtype=q_ptr.dtype.element_ty)  # unused
-    q_pe = tl.load(q_rows + 512 + offs_pe[None, :], mask=ok[:, None], other=0.0)  # [BM, 64]
-    return q_own, q_other, q_pe
-
-
-@triton.jit(do_not_specialize=["T", "rows_kb", "L_max"])
+@triton.jit(do_not_specialize=["T", "rows_kb"])
 def _mla_split_kernel(
-    q_ptr, kv_ptr, lens_ptr, mask_ptr, out_ptr, o_part_ptr, lse_part_ptr, lat_desc, pe_desc, q_lat_desc, q_pe_desc,
-    T, rows_kb, L_max, sm_scale_log2,
+    q_ptr, kv_ptr, lens_ptr, mask_ptr, out_ptr, o_part_ptr, lse_part_ptr, lat_desc, pe_desc,
+    T, rows_kb, sm_scale_log2,
     H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DO: tl.constexpr,
     TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, RELEASE_FIRST: tl.constexpr = False,
-    Q_TMA: tl.constexpr = False,
 ):
     SPLIT_V: tl.constexpr = BLOCK_DV < 512  # NV programs per query tile, each owning BLOCK_DV value columns
     NV: tl.constexpr = 512 // BLOCK_DV
@@ -198,32 +153,27 @@ def _mla_split_kernel(
     offs_other = (1 - pid_v) * BLOCK_DO + tl.arange(0, BLOCK_DO)  # the rest of the latent (SPLIT_V: NV == 2)
     offs_pe = tl.arange(0, 64)
 
-    kv_base = kv_ptr + b.to(tl.int64) * rows_kb * 576  # rows_kb: cache stride in entries; keeps 16-byte alignment
-    if PREFETCH_LINES > 0:  # before the wait, the split's first tiles: its length may be stale (the grid before
-        # may write it; .cg keeps it out of L1), so it only aims the prefetch, kept inside the sequence's L_max rows
-        guess = tl.minimum(tl.maximum(tl.load(lens_ptr + b, cache_modifier=".cg"), 0), L_max)
-        _, first, last = _split_range(guess, T, num_splits, pid_m, pid_s, H, CAUSAL, BLOCK_M, BLOCK_N)
-        _prefetch_entries(kv_base, first, last, PREFETCH_LINES)
-    pdl.wait(PDL)  # released at the end (pdl.py), so the merge's programs do not wait beside this grid, unless
-    if RELEASE_FIRST:  # they cannot anyway (a program fills an SM): then they are resident when the grid ends
-        pdl.release(PDL)
-    if Q_TMA:  # rows past the block's are the next sequence's (or zeros past q): computed, never stored
-        q_own = q_lat_desc.load([b * rows + pid_m * BLOCK_M, 0])  # [BM, 512]
-        q_pe = q_pe_desc.load([b * rows + pid_m * BLOCK_M, 0])  # [BM, 64]
-        q_other = tl.zeros([BLOCK_M, BLOCK_DO], dtype=q_ptr.dtype.element_ty)  # unused
-    elif EARLY:  # the query's loads in flight with the length's
-        q_own, q_other, q_pe = _load_query(q_ptr, b, rows, offs_m, m_ok, offs_own, offs_other, offs_pe, SPLIT_V,
-                                           BLOCK_M, BLOCK_DO)
+    pdl.wait(PDL)  # released at the end (pdl.py): the merge's programs do not wait beside this grid
     length = tl.load(lens_ptr + b)
-    tree_start, start, end = _split_range(length, T, num_splits, pid_m, pid_s, H, CAUSAL, BLOCK_M, BLOCK_N)
+    tree_start = length - T  # first new token's entry
+    kv_end = length
+    if CAUSAL:  # entries past this tile's last token are invisible to all its rows
+        t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // H, T - 1)
+        kv_end = tree_start + t_last + 1
+    split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, kv_end)
     n_full = tl.maximum(tl.minimum(end, tree_start) - start, 0) // BLOCK_N  # tiles with every entry visible
-    q_ok = m_ok & (start + 0 * offs_m < end)  # an empty split stores no o, only lse = -inf
-    if PREFETCH_LINES > 0:  # the masked tail's first tiles (loaded unpipelined), while the unmasked loop runs
-        if n_full > 0:
-            _prefetch_entries(kv_base, start + n_full * BLOCK_N, end, PREFETCH_LINES)
-    if not EARLY and not Q_TMA:  # (an empty split loads no query)
-        q_own, q_other, q_pe = _load_query(q_ptr, b, rows, offs_m, q_ok, offs_own, offs_other, offs_pe, SPLIT_V,
-                                           BLOCK_M, BLOCK_DO)
+    q_ok = m_ok & (start + 0 * offs_m < end)  # an empty split (no entry) loads no query and stores no o, only lse = -inf
+
+    q_rows = q_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 576
+    q_own = tl.load(q_rows + offs_own[None, :], mask=q_ok[:, None], other=0.0)  # [BM, DV]
+    if SPLIT_V:
+        q_other = tl.load(q_rows + offs_other[None, :], mask=q_ok[:, None], other=0.0)  # [BM, DO]
+    else:
+        q_other = tl.zeros([BLOCK_M, BLOCK_DO], dtype=q_ptr.dtype.element_ty)  # unused
+    q_pe = tl.load(q_rows + 512 + offs_pe[None, :], mask=q_ok[:, None], other=0.0)  # [BM, 64]
+    kv_base = kv_ptr + b.to(tl.int64) * rows_kb * 576  # rows_kb: cache stride in entries; keeps 16-byte alignment
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -267,15 +217,13 @@ def _mla_split_kernel(
                  mask=q_ok[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # [BM] log2-sum-exp of the split
         tl.store(lse_part_ptr + part_row, lse, mask=m_ok & (pid_v + 0 * offs_m == 0))
-    if not RELEASE_FIRST:
-        pdl.release(PDL)
+    pdl.release(PDL)
 
 
 @triton.jit(do_not_specialize=["rows", "num_splits"])
 def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, rows, num_splits,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
-    """One pass over the splits, BLOCK_S at a time (all of them in one step when BLOCK_S >= num_splits). EARLY:
-    each split's o is loaded beside its lse, not after it (an empty split's unwritten o is then zeroed)."""
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    """One pass over the splits, BLOCK_S at a time (all of them in one step when BLOCK_S >= num_splits)."""
     pdl.enter(PDL)
     r = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -291,11 +239,8 @@ def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, rows, num_splits,
         part = part0 + (s0 + offs_s) * rows  # [BS]
         lse = tl.load(lse_part_ptr + part, mask=s_ok, other=float("-inf"))  # [BS]
         o_ok = s_ok & (lse > float("-inf"))  # an empty split stored no o
-        o_ptrs = o_part_ptr + part[:, None] * 512 + offs_d[None, :]  # [BS, BD]
-        if EARLY:
-            o = tl.where(o_ok[:, None], tl.load(o_ptrs, mask=s_ok[:, None], other=0.0).to(tl.float32), 0.0)
-        else:
-            o = tl.load(o_ptrs, mask=o_ok[:, None], other=0.0).to(tl.float32)
+        o = tl.load(o_part_ptr + part[:, None] * 512 + offs_d[None, :], mask=o_ok[:, None], other=0.0)  # [BS, BD]
+        o = o.to(tl.float32)
         m_new = tl.maximum(m, tl.max(lse, 0))
         keep = tl.exp2(m - m_new)
         w = tl.exp2(lse - m_new)  # [BS]
@@ -410,15 +355,13 @@ def _check(q, kv_cache, value_dim):
 
 
 def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, num_splits=None, config=None,
-                  partials=None, tma=None, early=None, prefetch=None, release_first=None, q_tma=None):
+                  partials=None, tma=None):
     """Triton twin of ops.mla_attention: q [B, T, H, 576], kv_cache [B, L_max, 576], cache_lens [B] int32,
     tree_mask [B, T, ceil(T/32)] int32 or None (causal), -> [B, T, H, 512] in q's dtype.
 
     num_splits (splits per sequence), config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)) and partials
     (dtype of the per-split outputs: torch.float32 or q.dtype) override the defaults; so does tma (True: the
-    unmasked loop loads its tiles through tensor descriptors, TMA; needs BLOCK_DV 512 and a 16-byte aligned cache),
-    early, prefetch, release_first and q_tma (Entry's fields: fewer dependent round trips; cache lines asked of L2
-    before the PDL wait; the merge's launch released at the split kernel's start; the query through descriptors).
+    unmasked loop loads its tiles through tensor descriptors, TMA; needs BLOCK_DV 512 and a 16-byte aligned cache).
     """
     _check(q, kv_cache, value_dim)
     B, T, H, _ = q.shape
@@ -433,13 +376,6 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     if partials not in (None, torch.float32, q.dtype):
         raise ValueError(f"mla_attention (triton): partials must be torch.float32 or q's {q.dtype}, got {partials}")
     partials = partials or entry.partials or q.dtype
-    early = entry.early if early is None else early
-    prefetch = entry.prefetch if prefetch is None else prefetch
-    release_first = entry.release_first if release_first is None else release_first
-    q_tma = entry.q_tma if q_tma is None else q_tma
-    if prefetch & (prefetch - 1):
-        raise ValueError(f"mla_attention (triton): prefetch must be 0 or a power of two (lines), got {prefetch}")
-    lines = prefetch if q.is_cuda and q.element_size() == 2 else 0  # the PTX prefetch is not interpretable
     entry = entry._replace(config=(block_m, block_n, warps, stages, block_dv, unchain))
     if num_splits is None:
         num_splits = default_splits(entry, rows, B, kv_cache.shape[1], num_sms(q.device), arch, partials.itemsize)
@@ -454,30 +390,23 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     causal = tree_mask is None
     mask = cache_lens if causal else tree_mask.contiguous()
     lat_desc, pe_desc = _descriptors(kv_cache, block_n) if tma and kv_cache.data_ptr() % 16 == 0 else (None, None)
-    q_tma = q_tma and lat_desc is not None and q.data_ptr() % 16 == 0
-    q_lat_desc, q_pe_desc = _descriptors(q.view(1, B * rows, ENTRY), block_m) if q_tma else (None, None)
     _mla_split_kernel[(grid_m, num_splits, B)](
-        q, kv_cache, cache_lens, mask, out, o_part, lse_part, lat_desc, pe_desc, q_lat_desc, q_pe_desc,
-        T, kv_cache.stride(0) // ENTRY, kv_cache.shape[1], scale * 1.4426950408889634,
+        q, kv_cache, cache_lens, mask, out, o_part, lse_part, lat_desc, pe_desc,
+        T, kv_cache.stride(0) // ENTRY, scale * 1.4426950408889634,
         H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv,
         BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16, TAIL_STAGES=tail_stages, UNCHAIN=unchain,
-        TMA=lat_desc is not None, EARLY=early, PREFETCH_LINES=lines, RELEASE_FIRST=release_first and not direct,
-        Q_TMA=q_tma,
-        num_warps=warps, num_stages=stages,
-        **pdl.options(q),
+        TMA=lat_desc is not None, num_warps=warps, num_stages=stages, **pdl.options(q),
     )
     if not direct:
         block_s, block_d = merge_blocks(num_splits)
         _merge_kernel[(rows, D_LAT // block_d, B)](
-            o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d, EARLY=early,
-            **pdl.options(q),
+            o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d, **pdl.options(q),
         )
     return out
 
 
 def _descriptors(kv_cache, block_n):
-    """Tensor descriptors over kv_cache's rows as one [rows, 576] matrix: [BN, 512] latent and [BN, 64] rope tiles
-    (also the query's rows, [BM, 512] and [BM, 64])."""
+    """Tensor descriptors over kv_cache's rows as one [rows, 576] matrix: [BN, 512] latent and [BN, 64] rope tiles."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     rows = (kv_cache.shape[0] - 1) * (kv_cache.stride(0) // ENTRY) + kv_cache.shape[1]
