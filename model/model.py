@@ -73,7 +73,7 @@ class Attention(nn.Module):
         a q_a projection its norm runs in the same launch as the cache write."""
         cfg = self.cfg
         qa, ckv = ops.linear(x, self.down_proj_weight).split([cfg.q_lora_rank or 0, cfg.cache_entry_dim], -1)
-        if PREFETCH_ATTENTION_WEIGHTS and _side_stream(x.device) is not None:  # read after latency-bound kernels
+        if _prefetching(x.device):  # weights read after the latency-bound kernels
             later = (self.q_b_proj.weight,) if cfg.q_lora_rank else ()
             _on_side_stream(x.device, ops.prefetch_l2, *later, self.kv_b_proj.weight, self.o_proj.weight)
         latent = (kv, ckv, self.kv_a_layernorm.weight, cfg.latent_norm_eps, meta.positions, self.inv_freq,
@@ -102,7 +102,8 @@ class Attention(nn.Module):
                                       meta.tree_mask, cfg.softmax_scale, cfg.kv_lora_rank)
         o = ops.absorb_output(o_lat.reshape(N, self.heads, cfg.kv_lora_rank), w_uv)
         out = ops.linear(o, self.o_proj.weight)
-        _join_side_stream(x.device)  # the prefetch (long done): a CUDA graph's capture must join every fork
+        if _prefetching(x.device):  # the prefetch (long done): a CUDA graph's capture must join every fork, and
+            _join_side_stream(x.device)  # may not wait on a stream it never forked
         return out
 
 
@@ -202,6 +203,11 @@ def _side_stream(device):
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(index)
     return _SIDE_STREAMS[index]
+
+
+def _prefetching(device):
+    """Whether the attention asks L2 for its later weights from the side stream."""
+    return PREFETCH_ATTENTION_WEIGHTS and _side_stream(device) is not None
 
 
 def _on_side_stream(device, fn, *args):

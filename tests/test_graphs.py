@@ -243,8 +243,13 @@ def gpu_pair():
 
 
 @requires_gpu
-def test_replay_matches_eager_gpu(gpu_pair):
-    """A replayed verify (padded to its bucket) gives the real nodes the eager pass's logits and features."""
+@pytest.mark.parametrize("prefetch", (True, False), ids=("prefetch", "no_prefetch"))
+def test_replay_matches_eager_gpu(gpu_pair, prefetch, monkeypatch):
+    """A replayed verify (padded to its bucket) gives the real nodes the eager pass's logits and features, with
+    the attention weights' L2 prefetch on the side stream and without (the capture joins only what it forked)."""
+    from model import model as model_module
+
+    monkeypatch.setattr(model_module, "PREFETCH_ATTENTION_WEIGHTS", prefetch)
     target, drafter = gpu_pair
     assert eligibility(target) == (True, "")
     cache = target.new_cache(2, 256)
