@@ -250,6 +250,7 @@ def test_replay_matches_eager_gpu(gpu_pair, prefetch, monkeypatch):
     from model import model as model_module
 
     monkeypatch.setattr(model_module, "PREFETCH_ATTENTION_WEIGHTS", prefetch)
+    monkeypatch.setattr(model_module, "PREFETCH_MAX_TOKENS", 10**9)  # at every step size here
     target, drafter = gpu_pair
     assert eligibility(target) == (True, "")
     cache = target.new_cache(2, 256)
