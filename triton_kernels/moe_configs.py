@@ -31,7 +31,11 @@ CONFIGS = {
     # expert with 9-16 tokens read once, not twice) with the device-decided split for 65 <= M <= 128 (M = 65: 123.4
     # against 132.9 us), the M > 256 entry (BM 16, scales ahead, not prescaled) from M = 129 on (164.5 against 197.2;
     # 170.1 with the split). Uniform routing, slower but above 50%: M = 128 419.1 against 375.0 us (63% against 70%),
-    # M = 256 465.3 against 448.1 (61% against 63%); M = 64 stays BM 8 (BM 16: 323-341 against 288.5 us)
+    # M = 256 465.3 against 448.1 (61% against 63%); M = 64 stays BM 8 (BM 16: 323-341 against 288.5 us).
+    # The lead's closing step run (bench/results/step_h200_run15.json, 14:04 UTC) put the BM 16 split entry's
+    # 65 <= M <= 128 back on BM 8: in the verify at budget 64 (65 tokens) its gate/up + down took 5894 + 3015 us
+    # over the 60 layers against BM 8's 5285 + 3152 in run 13 (the bench's synthetic step routing spreads the
+    # tokens differently); from M = 129 the M > 256 entry stays (7571 + 4161 against 7497 + 4419 us)
     "sm_90": [
         (1, dict(BM=8, panels=(1, 1), decode=True, pdl=True,
                  gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
@@ -48,16 +52,11 @@ CONFIGS = {
                                scales_ahead=True, device_split=True),
                   down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
                             scales_ahead=True, tiles=4, persistent=True))),
-        (64, dict(BM=8, panels=(1, 1),
-                  gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
-                               scales_ahead=True),
-                  down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
-                            scales_ahead=True, tiles=4))),
-        (128, dict(BM=16, panels=(1, 1),
+        (128, dict(BM=8, panels=(1, 1),
                    gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
-                                scales_ahead=True, device_split=True),
+                                scales_ahead=True),
                    down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
-                             scales_ahead=True, tiles=4, persistent=True))),
+                             scales_ahead=True, tiles=4))),
         (None, dict(BM=16, panels=(1, 1),
                     gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=4, swap=True, lop3=True, scales_ahead=True),
                     down=dict(BN=64, waves=2, num_warps=4, num_stages=3, swap=True, lop3=True, scales_ahead=True,
