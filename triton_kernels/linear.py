@@ -46,7 +46,7 @@ DEFAULTS = {"sm_90": {1: GEMV, None: SWAP}, "sm_120": {1: GEMV, None: SWAP}}  # 
 
 C = Config
 # (N, K) -> {M bucket: Config} where the kernel beat cuBLAS by >= 2% (H200, 2026-11-30 08:59 UTC,
-# bench/results/linear_h200.md; q_a + kv_a at 17 and shared down at 33: 12:41 UTC on the PDL chain, 12.74 / 3.50 us
+# bench/results/linear_h200.md; q_a + kv_a at 17 and shared down at 33: 12:39 UTC on the PDL chain, 12.74 / 3.50 us
 # against cuBLAS's 13.86 / 3.90, linear_h200_s6.md); shapes or buckets not listed run cuBLAS. sm_120: not
 # measured, nothing adopted.
 ADOPTED = {
