@@ -290,10 +290,11 @@ def test_router_sums_many_k_splits(monkeypatch):
     assert torch.equal(ids.cpu(), ref_ids.cpu()) and rel_err(weights, ref_weights) < 1e-4
 
 
-def _router_counter():
+def _router_counter(device):
+    """The router's arrival counter on `device` (a tensor's: cuda:0, not cuda, names the router's buffer)."""
     from triton_kernels.counters import arrival_counters
 
-    return arrival_counters("router", DEV, 1)[0].item()
+    return arrival_counters("router", device, 1)[0].item()
 
 
 @requires_triton
@@ -317,7 +318,7 @@ def test_router_fused_matches_reference_and_two_launches(monkeypatch, M, E, D, t
         bias = (0.1 * torch.randn(E, generator=gen)).to(DEV)
         monkeypatch.setattr(router, "FUSED_MAX_ROWS", M)
         weights, ids = router.route(x, w, bias, top_k, n_group, topk_group, 2.5)
-        assert _router_counter() == 0
+        assert _router_counter(x.device) == 0
         ref_weights, ref_ids = route_torch(x, w, bias, top_k, n_group, topk_group, 2.5)
         assert torch.equal(ids.cpu(), ref_ids.cpu()) and rel_err(weights, ref_weights) < 1e-4
         monkeypatch.setattr(router, "FUSED_MAX_ROWS", 0)
@@ -377,7 +378,7 @@ def test_router_fused_replays_in_a_cuda_graph():
         torch.cuda.synchronize()
         ref_weights, ref_ids = route_torch(x, w, bias, 8, 1, 1, 2.827)
         assert torch.equal(ids, ref_ids) and rel_err(weights, ref_weights) < 1e-4
-        assert _router_counter() == 0
+        assert _router_counter(x.device) == 0
 
 
 @requires_triton
