@@ -14,6 +14,8 @@ C = lk.Config
 CASES = [  # (config, M, N, K): M not a power of two, N and K off the tiles, one K split or several, pdl (GPU)
     (C("gemv", 32, 256, 4, 3, 2), 1, 200, 700),
     (C("gemv", 64, 128, 4, 4, 8, True), 1, 96, 1024),
+    (C("gemv", 16, 512, 8, 4, 1), 1, 200, 300),  # K shorter than the K tile: the masked tail alone, no split
+    (C("gemv", 8, 1024, 4, 3, 2), 1, 20, 2100),  # 8-row tiles, three K splits, the last one ragged
     (C("swap", 64, 128, 4, 4, 2), 1, 130, 1000),
     (C("swap", 64, 128, 4, 4, 2), 5, 200, 700),
     (C("swap", 64, 128, 4, 4, 8, True), 33, 64, 2048),
@@ -60,6 +62,14 @@ def test_linear_kernel_bf16_at_step_shape(M):
     """bf16 on the GPU (the interpreter computes bf16 tl.dot wrongly), the default config at q_b's shape."""
     x, w, ref = operands(M, 1536, 1536, torch.bfloat16, M)
     assert rel_err(lk.linear_kernel(x, w), ref) < 1e-2
+
+
+@requires_gpu
+@pytest.mark.parametrize("N,K", [nk for nk, e in lk.ADOPTED["sm_90"].items() if 1 in e])
+def test_adopted_gemv_bf16_at_its_shape(N, K):
+    """Every adopted M = 1 config, bf16, at the (N, K) it was adopted for."""
+    x, w, ref = operands(1, N, K, torch.bfloat16, N + K)
+    assert rel_err(lk.linear_kernel(x, w, lk.ADOPTED["sm_90"][(N, K)][1]), ref) < 1e-2
 
 
 @requires_gpu
