@@ -166,23 +166,25 @@ LAYER = ("q_a+kv_a", "q_b", "o_proj", "shared gate_up", "shared down")  # a MoE 
 
 def layer_chain(report, copies, ms, gen, table):
     """us per MoE layer of its projections back to back (each reading the next rotating copy of its
-    weight), cuBLAS against `ops.linear`'s choice with ADOPTED['sm_90'] = table: {M: {...}}."""
+    weight): cuBLAS, `ops.linear` on the current ADOPTED['sm_90'] and on `table`: {M: {...}}."""
     by_name = {name: (e, ws) for e, ws in zip(report["shapes"], copies) for name in e["names"]}
     layers = max(len(by_name[name][1]) for name in LAYER)
     xs = {M: {name: torch.randn(M, by_name[name][0]["K"], device="cuda", dtype=torch.bfloat16, generator=gen)
               for name in LAYER} for M in ms}
     saved, out = lk.ADOPTED["sm_90"], {}
     try:
-        lk.ADOPTED["sm_90"] = table
         for M in ms:
             times = {}
-            for backend, fn in (("cublas", F.linear), ("ops.linear", lk.linear)):
+            for backend, fn, tbl in (("cublas", F.linear, saved), ("current", lk.linear, saved),
+                                     ("adopted", lk.linear, table)):
+                lk.ADOPTED["sm_90"] = tbl
                 calls = [lambda fn=fn, x=xs[M][name], w=by_name[name][1][i % len(by_name[name][1])]: fn(x, w)
                          for i in range(layers) for name in LAYER]
                 times[backend] = 1e3 * time_graph(calls) * len(LAYER)
-            out[M] = dict(cublas_us=times["cublas"], adopted_us=times["ops.linear"], layers=layers)
-            print(f"layer chain M={M}: cuBLAS {times['cublas']:.1f} us, ops.linear {times['ops.linear']:.1f} us "
-                  "a layer", flush=True)
+            out[M] = dict(cublas_us=times["cublas"], current_us=times["current"], adopted_us=times["adopted"],
+                          layers=layers)
+            print(f"layer chain M={M}: cuBLAS {times['cublas']:.1f} us, current table {times['current']:.1f} us, "
+                  f"proposed table {times['adopted']:.1f} us a layer", flush=True)
     finally:
         lk.ADOPTED["sm_90"] = saved
     return out
@@ -279,10 +281,12 @@ def markdown(report):
     if report.get("layer_chain"):
         lines += ["", "One MoE layer's projections (" + ", ".join(LAYER) + ") back to back in one graph, "
                   "rotating layers' weights, us a layer (x 60 MoE layers is their share of a verify):", "",
-                  "| M | cuBLAS | ops.linear (ADOPTED) | x |", "|---|---|---|---|"]
+                  "| M | cuBLAS | ops.linear, current table | ops.linear, proposed table | x cuBLAS | x current |",
+                  "|---|---|---|---|---|---|"]
         for M, c in report["layer_chain"].items():
-            lines.append(f"| {M} | {c['cublas_us']:.1f} | {c['adopted_us']:.1f} | "
-                         f"{c['cublas_us'] / c['adopted_us']:.2f} |")
+            current = c.get("current_us", float("nan"))
+            lines.append(f"| {M} | {c['cublas_us']:.1f} | {current:.1f} | {c['adopted_us']:.1f} | "
+                         f"{c['cublas_us'] / c['adopted_us']:.2f} | {current / c['adopted_us']:.3f} |")
     if report.get("step_ab"):
         lines += ["", "The TP8 rank's verify at 4k context (bench_step's model, CUDA-graph replay, ms), captured with "
                   "cuBLAS for every projection, with ops.linear on the current table and on the proposed one:", "",
