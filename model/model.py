@@ -173,12 +173,16 @@ class MoE(nn.Module):
         self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, par,
                                        dtype, device, "shared expert intermediate")
 
-    def forward(self, x):
+    def forward(self, x, prefetch=()):
+        """x: [N, D] normed hidden -> [N, D] (partial). prefetch: weights the next layer reads first, asked into L2
+        from the side stream after the shared expert in one-token steps, whose routed experts leave DRAM idle."""
         if _side_stream(x.device) is None:
             return self.routed(x) + self.shared_experts(x)
         # The shared expert's small GEMMs leave most SMs idle; on a second stream they overlap the router and the
         # routed experts (a fork and a join inside a CUDA graph).
         shared = _on_side_stream(x.device, self.shared_experts, x)
+        if prefetch and PREFETCH_NEXT_LAYER and _prefetching(x):
+            _on_side_stream(x.device, ops.prefetch_l2, *prefetch)
         routed = self.routed(x)
         _join_side_stream(x.device)
         return routed.add_(shared)
@@ -196,6 +200,10 @@ PREFETCH_ATTENTION_WEIGHTS = True  # q_b, kv_b and o_proj asked into L2 from the
 # verify 4.84 against 5.09 ms at one token, 12.20 against 11.97 ms at 33 (its 113-program launches take SMs the
 # larger verify kernels then wait for)
 PREFETCH_MAX_TOKENS = 1
+# The next layer's [q_a; kv_a] weight (30 MB at TP8) asked into L2 during a one-token MoE (False: for A/B timing).
+# H200, one call (15:08 UTC, bench_step --quick against --no-prefetch-next, 4k): verify 4.83 against 4.90 ms at one
+# token; 11.89 against 11.89 ms at 33 (where it does not run)
+PREFETCH_NEXT_LAYER = True
 _SIDE_STREAMS = {}
 
 
@@ -244,15 +252,18 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, par, dtype, device, "intermediate_size")
 
-    def forward(self, h, delta, meta, kv):
+    def forward(self, h, delta, meta, kv, next_layer=None):
         """The residual stream arrives as h + delta (delta: the previous layer's MLP output, or None) so that
-        each residual add runs fused with the norm after it. Returns (h, delta) the same way."""
+        each residual add runs fused with the norm after it. Returns (h, delta) the same way. next_layer: the layer
+        after this one (its first projection's weight may be prefetched during this one's MoE)."""
         if delta is None:
             x = ops.rms_norm(h, self.input_layernorm.weight, self.eps)
         else:
             h, x = ops.add_rms_norm(delta, h, self.input_layernorm.weight, self.eps)
         attn = self.par.all_reduce(self.self_attn(x, meta, kv))
         h, x = ops.add_rms_norm(attn, h, self.post_attention_layernorm.weight, self.eps)
+        if isinstance(self.mlp, MoE) and next_layer is not None:
+            return h, self.par.all_reduce(self.mlp(x, (next_layer.self_attn.down_proj_weight,)))
         return h, self.par.all_reduce(self.mlp(x))
 
 
@@ -324,7 +335,7 @@ class KimiModel(nn.Module):
         h, delta = F.embedding(tokens.reshape(-1), self.embed_tokens.weight), None
         kept = {}
         for i, layer in enumerate(self.layers):
-            h, delta = layer(h, delta, meta, cache.kv[i])
+            h, delta = layer(h, delta, meta, cache.kv[i], self.layers[i + 1] if i + 1 < len(self.layers) else None)
             if i in hidden_layers:
                 kept[i] = delta + h
         h = ops.add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[1].view(B, T, -1)
