@@ -201,7 +201,7 @@ PREFETCH_ATTENTION_WEIGHTS = True  # q_b, kv_b and o_proj asked into L2 from the
 # larger verify kernels then wait for)
 PREFETCH_MAX_TOKENS = 1
 # The next layer's [q_a; kv_a] weight (30 MB at TP8) asked into L2 during a one-token MoE (False: for A/B timing).
-# H200, one call (15:08 UTC, bench_step --quick against --no-prefetch-next, 4k): verify 4.83 against 4.90 ms at one
+# H200, one call (15:04 UTC, bench_step --quick against --no-prefetch-next, 4k): verify 4.83 against 4.90 ms at one
 # token; 11.89 against 11.89 ms at 33 (where it does not run)
 PREFETCH_NEXT_LAYER = True
 _SIDE_STREAMS = {}
