@@ -357,6 +357,8 @@ def main():
     parser.add_argument("--no-prefetch", action="store_true", help="no L2 prefetch of the attention weights")
     parser.add_argument("--no-prefetch-next", action="store_true",
                         help="no L2 prefetch of the next layer's [q_a; kv_a] weight during the MoE")
+    parser.add_argument("--prefetch-max-tokens", type=int, default=None,
+                        help="the largest step (tokens) that prefetches (default: model.PREFETCH_MAX_TOKENS)")
     args = parser.parse_args()
     import triton
 
@@ -364,6 +366,8 @@ def main():
     pdl.ENABLED = not args.no_pdl
     model_module.PREFETCH_ATTENTION_WEIGHTS = not args.no_prefetch
     model_module.PREFETCH_NEXT_LAYER = not args.no_prefetch_next
+    if args.prefetch_max_tokens is not None:
+        model_module.PREFETCH_MAX_TOKENS = args.prefetch_max_tokens
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -376,7 +380,8 @@ def main():
                 drafter_note="Kimi-K2.5-DFlash shape, TP8 rank 0 like the target (8 of 64 query heads, 1 of 8 "
                              "key/value heads, 1/8 of the MLP), scoring with the target's lm_head shard",
                 overlap_shared_expert=not args.no_overlap, pdl=not args.no_pdl,
-                prefetch_attention_weights=not args.no_prefetch, prefetch_next_layer=not args.no_prefetch_next)
+                prefetch_attention_weights=not args.no_prefetch, prefetch_next_layer=not args.no_prefetch_next,
+                prefetch_max_tokens=model_module.PREFETCH_MAX_TOKENS)
     meta["read_GBps"] = bw = read_GBps()
     t0 = time.perf_counter()
     target = build_target()

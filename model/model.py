@@ -198,7 +198,9 @@ OVERLAP_SHARED_EXPERT = True  # False: the shared expert runs on the main stream
 PREFETCH_ATTENTION_WEIGHTS = True  # q_b, kv_b and o_proj asked into L2 from the side stream (False: for A/B timing)
 # ... in steps of at most this many tokens. H200, one call (14:09 UTC, bench_step --quick against --no-prefetch, 4k):
 # verify 4.84 against 5.09 ms at one token, 12.20 against 11.97 ms at 33 (its 113-program launches take SMs the
-# larger verify kernels then wait for)
+# larger verify kernels then wait for); 15:08 UTC, at 9 tokens (--prefetch-max-tokens 9): 9.00 against 8.81 / 8.75
+# ms (a 4.4k cache). The router's gate weight added to the attention's prefetch (15:07): 4.84 against 4.85 ms at one
+# token, within the spread (not kept)
 PREFETCH_MAX_TOKENS = 1
 # The next layer's [q_a; kv_a] weight (30 MB at TP8) asked into L2 during a one-token MoE (False: for A/B timing).
 # H200, one call (15:04 UTC, bench_step --quick against --no-prefetch-next, 4k): verify 4.83 against 4.90 ms at one
