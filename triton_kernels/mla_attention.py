@@ -292,9 +292,13 @@ def num_sms(device):
 def choose_splits(base, max_len, block_n, slots, per_slot, whole=False):
     """Splits per sequence: about per_slot programs per slot over `slots` resident programs with `base` programs
     per split (whole: at most that many, so the programs fill whole waves), each split reading at least
-    MIN_TILES_PER_SPLIT tiles of the max_len-entry cache."""
+    MIN_TILES_PER_SPLIT tiles of the max_len-entry cache, unless so few splits would leave more than half of one
+    wave's slots idle (short caches): then up to one wave of splits, down to one tile each."""
     want = math.floor(per_slot * slots / base) if whole else math.ceil(per_slot * slots / base)
     cap = max(1, triton.cdiv(max_len, block_n * MIN_TILES_PER_SPLIT))
+    wave = max(1, slots // base)
+    if cap < wave // 2:
+        cap = min(wave, triton.cdiv(max_len, block_n))
     return max(1, min(want, cap))
 
 

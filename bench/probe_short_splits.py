@@ -1,0 +1,46 @@
+"""Attention split counts on short caches (1k-16k entries): the committed rule's count against others given on the
+command line, cache cold in L2, one CUDA graph over rotated caches (bench_attention's timing), bf16, B = 1.
+
+Usage (device): python bench/probe_short_splits.py --out DIR L,H,T:S1/S2 ...   (S: extra split counts to time)
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import bench_attention as ba
+from triton_kernels import mla_attention as mk
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("cases", nargs="+", help="L,H,T:S1/S2 (extra split counts to time beside the rule's)")
+    args = parser.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for case in args.cases:
+        shape, _, extra = case.partition(":")
+        L, H, T = (int(v) for v in shape.split(","))
+        entry = mk.entry_for(T * H, 90)
+        rule = mk.default_splits(entry, T * H, 1, L, sms, 90, 2 if T * H <= 64 else 4)
+        q, caches, lens, mask = ba.make_inputs(L, H, T)
+        ref = ba.mla_attention_torch(q.float(), caches[0].float(), lens, mask, ba.SCALE).double()
+        row = dict(L=L, H=H, T=T, rule=rule, us={})
+        for splits in [rule] + [int(s) for s in extra.split("/") if s]:
+            out = mk.mla_attention(q, caches[0], lens, mask, ba.SCALE, num_splits=splits)
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            us = ba.graph_time_us(lambda kv: mk.mla_attention(q, kv, lens, mask, ba.SCALE, num_splits=splits), caches)
+            row["us"][splits] = dict(us=us, rel_err=err)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    (args.out / "short_splits.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
