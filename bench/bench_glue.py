@@ -1,12 +1,11 @@
 """Launch options of two small verify-step kernels on the GPU: the absorbed query (`absorb_query`, tokens per
-program) and the router (one launch against two, `router.FUSED_MAX_ROWS`), at one TP8 rank's shapes (8 heads,
-E = 384, D = 7168) for 1-129 tree nodes.
+program) and the router (its default launches, the logits kernel alone, whose difference to the default is the
+select's share, and the logits kernel's token block and D tile, `router.LOGITS_TILES`), at one TP8 rank's shapes
+(8 heads, E = 384, D = 7168) for 1-129 tree nodes.
 
-`python bench/bench_glue.py --out DIR [--ops router]`: each op is captured 20 times back to back in one CUDA
-graph and timed as a replay (median, CUDA events), so the figure is its in-step cost (kernel plus launch gap) per
-call; outputs are checked against the two-launch path (router) or the default launch (absorb_query). Router
-columns: both launches, the logits kernel alone (the select's share is the difference), and the one launch
-(at FUSED_ROWS only). Writes glue.json and glue.md.
+`python bench/bench_glue.py --out DIR [--ops router] [--tiles 16x256,...]`: each op is captured 20 times back to
+back in one CUDA graph and timed as a replay (median, CUDA events), so the figure is its in-step cost (kernel
+plus launch gap) per call; outputs are checked against the default launch. Writes glue.json and glue.md.
 """
 
 import argparse
@@ -21,7 +20,6 @@ from bench_tree import graph_of  # bench/ is on sys.path when this file runs as 
 from triton_kernels import absorb, router
 
 ROWS = (1, 9, 33, 65, 129)
-FUSED_ROWS = (1, 9)  # rows at which the router's one launch is timed
 REPEAT = 20
 
 
@@ -48,45 +46,48 @@ def absorb_rows(n, block_ns):
     return row
 
 
-def router_rows(m):
+def router_rows(m, tiles):
     dev = "cuda"
     x = torch.randn(m, 7168, device=dev, dtype=torch.bfloat16)
     w = torch.randn(384, 7168, device=dev, dtype=torch.bfloat16) / 85
     bias = 0.01 * torch.randn(384, device=dev)
     call = lambda: router.route(x, w, bias, 8, 1, 1, 2.827)  # noqa: E731
-    default = router.FUSED_MAX_ROWS
+    base_w, base_ids = call()
+    block_m, block_d, splits, d_per_split = router.logits_plan(m, 384, 7168, x.device)
+    part = torch.empty(splits, m, 384, device=dev)
+    logits = lambda: router._logits_kernel[(384 // router.BLOCK_E, triton.cdiv(m, block_m), splits)](  # noqa: E731
+        x, w, part, m, 384, 7168, d_per_split, BLOCK_M=block_m, BLOCK_E=router.BLOCK_E, BLOCK_D=block_d,
+        EVEN_D=True, num_stages=3, **router.pdl.options(x))
+    row = {"default": dict(us=per_call_us(call), equal=True), "logits alone": dict(us=per_call_us(logits), equal=True)}
+    default = router.LOGITS_TILES
     try:
-        router.FUSED_MAX_ROWS = 0
-        base_w, base_ids = call()
-        row = {"two launches": dict(us=per_call_us(call), equal=True)}
-        block_m, block_d, splits, d_per_split = router.logits_plan(m, 384, 7168, x.device)
-        grid = (384 // router.BLOCK_E, triton.cdiv(m, block_m), splits)
-        part = torch.empty(splits, m, 384, device=dev)
-        logits = lambda: router._logits_kernel[grid](  # noqa: E731
-            x, w, part, m, 384, 7168, d_per_split, BLOCK_M=block_m, BLOCK_E=router.BLOCK_E, BLOCK_D=block_d,
-            EVEN_D=True, num_stages=3, **router.pdl.options(x))
-        row["logits alone"] = dict(us=per_call_us(logits), equal=True)
-        if m in FUSED_ROWS:
-            router.FUSED_MAX_ROWS = m
+        for block_m, block_d in tiles:
+            router.LOGITS_TILES = ((None, block_m, block_d),)
             got_w, got_ids = call()
-            ok = torch.equal(got_ids, base_ids) and torch.equal(got_w, base_w)
-            row["one launch"] = dict(us=per_call_us(call), equal=bool(ok))
+            ok = torch.equal(got_ids, base_ids) and (got_w - base_w).abs().max().item() < 1e-5
+            row[f"logits {block_m}x{block_d}"] = dict(us=per_call_us(call), equal=bool(ok))
     finally:
-        router.FUSED_MAX_ROWS = default
+        router.LOGITS_TILES = default
     return row
+
+
+def _tiles(text):
+    return [tuple(int(v) for v in tile.split("x")) for tile in text.split(",") if tile]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--ops", default="absorb_query,router", help="comma-separated: absorb_query, router")
+    parser.add_argument("--tiles", default="16x256,32x256,64x128,64x256", type=_tiles,
+                        help="the router's logits tiles BLOCK_M x BLOCK_D to time at every row count ('' for none)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     ops = args.ops.split(",")
     meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), repeat=REPEAT)
     report = dict(meta=meta, **{op: {} for op in ops})
-    rows_of = dict(absorb_query=lambda n: absorb_rows(n, (16, 32, 64)), router=router_rows)
+    rows_of = dict(absorb_query=lambda n: absorb_rows(n, (16, 32, 64)), router=lambda n: router_rows(n, args.tiles))
     for n in ROWS:
         for op in ops:
             report[op][n] = rows_of[op](n)
@@ -94,7 +95,7 @@ def main():
         (args.out / "glue.json").write_text(json.dumps(report, indent=1))
     lines = [f"# {' and '.join(ops)} launch options ({meta['gpu']}, {meta['date']})", "",
              f"torch {meta['torch']}, triton {meta['triton']}; us per call, {REPEAT} calls in one CUDA graph; "
-             "'!' marks an output different from the reference launch's.", ""]
+             "'!' marks an output different from the default launch's.", ""]
     for op in ops:
         labels = list(dict.fromkeys(k for row in report[op].values() for k in row))
         lines += [f"## {op}", "", "| rows | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]

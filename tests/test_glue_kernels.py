@@ -8,7 +8,7 @@ from ops.moe import route_torch
 from ops.norm import rms_norm_torch
 from ops.rope import apply_rope_torch
 from triton_kernels.aot import SM120_SHARED_LIMIT
-from tests.conftest import TRITON_DEVICE, compiled_in_child, kernel_dtypes, rel_err, requires_gpu, requires_triton
+from tests.conftest import TRITON_DEVICE, compiled_in_child, kernel_dtypes, rel_err, requires_triton
 
 DEV = TRITON_DEVICE
 
@@ -106,7 +106,7 @@ def sm120_resources():
     from triton_kernels.absorb import _absorb_output_kernel, _absorb_query_kernel
     from triton_kernels.aot import compile_for
     from triton_kernels.glue import _head_norm_rope_kernel, _rms_norm_kernel, _rope_kernel, _write_latent_kernel
-    from triton_kernels.router import BLOCK_E, LOGITS_TILES, SELECT_WARPS, _fused_kernel, _logits_kernel, _select_kernel
+    from triton_kernels.router import BLOCK_E, LOGITS_TILES, SELECT_WARPS, _logits_kernel, _select_kernel
 
     return [
         compile_for(_rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", stride_x="i32",
@@ -131,13 +131,6 @@ def sm120_resources():
                                          M="i32", E="i32", splits="i32", group_size="i32", n_group="i32",
                                          topk_group="i32", top_k="i32", scaling="fp32"),
                     dict(NORM=True, BLOCK_E=512, BLOCK_G=1, BLOCK_K=8, BLOCK_S=16, PDL=True), num_warps=SELECT_WARPS),
-        compile_for(_fused_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", counter_ptr="*i32",
-                                        bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i32", M="i32", E="i32",
-                                        D="i32", d_per_split="i32", splits="i32", group_size="i32", n_group="i32",
-                                        topk_group="i32", top_k="i32", scaling="fp32"),
-                    dict(BLOCK_M=LOGITS_TILES[0][1], BLOCK_E=BLOCK_E, BLOCK_D=LOGITS_TILES[0][2], EVEN_D=True,
-                         NORM=True, SELECT_E=512, BLOCK_G=1, BLOCK_K=8, BLOCK_S=16, PDL=True),
-                    num_stages=3, num_warps=SELECT_WARPS, aligned=True, divisible=("D", "d_per_split")),
         compile_for(_absorb_query_kernel, dict(qn_ptr="*bf16", qp_ptr="*bf16", w_ptr="*bf16", pos_ptr="*i64",
                                                freq_ptr="*fp32", out_ptr="*bf16", N="i32", H="i32", stride_qn="i32",
                                                stride_qnh="i32", stride_qp="i32", stride_qph="i32", stride_wh="i32",
@@ -290,42 +283,6 @@ def test_router_sums_many_k_splits(monkeypatch):
     assert torch.equal(ids.cpu(), ref_ids.cpu()) and rel_err(weights, ref_weights) < 1e-4
 
 
-def _router_counter(device):
-    """The router's arrival counter on `device` (a tensor's: cuda:0, not cuda, names the router's buffer)."""
-    from triton_kernels.counters import arrival_counters
-
-    return arrival_counters("router", device, 1)[0].item()
-
-
-@requires_triton
-@pytest.mark.parametrize("M,E,D,top_k,n_group,topk_group", [
-    (1, 48, 200, 8, 4, 2),  # E not a multiple of 32, grouped, D off the tile
-    (3, 40, 300, 6, 1, 1),
-    (19, 64, 64, 4, 8, 3),  # two token blocks
-    (2, 8, 32, 8, 2, 2),  # top_k = E
-])
-def test_router_fused_matches_reference_and_two_launches(monkeypatch, M, E, D, top_k, n_group, topk_group):
-    """The one-launch path (forced up to M rows, 5 K splits where D allows): the reference's ids, the two-launch
-    path's bits, and the counter zero again after each of two calls with different inputs."""
-    from triton_kernels import router
-
-    monkeypatch.setattr(router, "_splits", lambda M, E, sms, block_m: 5)
-    dtype = kernel_dtypes()[0]
-    gen = torch.Generator().manual_seed(M * E + D)
-    for _ in range(2):
-        x = torch.randn(M, D, generator=gen).to(dtype).to(DEV)
-        w = (torch.randn(E, D, generator=gen) / D ** 0.5).to(dtype).to(DEV)
-        bias = (0.1 * torch.randn(E, generator=gen)).to(DEV)
-        monkeypatch.setattr(router, "FUSED_MAX_ROWS", M)
-        weights, ids = router.route(x, w, bias, top_k, n_group, topk_group, 2.5)
-        assert _router_counter(x.device) == 0
-        ref_weights, ref_ids = route_torch(x, w, bias, top_k, n_group, topk_group, 2.5)
-        assert torch.equal(ids.cpu(), ref_ids.cpu()) and rel_err(weights, ref_weights) < 1e-4
-        monkeypatch.setattr(router, "FUSED_MAX_ROWS", 0)
-        two_weights, two_ids = router.route(x, w, bias, top_k, n_group, topk_group, 2.5)
-        assert torch.equal(ids, two_ids) and torch.equal(weights, two_weights)
-
-
 def _stable_top_k(x, w, bias, top_k, n_group, topk_group):
     """Reference ids where ties go to the lower group and the lower expert (stable descending sorts)."""
     choice = (x.float() @ w.float().T).sigmoid() + bias.float()  # logits exact, as the kernel's
@@ -338,13 +295,11 @@ def _stable_top_k(x, w, bias, top_k, n_group, topk_group):
 
 
 @requires_triton
-@pytest.mark.parametrize("fused_rows", [0, 4])
-def test_router_ties_go_to_the_lower_expert(monkeypatch, fused_rows):
+def test_router_ties_go_to_the_lower_expert():
     """Logits exact in fp32 (small integers over a power of two), experts in equal pairs and groups g and g + 3
-    equal: the last pick and the last kept group fall in a tie, on both paths."""
+    equal: the last pick and the kept group fall in a tie."""
     from triton_kernels import router
 
-    monkeypatch.setattr(router, "FUSED_MAX_ROWS", fused_rows)
     dtype = kernel_dtypes()[0]
     gen = torch.Generator().manual_seed(5)
     x = torch.randint(-2, 3, (4, 96), generator=gen).to(dtype).to(DEV)
@@ -354,31 +309,6 @@ def test_router_ties_go_to_the_lower_expert(monkeypatch, fused_rows):
     for n_group, topk_group in ((1, 1), (6, 1), (6, 3)):
         weights, ids = router.route(x, w, bias, 5, n_group, topk_group, 1.0)
         assert torch.equal(ids.cpu(), _stable_top_k(x.cpu(), w.cpu(), bias.cpu(), 5, n_group, topk_group))
-
-
-@requires_gpu
-def test_router_fused_replays_in_a_cuda_graph():
-    """K2.6's one-token router captured once and replayed on new inputs: the counter is left zeroed each time."""
-    from triton_kernels import router
-
-    assert router.FUSED_MAX_ROWS >= 1
-    gen = torch.Generator().manual_seed(3)
-    x = torch.zeros(1, 7168, dtype=torch.bfloat16, device="cuda")
-    w = (torch.randn(384, 7168, generator=gen) / 85).to(torch.bfloat16).cuda()
-    bias = (0.01 * torch.randn(384, generator=gen)).cuda()
-    router.route(x, w, bias, 8, 1, 1, 2.827)  # compile and allocate outside the capture
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            weights, ids = router.route(x, w, bias, 8, 1, 1, 2.827)
-    for _ in range(3):
-        x.copy_(torch.randn(1, 7168, generator=gen).to(torch.bfloat16))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref_weights, ref_ids = route_torch(x, w, bias, 8, 1, 1, 2.827)
-        assert torch.equal(ids, ref_ids) and rel_err(weights, ref_weights) < 1e-4
-        assert _router_counter(x.device) == 0
 
 
 @requires_triton

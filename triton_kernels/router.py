@@ -1,11 +1,9 @@
-"""DeepSeek-V3 noaux_tc router: split-K router logits, then sigmoid + grouped top-k per token.
+"""DeepSeek-V3 noaux_tc router in two launches: split-K router logits, then sigmoid + grouped top-k per token.
 
 The torch reference (`ops.moe.route_torch`) casts the gate weight to fp32 on every call and launches about a
 dozen small kernels; here the logits are a bf16 x bf16 -> fp32 tl.dot (products are exact in fp32, only the
-summation order differs), split along D so that even one token spreads the gate weight over enough programs.
-Up to `FUSED_MAX_ROWS` rows it is one launch: each logits program stores its fp32 partials and bumps an arrival
-counter, and the last to arrive sums the splits and does the selection. Above, a second kernel (one program a
-row) does it. Both paths sum the splits in the same order, so they give the same bits.
+summation order differs), split along D so that even one token spreads the gate weight over enough programs,
+and the second kernel sums the splits and does the whole selection in registers.
 """
 
 import torch
@@ -13,7 +11,6 @@ import triton
 import triton.language as tl
 
 from triton_kernels import pdl
-from triton_kernels.counters import arrival_counters
 from triton_kernels.ddtree import _ordered
 
 BLOCK_E = 32
@@ -25,14 +22,13 @@ BLOCK_E = 32
 LOGITS_TILES = ((33, 16, 256), (65, 32, 256), (None, 64, 128))
 LOWEST = tl.constexpr(-(2**63))  # below every select key
 SELECT_WARPS = 4  # fastest at 1-129 rows (bench_glue, H200 10:03 UTC); 1 warp spills on sm_90 and sm_120
-# rows up to which the router is one launch (`_fused_kernel`: its last program selects the rows one after another)
-FUSED_MAX_ROWS = 1
 
 
 @triton.jit
-def _logits_split(x_ptr, w_ptr, part_ptr, M, E, D, d_per_split,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
-    """Partial logits of this program's (expert tile pid 0, token block pid 1, D split pid 2): part [splits, M, E]."""
+def _logits_kernel(x_ptr, w_ptr, part_ptr, M, E, D, d_per_split,
+                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     pid_e, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -57,17 +53,16 @@ def _logits_split(x_ptr, w_ptr, part_ptr, M, E, D, d_per_split,
 
 
 @triton.jit
-def _select_row(part_ptr, bias_ptr, weights_ptr, ids_ptr, m, M, E, splits, group_size, n_group, topk_group,
-                top_k, scaling, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Row m: sum its splits of part [splits, M, E] (in split order), sigmoid, group limit, top-k; writes
-    weights [M, top_k] and ids [M, top_k]. Partials are read at L2 (.cg): other programs of a launch wrote them."""
+def _select_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, M, E, splits, group_size, n_group, topk_group,
+                   top_k, scaling, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
+    m = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
     offs_s = tl.arange(0, BLOCK_S)
     parts = tl.load(part_ptr + ((offs_s[:, None] * M + m).to(tl.int64) * E + offs[None, :]),
-                    mask=(offs_s < splits)[:, None] & ok[None, :], other=0.0,
-                    cache_modifier=".cg")  # [BLOCK_S, BLOCK_E]: one round trip
+                    mask=(offs_s < splits)[:, None] & ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_E]: one round trip
     logits = tl.sum(parts, 0)
     scores = tl.sigmoid(logits)
     choice = tl.where(ok, scores + tl.load(bias_ptr + offs, mask=ok, other=0.0), float("-inf"))
@@ -103,43 +98,7 @@ def _select_row(part_ptr, bias_ptr, weights_ptr, ids_ptr, m, M, E, splits, group
     chosen = tl.where(picked, tl.gather(scores, ids, 0), 0.0)
     if NORM:
         chosen = chosen / (tl.sum(chosen, 0) + 1e-20)
-    tl.store(weights_ptr + m * top_k + offs_k, chosen * scaling, mask=picked)
-
-
-@triton.jit
-def _logits_kernel(x_ptr, w_ptr, part_ptr, M, E, D, d_per_split,
-                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-                   PDL: tl.constexpr = False):
-    pdl.enter(PDL)
-    _logits_split(x_ptr, w_ptr, part_ptr, M, E, D, d_per_split, BLOCK_M, BLOCK_E, BLOCK_D, EVEN_D)
-
-
-@triton.jit
-def _select_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, M, E, splits, group_size, n_group, topk_group,
-                   top_k, scaling, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
-    pdl.enter(PDL)
-    _select_row(part_ptr, bias_ptr, weights_ptr, ids_ptr, tl.program_id(0), M, E, splits, group_size, n_group,
-                topk_group, top_k, scaling, NORM, BLOCK_E, BLOCK_G, BLOCK_K, BLOCK_S)
-
-
-@triton.jit
-def _fused_kernel(x_ptr, w_ptr, part_ptr, counter_ptr, bias_ptr, weights_ptr, ids_ptr, M, E, D, d_per_split,
-                  splits, group_size, n_group, topk_group, top_k, scaling,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-                  NORM: tl.constexpr, SELECT_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
-    """`_logits_kernel`, then the last program to arrive at the zeroed counter does `_select_kernel`'s work for
-    every row and zeroes the counter again (no memset: CUDA graphs replay the launch as is)."""
-    pdl.enter(PDL)
-    _logits_split(x_ptr, w_ptr, part_ptr, M, E, D, d_per_split, BLOCK_M, BLOCK_E, BLOCK_D, EVEN_D)
-    tl.debug_barrier()  # every thread's partial stores precede the arrival that releases them
-    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == programs - 1:
-        for m in range(M):
-            _select_row(part_ptr, bias_ptr, weights_ptr, ids_ptr, m, M, E, splits, group_size, n_group,
-                        topk_group, top_k, scaling, NORM, SELECT_E, BLOCK_G, BLOCK_K, BLOCK_S)
-        tl.store(counter_ptr, 0)
+    tl.store(weights_ptr + m * top_k + offs_k, chosen * scaling, mask=offs_k < top_k)
 
 
 MAX_SPLITS = 16
@@ -166,7 +125,7 @@ def logits_plan(M, E, D, device):
 
 def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob=True):
     """See `ops.moe.route`. x: [M, D] fp16/bf16/fp32; gate_weight: [E, D] of x's dtype; bias: [E] fp32.
-    Returns (weights [M, top_k] fp32, ids [M, top_k] int32). One launch up to FUSED_MAX_ROWS rows, else two."""
+    Returns (weights [M, top_k] fp32, ids [M, top_k] int32)."""
     M, D = x.shape
     E = gate_weight.shape[0]
     x, gate_weight = x.contiguous(), gate_weight.contiguous().to(x.dtype)
@@ -176,19 +135,12 @@ def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm
     ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
     if M == 0:
         return weights, ids
-    grid = (triton.cdiv(E, BLOCK_E), triton.cdiv(M, block_m), splits)
-    logits = dict(BLOCK_M=block_m, BLOCK_E=BLOCK_E, BLOCK_D=block_d, EVEN_D=D % block_d == 0)
-    select_args = (bias.float().contiguous(), weights, ids)
-    select_shape = (E // n_group, n_group, topk_group, top_k, float(scaling_factor))
-    select = dict(NORM=bool(norm_topk_prob), BLOCK_G=triton.next_power_of_2(n_group),
-                  BLOCK_K=triton.next_power_of_2(top_k), BLOCK_S=triton.next_power_of_2(splits))
-    if M <= FUSED_MAX_ROWS:
-        counter = arrival_counters("router", x.device, 1)
-        _fused_kernel[grid](x, gate_weight, part, counter, *select_args, M, E, D, d_per_split, splits, *select_shape,
-                            SELECT_E=triton.next_power_of_2(E), **logits, **select, num_stages=3,
-                            num_warps=SELECT_WARPS, **pdl.options(x))
-        return weights, ids
-    _logits_kernel[grid](x, gate_weight, part, M, E, D, d_per_split, **logits, num_stages=3, **pdl.options(x))
-    _select_kernel[(M,)](part, *select_args, M, E, splits, *select_shape, BLOCK_E=triton.next_power_of_2(E),
-                         **select, num_warps=SELECT_WARPS, **pdl.options(x))
+    _logits_kernel[(triton.cdiv(E, BLOCK_E), triton.cdiv(M, block_m), splits)](
+        x, gate_weight, part, M, E, D, d_per_split, BLOCK_M=block_m, BLOCK_E=BLOCK_E, BLOCK_D=block_d,
+        EVEN_D=D % block_d == 0, num_stages=3, **pdl.options(x))
+    _select_kernel[(M,)](part, bias.float().contiguous(), weights, ids, M, E, splits, E // n_group, n_group,
+                         topk_group, top_k, float(scaling_factor), NORM=bool(norm_topk_prob),
+                         BLOCK_E=triton.next_power_of_2(E), BLOCK_G=triton.next_power_of_2(n_group),
+                         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_S=triton.next_power_of_2(splits),
+                         num_warps=SELECT_WARPS, **pdl.options(x))
     return weights, ids
