@@ -47,25 +47,26 @@ DEFAULTS = {"sm_90": {1: GEMV, None: SWAP}, "sm_120": {1: GEMV, None: SWAP}}  # 
 C = Config
 # (N, K) -> {M bucket: Config} where the kernel beat cuBLAS by >= 2% (H200, 2026-11-30 08:59 UTC,
 # bench/results/linear_h200.md; q_a + kv_a at 17 and shared down at 33: 12:39 UTC on the PDL chain, 12.74 / 3.50 us
-# against cuBLAS's 13.86 / 3.90, linear_h200_s6.md); shapes or buckets not listed run cuBLAS. sm_120: not
-# measured, nothing adopted.
+# against cuBLAS's 13.86 / 3.90, linear_h200_s6.md; M = 1: 16:06 UTC, linear_h200_s7.md, 8- and 16-row tiles
+# where they beat the 32x256 entry by >= 2%: q_a + kv_a 9.51 against 11.33 us, q_b 2.62 against 4.49); shapes or
+# buckets not listed run cuBLAS. sm_120: not measured, nothing adopted.
 ADOPTED = {
     "sm_90": {
-        (2112, 7168): {1: C("gemv", 32, 256, 4, 3, 2), 2: C("swap", 64, 128, 4, 4, 1), 4: C("swap", 64, 128, 4, 4, 1),
+        (2112, 7168): {1: C("gemv", 8, 512, 4, 4, 2), 2: C("swap", 64, 128, 4, 4, 1), 4: C("swap", 64, 128, 4, 4, 1),
                        9: C("swap", 64, 128, 4, 4, 1), 17: C("swap", 64, 128, 4, 4, 1)},  # q_a + kv_a
-        (1536, 1536): {1: C("gemv", 32, 256, 4, 3, 2, True), 2: C("swap", 64, 128, 4, 4, 2)},  # q_b
+        (1536, 1536): {1: C("gemv", 16, 512, 4, 4, 1), 2: C("swap", 64, 128, 4, 4, 2)},  # q_b
         (7168, 1024): {1: C("gemv", 32, 256, 4, 3, 2)},  # o_proj, drafter o
-        (512, 7168): {1: C("gemv", 32, 256, 4, 3, 2), 2: C("dot", 32, 128, 4, 4, 2), 4: C("dot", 32, 128, 4, 4, 2),
+        (512, 7168): {1: C("gemv", 16, 256, 4, 6, 1), 2: C("dot", 32, 128, 4, 4, 2), 4: C("dot", 32, 128, 4, 4, 2),
                       9: C("dot", 32, 128, 4, 4, 2)},  # shared expert gate/up
         (7168, 256): {1: C("gemv", 32, 256, 4, 3, 2, True), 2: C("swap", 64, 256, 4, 3, 2),
                       4: C("swap", 64, 128, 4, 4, 1), 9: C("swap", 64, 128, 4, 4, 1),
                       17: C("swap", 64, 128, 4, 4, 1), 33: C("swap", 64, 128, 4, 4, 1)},  # shared expert down
-        (4608, 7168): {1: C("gemv", 32, 256, 4, 3, 2)},  # dense layer and drafter gate/up
+        (4608, 7168): {1: C("gemv", 16, 256, 4, 6, 1)},  # dense layer and drafter gate/up
         (7168, 2304): {1: C("gemv", 32, 256, 4, 3, 2)},  # dense layer and drafter down
-        (20480, 7168): {1: C("gemv", 32, 256, 4, 3, 8), 4: C("swap", 64, 128, 4, 4, 2, True)},  # lm_head shard
-        (1024, 7168): {1: C("gemv", 32, 256, 4, 3, 2), 2: C("swap", 64, 128, 4, 4, 1), 4: C("swap", 64, 128, 4, 4, 1),
+        (20480, 7168): {1: C("gemv", 16, 256, 4, 6, 1), 4: C("swap", 64, 128, 4, 4, 2, True)},  # lm_head shard
+        (1024, 7168): {1: C("gemv", 8, 512, 4, 4, 1), 2: C("swap", 64, 128, 4, 4, 1), 4: C("swap", 64, 128, 4, 4, 1),
                        9: C("swap", 64, 128, 4, 4, 1)},  # drafter q
-        (128, 7168): {1: C("gemv", 32, 256, 4, 3, 2, True), 2: C("swap", 64, 256, 4, 3, 2),
+        (128, 7168): {1: C("gemv", 8, 1024, 4, 3, 1), 2: C("swap", 64, 256, 4, 3, 2),
                       4: C("swap", 64, 256, 4, 3, 2), 9: C("swap", 64, 256, 4, 3, 2)},  # drafter k, v
         (7168, 43008): {1: C("gemv", 32, 256, 4, 3, 2)},  # drafter fc
     },
