@@ -354,20 +354,11 @@ def main():
                         help="buckets to time at contexts after the first (default: all of --buckets)")
     parser.add_argument("--no-overlap", action="store_true", help="the shared expert on the main stream")
     parser.add_argument("--no-pdl", action="store_true", help="plain launches (triton_kernels.pdl.ENABLED off)")
-    parser.add_argument("--no-prefetch", action="store_true", help="no L2 prefetch of the attention weights")
-    parser.add_argument("--no-prefetch-next", action="store_true",
-                        help="no L2 prefetch of the next layer's [q_a; kv_a] weight during the MoE")
-    parser.add_argument("--prefetch-max-tokens", type=int, default=None,
-                        help="the largest step (tokens) that prefetches (default: model.PREFETCH_MAX_TOKENS)")
     args = parser.parse_args()
     import triton
 
     model_module.OVERLAP_SHARED_EXPERT = not args.no_overlap
     pdl.ENABLED = not args.no_pdl
-    model_module.PREFETCH_ATTENTION_WEIGHTS = not args.no_prefetch
-    model_module.PREFETCH_NEXT_LAYER = not args.no_prefetch_next
-    if args.prefetch_max_tokens is not None:
-        model_module.PREFETCH_MAX_TOKENS = args.prefetch_max_tokens
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -379,9 +370,7 @@ def main():
                 python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 drafter_note="Kimi-K2.5-DFlash shape, TP8 rank 0 like the target (8 of 64 query heads, 1 of 8 "
                              "key/value heads, 1/8 of the MLP), scoring with the target's lm_head shard",
-                overlap_shared_expert=not args.no_overlap, pdl=not args.no_pdl,
-                prefetch_attention_weights=not args.no_prefetch, prefetch_next_layer=not args.no_prefetch_next,
-                prefetch_max_tokens=model_module.PREFETCH_MAX_TOKENS)
+                overlap_shared_expert=not args.no_overlap, pdl=not args.no_pdl)
     meta["read_GBps"] = bw = read_GBps()
     t0 = time.perf_counter()
     target = build_target()

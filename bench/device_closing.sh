@@ -18,7 +18,7 @@ part "${4:-230}" python bench/bench_step.py --out "$R/step" --contexts 4096,3276
 part "${5:-210}" python -m pytest -q -n 8 -rf --tb=short -p no:cacheprovider tests \
   -k "not sm120 and not sm90 and not two_gloo and not torchrun" >"$R/gpu_tests.log" 2>&1
 echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$R/gpu_tests.log" | tail -12
-for flags in "" "${7:---no-prefetch}"; do
+for flags in "" "${7:---no-pdl}"; do
   # shellcheck disable=SC2086
   part "${6:-0}" python bench/bench_step.py --out "$R/ab${flags// /}" --quick $flags 2>&1 | grep -E "^\{" \
     | cut -c1-220

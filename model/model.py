@@ -73,9 +73,6 @@ class Attention(nn.Module):
         a q_a projection its norm runs in the same launch as the cache write."""
         cfg = self.cfg
         qa, ckv = ops.linear(x, self.down_proj_weight).split([cfg.q_lora_rank or 0, cfg.cache_entry_dim], -1)
-        if _prefetching(x):  # weights read after the latency-bound kernels
-            later = (self.q_b_proj.weight,) if cfg.q_lora_rank else ()
-            _on_side_stream(x.device, ops.prefetch_l2, *later, self.kv_b_proj.weight, self.o_proj.weight)
         latent = (kv, ckv, self.kv_a_layernorm.weight, cfg.latent_norm_eps, meta.positions, self.inv_freq,
                   self.rope_factor, meta.starts)
         if cfg.q_lora_rank:
@@ -101,10 +98,7 @@ class Attention(nn.Module):
             o_lat = ops.mla_attention(q.view(meta.B, meta.T, self.heads, cfg.cache_entry_dim), kv, meta.lens_after,
                                       meta.tree_mask, cfg.softmax_scale, cfg.kv_lora_rank)
         o = ops.absorb_output(o_lat.reshape(N, self.heads, cfg.kv_lora_rank), w_uv)
-        out = ops.linear(o, self.o_proj.weight)
-        if _prefetching(x):  # the prefetch (long done): a CUDA graph's capture must join every fork, and
-            _join_side_stream(x.device)  # may not wait on a stream it never forked
-        return out
+        return ops.linear(o, self.o_proj.weight)
 
 
 def naive_latent_attention(q_nope, q_pe, w_uk, kv, meta, scale, rank):
@@ -173,16 +167,12 @@ class MoE(nn.Module):
         self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, par,
                                        dtype, device, "shared expert intermediate")
 
-    def forward(self, x, prefetch=()):
-        """x: [N, D] normed hidden -> [N, D] (partial). prefetch: weights the next layer reads first, asked into L2
-        from the side stream after the shared expert in one-token steps, whose routed experts leave DRAM idle."""
+    def forward(self, x):
         if _side_stream(x.device) is None:
             return self.routed(x) + self.shared_experts(x)
         # The shared expert's small GEMMs leave most SMs idle; on a second stream they overlap the router and the
         # routed experts (a fork and a join inside a CUDA graph).
         shared = _on_side_stream(x.device, self.shared_experts, x)
-        if prefetch and PREFETCH_NEXT_LAYER and _prefetching(x):
-            _on_side_stream(x.device, ops.prefetch_l2, *prefetch)
         routed = self.routed(x)
         _join_side_stream(x.device)
         return routed.add_(shared)
@@ -195,17 +185,6 @@ class MoE(nn.Module):
 
 
 OVERLAP_SHARED_EXPERT = True  # False: the shared expert runs on the main stream (for A/B timing)
-PREFETCH_ATTENTION_WEIGHTS = True  # q_b, kv_b and o_proj asked into L2 from the side stream (False: for A/B timing)
-# ... in steps of at most this many tokens. H200, one call (14:09 UTC, bench_step --quick against --no-prefetch, 4k):
-# verify 4.84 against 5.09 ms at one token, 12.20 against 11.97 ms at 33 (its 113-program launches take SMs the
-# larger verify kernels then wait for); 15:08 UTC, at 9 tokens (--prefetch-max-tokens 9): 9.00 against 8.81 / 8.75
-# ms (a 4.4k cache). The router's gate weight added to the attention's prefetch (15:07): 4.84 against 4.85 ms at one
-# token, within the spread (not kept)
-PREFETCH_MAX_TOKENS = 1
-# The next layer's [q_a; kv_a] weight (30 MB at TP8) asked into L2 during a one-token MoE (False: for A/B timing).
-# H200, one call (15:04 UTC, bench_step --quick against --no-prefetch-next, 4k): verify 4.83 against 4.90 ms at one
-# token; 11.89 against 11.89 ms at 33 (where it does not run)
-PREFETCH_NEXT_LAYER = True
 _SIDE_STREAMS = {}
 
 
@@ -217,11 +196,6 @@ def _side_stream(device):
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(index)
     return _SIDE_STREAMS[index]
-
-
-def _prefetching(x):
-    """Whether the attention of the [N, D] hidden x asks L2 for its later weights from the side stream."""
-    return PREFETCH_ATTENTION_WEIGHTS and x.shape[0] <= PREFETCH_MAX_TOKENS and _side_stream(x.device) is not None
 
 
 def _on_side_stream(device, fn, *args):
@@ -254,18 +228,15 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, par, dtype, device, "intermediate_size")
 
-    def forward(self, h, delta, meta, kv, next_layer=None):
+    def forward(self, h, delta, meta, kv):
         """The residual stream arrives as h + delta (delta: the previous layer's MLP output, or None) so that
-        each residual add runs fused with the norm after it. Returns (h, delta) the same way. next_layer: the layer
-        after this one (its first projection's weight may be prefetched during this one's MoE)."""
+        each residual add runs fused with the norm after it. Returns (h, delta) the same way."""
         if delta is None:
             x = ops.rms_norm(h, self.input_layernorm.weight, self.eps)
         else:
             h, x = ops.add_rms_norm(delta, h, self.input_layernorm.weight, self.eps)
         attn = self.par.all_reduce(self.self_attn(x, meta, kv))
         h, x = ops.add_rms_norm(attn, h, self.post_attention_layernorm.weight, self.eps)
-        if isinstance(self.mlp, MoE) and next_layer is not None:
-            return h, self.par.all_reduce(self.mlp(x, (next_layer.self_attn.down_proj_weight,)))
         return h, self.par.all_reduce(self.mlp(x))
 
 
@@ -337,7 +308,7 @@ class KimiModel(nn.Module):
         h, delta = F.embedding(tokens.reshape(-1), self.embed_tokens.weight), None
         kept = {}
         for i, layer in enumerate(self.layers):
-            h, delta = layer(h, delta, meta, cache.kv[i], self.layers[i + 1] if i + 1 < len(self.layers) else None)
+            h, delta = layer(h, delta, meta, cache.kv[i])
             if i in hidden_layers:
                 kept[i] = delta + h
         h = ops.add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[1].view(B, T, -1)

@@ -243,16 +243,8 @@ def gpu_pair():
 
 
 @requires_gpu
-@pytest.mark.parametrize("prefetch", (True, False), ids=("prefetch", "no_prefetch"))
-def test_replay_matches_eager_gpu(gpu_pair, prefetch, monkeypatch):
-    """A replayed verify (padded to its bucket) gives the real nodes the eager pass's logits and features, with
-    the attention weights' and the next layer's L2 prefetches on the side stream and without (the capture joins
-    only what it forked)."""
-    from model import model as model_module
-
-    monkeypatch.setattr(model_module, "PREFETCH_ATTENTION_WEIGHTS", prefetch)
-    monkeypatch.setattr(model_module, "PREFETCH_NEXT_LAYER", prefetch)
-    monkeypatch.setattr(model_module, "PREFETCH_MAX_TOKENS", 10**9)  # at every step size here
+def test_replay_matches_eager_gpu(gpu_pair):
+    """A replayed verify (padded to its bucket) gives the real nodes the eager pass's logits and features."""
     target, drafter = gpu_pair
     assert eligibility(target) == (True, "")
     cache = target.new_cache(2, 256)

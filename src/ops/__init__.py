@@ -11,7 +11,6 @@ from ops.linear import linear
 from ops.mlp import mlp
 from ops.moe import PackedExperts, moe, pack_int4, prepare_moe, route, unpack_int4
 from ops.norm import add_rms_norm, rms_norm
-from ops.prefetch import prefetch_l2
 from ops.rope import apply_rope, head_norm_rope, yarn_inv_freq, yarn_mscale
 from ops.tree import Tree, accept, build_tree, compact, draft_topk
 from ops import _backend
@@ -21,7 +20,7 @@ _backend.apply_env()
 __all__ = [
     "absorb_output", "absorb_query", "accept", "add_rms_norm", "apply_rope", "build_tree", "causal_tree_mask",
     "compact", "current", "dispatch", "draft_topk", "has_triton", "head_norm_rope", "linear", "mla_attention",
-    "mlp", "moe", "op_names", "pack_int4", "pack_tree_mask", "PackedExperts", "prefetch_l2", "prepare_moe",
+    "mlp", "moe", "op_names", "pack_int4", "pack_tree_mask", "PackedExperts", "prepare_moe",
     "rms_norm", "route", "table", "Tree", "tree_mask_dense", "unpack_int4", "use", "use_spec", "using", "write_kv",
     "write_latent", "yarn_inv_freq", "yarn_mscale",
 ]
