@@ -168,13 +168,17 @@ class MoE(nn.Module):
                                        dtype, device, "shared expert intermediate")
 
     def forward(self, x):
-        if _side_stream(x.device) is None:
+        side = _side_stream(x.device)
+        if side is None:
             return self.routed(x) + self.shared_experts(x)
         # The shared expert's small GEMMs leave most SMs idle; on a second stream they overlap the router and the
-        # routed experts (a fork and a join inside a CUDA graph).
-        shared = _on_side_stream(x.device, self.shared_experts, x)
+        # routed experts (a fork and a join inside a CUDA graph). x outlives the join, so no record_stream.
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shared = self.shared_experts(x)
         routed = self.routed(x)
-        _join_side_stream(x.device)
+        main.wait_stream(side)
         return routed.add_(shared)
 
     def routed(self, x):
@@ -196,24 +200,6 @@ def _side_stream(device):
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(index)
     return _SIDE_STREAMS[index]
-
-
-def _on_side_stream(device, fn, *args):
-    """fn(*args) on the side stream after the main stream's work so far (on the main stream off the GPU or with
-    the overlap off). Its inputs outlive the join that follows, so no record_stream."""
-    side = _side_stream(device)
-    if side is None:
-        return fn(*args)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        return fn(*args)
-
-
-def _join_side_stream(device):
-    """The main stream waits for everything queued on the side stream so far."""
-    side = _side_stream(device)
-    if side is not None:
-        torch.cuda.current_stream(device).wait_stream(side)
 
 
 class DecoderLayer(nn.Module):

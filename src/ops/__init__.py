@@ -20,7 +20,7 @@ _backend.apply_env()
 __all__ = [
     "absorb_output", "absorb_query", "accept", "add_rms_norm", "apply_rope", "build_tree", "causal_tree_mask",
     "compact", "current", "dispatch", "draft_topk", "has_triton", "head_norm_rope", "linear", "mla_attention",
-    "mlp", "moe", "op_names", "pack_int4", "pack_tree_mask", "PackedExperts", "prepare_moe",
-    "rms_norm", "route", "table", "Tree", "tree_mask_dense", "unpack_int4", "use", "use_spec", "using", "write_kv",
-    "write_latent", "yarn_inv_freq", "yarn_mscale",
+    "mlp", "moe", "op_names", "pack_int4", "pack_tree_mask", "PackedExperts", "prepare_moe", "rms_norm", "route",
+    "table", "Tree", "tree_mask_dense", "unpack_int4", "use", "use_spec", "using", "write_kv", "write_latent",
+    "yarn_inv_freq", "yarn_mscale",
 ]
