@@ -53,11 +53,7 @@ def router_rows(m, tiles):
     bias = 0.01 * torch.randn(384, device=dev)
     call = lambda: router.route(x, w, bias, 8, 1, 1, 2.827)  # noqa: E731
     base_w, base_ids = call()
-    block_m, block_d, splits, d_per_split = router.logits_plan(m, 384, 7168, x.device)
-    part = torch.empty(splits, m, 384, device=dev)
-    logits = lambda: router._logits_kernel[(384 // router.BLOCK_E, triton.cdiv(m, block_m), splits)](  # noqa: E731
-        x, w, part, m, 384, 7168, d_per_split, BLOCK_M=block_m, BLOCK_E=router.BLOCK_E, BLOCK_D=block_d,
-        EVEN_D=True, num_stages=3, **router.pdl.options(x))
+    logits = lambda: router.logits(x, w)  # noqa: E731
     row = {"default": dict(us=per_call_us(call), equal=True), "logits alone": dict(us=per_call_us(logits), equal=True)}
     default = router.LOGITS_TILES
     try:

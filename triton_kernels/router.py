@@ -115,29 +115,34 @@ def _splits(M, E, sms, block_m):
     return max(1, min(MAX_SPLITS, 2 * sms // tiles))
 
 
-def logits_plan(M, E, D, device):
-    """(BLOCK_M, BLOCK_D, splits, d_per_split) of the logits grid (cdiv(E, BLOCK_E), cdiv(M, BLOCK_M), splits)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+def logits(x, gate_weight):
+    """Split-K fp32 router logits of x [M, D] (M >= 1) against gate_weight [E, D] of x's dtype, both contiguous:
+    partials [splits, M, E], which the select kernel sums."""
+    M, D = x.shape
+    E = gate_weight.shape[0]
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
     block_m, block_d = logits_tile(M)
     d_per_split = triton.cdiv(triton.cdiv(D, _splits(M, E, sms, block_m)), block_d) * block_d
-    return block_m, block_d, triton.cdiv(D, d_per_split), d_per_split
+    splits = triton.cdiv(D, d_per_split)
+    part = torch.empty(splits, M, E, dtype=torch.float32, device=x.device)
+    _logits_kernel[(triton.cdiv(E, BLOCK_E), triton.cdiv(M, block_m), splits)](
+        x, gate_weight, part, M, E, D, d_per_split, BLOCK_M=block_m, BLOCK_E=BLOCK_E, BLOCK_D=block_d,
+        EVEN_D=D % block_d == 0, num_stages=3, **pdl.options(x))
+    return part
 
 
 def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob=True):
     """See `ops.moe.route`. x: [M, D] fp16/bf16/fp32; gate_weight: [E, D] of x's dtype; bias: [E] fp32.
     Returns (weights [M, top_k] fp32, ids [M, top_k] int32)."""
-    M, D = x.shape
+    M = x.shape[0]
     E = gate_weight.shape[0]
     x, gate_weight = x.contiguous(), gate_weight.contiguous().to(x.dtype)
-    block_m, block_d, splits, d_per_split = logits_plan(M, E, D, x.device)
-    part = torch.empty(splits, M, E, dtype=torch.float32, device=x.device)
     weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
     if M == 0:
         return weights, ids
-    _logits_kernel[(triton.cdiv(E, BLOCK_E), triton.cdiv(M, block_m), splits)](
-        x, gate_weight, part, M, E, D, d_per_split, BLOCK_M=block_m, BLOCK_E=BLOCK_E, BLOCK_D=block_d,
-        EVEN_D=D % block_d == 0, num_stages=3, **pdl.options(x))
+    part = logits(x, gate_weight)
+    splits = part.shape[0]
     _select_kernel[(M,)](part, bias.float().contiguous(), weights, ids, M, E, splits, E // n_group, n_group,
                          topk_group, top_k, float(scaling_factor), NORM=bool(norm_topk_prob),
                          BLOCK_E=triton.next_power_of_2(E), BLOCK_G=triton.next_power_of_2(n_group),
