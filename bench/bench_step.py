@@ -354,10 +354,13 @@ def main():
                         help="buckets to time at contexts after the first (default: all of --buckets)")
     parser.add_argument("--no-overlap", action="store_true", help="the shared expert on the main stream")
     parser.add_argument("--no-pdl", action="store_true", help="plain launches (triton_kernels.pdl.ENABLED off)")
+    parser.add_argument("--moe-adds-shared", action="store_true",
+                        help="a MoE layer adds its shared expert itself (not in the next norm's launch)")
     args = parser.parse_args()
     import triton
 
     model_module.OVERLAP_SHARED_EXPERT = not args.no_overlap
+    model_module.SUM_SHARED_IN_NORM = not args.moe_adds_shared
     pdl.ENABLED = not args.no_pdl
 
     out = Path(args.out)
@@ -370,7 +373,8 @@ def main():
                 python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 drafter_note="Kimi-K2.5-DFlash shape, TP8 rank 0 like the target (8 of 64 query heads, 1 of 8 "
                              "key/value heads, 1/8 of the MLP), scoring with the target's lm_head shard",
-                overlap_shared_expert=not args.no_overlap, pdl=not args.no_pdl)
+                overlap_shared_expert=not args.no_overlap, pdl=not args.no_pdl,
+                sum_shared_in_norm=not args.moe_adds_shared)
     meta["read_GBps"] = bw = read_GBps()
     t0 = time.perf_counter()
     target = build_target()

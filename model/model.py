@@ -167,28 +167,32 @@ class MoE(nn.Module):
         self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, par,
                                        dtype, device, "shared expert intermediate")
 
-    def forward(self, x):
+    def forward(self, x, summed=True):
+        """The routed experts' output plus the shared expert's, or with summed=False the pair (routed, shared),
+        for a caller that adds them itself (the next norm)."""
         side = _side_stream(x.device)
         if side is None:
-            return self.routed(x) + self.shared_experts(x)
+            routed, shared = self.routed(x, not summed), self.shared_experts(x)
+            return routed.add_(shared) if summed else (routed, shared)
         # The shared expert's small GEMMs leave most SMs idle; on a second stream they overlap the router and the
         # routed experts (a fork and a join inside a CUDA graph). x outlives the join, so no record_stream.
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             shared = self.shared_experts(x)
-        routed = self.routed(x)
+        routed = self.routed(x, not summed)
         main.wait_stream(side)
-        return routed.add_(shared)
+        return routed.add_(shared) if summed else (routed, shared)
 
-    def routed(self, x):
+    def routed(self, x, keep_sums=False):
         cfg = self.cfg
         weights, ids = ops.route(x, self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok,
                                  cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob)
-        return ops.moe(x, ids, weights, self.experts.prepared)
+        return ops.moe(x, ids, weights, self.experts.prepared, keep_sums)
 
 
 OVERLAP_SHARED_EXPERT = True  # False: the shared expert runs on the main stream (for A/B timing)
+SUM_SHARED_IN_NORM = True  # False: a MoE layer adds its shared expert's output itself (for A/B timing)
 _SIDE_STREAMS = {}
 
 
@@ -216,14 +220,25 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, delta, meta, kv):
         """The residual stream arrives as h + delta (delta: the previous layer's MLP output, or None) so that
-        each residual add runs fused with the norm after it. Returns (h, delta) the same way."""
+        each residual add runs fused with the norm after it. Returns (h, delta) the same way. Unless ranks are
+        joined (whose all-reduce takes one sum), a MoE layer's delta is its (routed, shared) pair, which the
+        next norm sums in the same launch (`add_rms_norm`)."""
         if delta is None:
             x = ops.rms_norm(h, self.input_layernorm.weight, self.eps)
         else:
-            h, x = ops.add_rms_norm(delta, h, self.input_layernorm.weight, self.eps)
+            h, x = add_rms_norm(delta, h, self.input_layernorm.weight, self.eps)
         attn = self.par.all_reduce(self.self_attn(x, meta, kv))
         h, x = ops.add_rms_norm(attn, h, self.post_attention_layernorm.weight, self.eps)
+        if isinstance(self.mlp, MoE) and not self.par.joined and SUM_SHARED_IN_NORM:
+            return h, self.mlp(x, summed=False)
         return h, self.par.all_reduce(self.mlp(x))
+
+
+def add_rms_norm(delta, h, weight, eps):
+    """ops.add_rms_norm of h + delta, where delta is a tensor or a MoE's (routed, shared) pair (summed first)."""
+    if isinstance(delta, tuple):
+        return ops.add_rms_norm(delta[0], h, weight, eps, extra=delta[1])
+    return ops.add_rms_norm(delta, h, weight, eps)
 
 
 @dataclass
@@ -296,8 +311,8 @@ class KimiModel(nn.Module):
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, meta, cache.kv[i])
             if i in hidden_layers:
-                kept[i] = delta + h
-        h = ops.add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[1].view(B, T, -1)
+                kept[i] = add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[0]  # h + delta
+        h = add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[1].view(B, T, -1)
         if logit_rows is not None:
             h = h.gather(1, logit_rows[..., None].expand(-1, -1, h.shape[-1]))
         logits = self.par.all_gather_last(ops.linear(h, self.lm_head.weight))

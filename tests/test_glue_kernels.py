@@ -150,18 +150,26 @@ def test_glue_kernels_compile_for_sm120():
 
 
 @requires_triton
+@pytest.mark.parametrize("fp32_x", [False, True], ids=["x", "fp32_x"])
+@pytest.mark.parametrize("extra", [False, True], ids=["two", "extra"])
 @pytest.mark.parametrize("dtype", kernel_dtypes())
 @pytest.mark.parametrize("M,D", [(1, 7168), (5, 100)])
-def test_add_rms_norm_matches_reference(M, D, dtype):
+def test_add_rms_norm_matches_reference(M, D, dtype, extra, fp32_x):
+    """extra: a third input (a MoE's shared expert output) added to x first, rounded as a separate add; fp32_x: x
+    as fp32 sums (a MoE's routed output with keep_sums), rounded to the residual's dtype first."""
     from ops.norm import add_rms_norm_torch
     from triton_kernels.glue import add_rms_norm
 
     gen = torch.Generator().manual_seed(M + D)
-    x, r = (torch.randn(2, M, D, generator=gen) * 4).to(dtype).to(DEV)
+    x, r, e = (torch.randn(3, M, D, generator=gen) * 4).to(DEV)
+    x, r, e = (x if fp32_x else x.to(dtype)), r.to(dtype), (e.to(dtype) if extra else None)
     w = torch.rand(D, generator=gen).to(dtype).to(DEV)
-    h, out = add_rms_norm(x, r, w, 1e-6)
-    ref_h, ref_out = add_rms_norm_torch(x, r, w, 1e-6)
-    assert torch.equal(h, ref_h)  # the add rounds exactly like torch's
+    h, out = add_rms_norm(x, r, w, 1e-6, e)
+    ref_h, ref_out = add_rms_norm_torch(x, r, w, 1e-6, e)
+    assert h.dtype == dtype and torch.equal(h, ref_h)  # the adds round exactly like torch's
+    x = x.to(dtype)
+    if extra:
+        assert torch.equal(h, (x + e) + r) and not torch.equal(h, x + (e + r))  # in that order
     assert rel_err(out, ref_out) < 5e-3
 
 

@@ -113,3 +113,21 @@ def test_one_tp_rank_holds_its_shard():
     assert rank.layers[1].mlp.experts.down_packed.shape[-1] == cfg.moe_intermediate_size // 2 // 8
     with pytest.raises(ValueError, match="does not split"):
         KimiModel(cfg, Parallel(3, 0), dtype=torch.float32)
+
+
+def test_moe_sum_in_the_next_norm_rounds_as_separate_adds(monkeypatch):
+    """A MoE layer hands its (routed, shared) pair to the next norm, which sums them in its launch: logits and
+    kept hidden states equal, bit for bit, those of the layer adding its shared expert itself (bf16, where the
+    order and the roundings of the adds show)."""
+    import model.model as model_module
+
+    model = KimiModel(preset("tiny"), dtype=torch.bfloat16).init_random_(3).prepare()
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(6).expand(2, 6)
+    last = model.cfg.num_hidden_layers - 1
+    runs = []
+    for in_norm in (True, False):
+        monkeypatch.setattr(model_module, "SUM_SHARED_IN_NORM", in_norm)
+        runs.append(model(tokens, positions, model.new_cache(2, 8), hidden_layers=(last, 0)))
+    assert any(model_module.MoE is type(layer.mlp) for layer in model.layers[1:])
+    assert torch.equal(runs[0].logits, runs[1].logits) and torch.equal(runs[0].hidden, runs[1].hidden)

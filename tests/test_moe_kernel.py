@@ -103,6 +103,23 @@ def test_moe_variant_configs(E, D, I, extra):
 
 
 @requires_triton
+@pytest.mark.parametrize("decode", [False, True], ids=["routing_pass", "decode"])
+def test_moe_keep_sums(decode):
+    """keep_sums: the routing-pass path returns its fp32 sums, which round to the default output bit for bit; the
+    decode path writes x's dtype either way."""
+    E, D, I = 6, 512, 64
+    cfg = {"BM": 16, "decode": decode, "gate_up": dict(BN=32, waves=8, num_warps=4, num_stages=2),
+           "down": dict(BN=128, waves=8, num_warps=4, num_stages=2)}
+    raw = make_experts(E, D, I, seed=5)
+    prepared = moe_w4a16.prepare_moe(*raw)
+    ids, weights = make_routing(3, E, 2, seed=5)
+    x = torch.randn(3, D, generator=torch.Generator().manual_seed(5)).to(device()).to(kernel_dtypes()[0])
+    sums = moe_w4a16.moe(x, ids, weights, prepared, keep_sums=True, config=cfg)
+    assert sums.dtype == (x.dtype if decode else torch.float32)
+    assert torch.equal(sums.to(x.dtype), moe_w4a16.moe(x, ids, weights, prepared, config=cfg))
+
+
+@requires_triton
 @pytest.mark.parametrize("BM,panels,swap,D,I,down", [(8, (1, 1), True, 576, 96, dict(BN=32, tiles=2)),
                                                      (16, (0, 0), False, 384, 320, dict(BN=64, tiles=3))],
                          ids=["kmajor_bm8", "slab_bm16_down_split"])

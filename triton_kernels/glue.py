@@ -61,15 +61,17 @@ def rms_norm(x, weight, eps):
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr,
-                         PDL: tl.constexpr = False):
+def _add_rms_norm_kernel(x_ptr, r_ptr, e_ptr, w_ptr, h_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr,
+                         EXTRA: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     ok = offs < D
     ty = h_ptr.dtype.element_ty
-    h = (tl.load(x_ptr + row * D + offs, mask=ok, other=0.0).to(tl.float32)
-         + tl.load(r_ptr + row * D + offs, mask=ok, other=0.0).to(tl.float32)).to(ty)  # rounded as torch's add
+    x = tl.load(x_ptr + row * D + offs, mask=ok, other=0.0).to(ty).to(tl.float32)  # an fp32 x rounded first
+    if EXTRA:  # x + extra first, rounded as torch's add
+        x = (x + tl.load(e_ptr + row * D + offs, mask=ok, other=0.0).to(tl.float32)).to(ty).to(tl.float32)
+    h = (x + tl.load(r_ptr + row * D + offs, mask=ok, other=0.0).to(tl.float32)).to(ty)  # rounded as torch's add
     tl.store(h_ptr + row * D + offs, h, mask=ok)
     h = h.to(tl.float32)
     w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -77,15 +79,18 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, out_ptr, D, eps, BLOCK_D: t
     tl.store(out_ptr + row * D + offs, (h * rstd * w).to(ty), mask=ok)
 
 
-def add_rms_norm(x, residual, weight, eps):
-    """See `ops.norm.add_rms_norm`. x, residual: [M, D]; weight: [D]. Returns (x + residual, its norm)."""
+def add_rms_norm(x, residual, weight, eps, extra=None):
+    """See `ops.norm.add_rms_norm`. x, residual (, extra): [M, D]; weight: [D]. Returns ((x (+ extra)) + residual,
+    its norm)."""
     x, residual = x.contiguous(), residual.contiguous()
-    h, out = torch.empty_like(x), torch.empty_like(x)
+    extra = x if extra is None else extra.contiguous()  # x: a placeholder the kernel does not read
+    h, out = torch.empty_like(residual), torch.empty_like(residual)
     D = x.shape[-1]
     if x.numel():
         block = triton.next_power_of_2(D)
-        _add_rms_norm_kernel[(x.numel() // D,)](x, residual, weight, h, out, D, eps, BLOCK_D=block,
-                                                 num_warps=8 if block >= 4096 else 4, **pdl.options(x))
+        _add_rms_norm_kernel[(x.numel() // D,)](x, residual, extra, weight, h, out, D, eps, BLOCK_D=block,
+                                                 EXTRA=extra is not x, num_warps=8 if block >= 4096 else 4,
+                                                 **pdl.options(residual))
     return h, out
 
 

@@ -931,9 +931,9 @@ def _persistent_down(h, experts, out, topk_weights, sorted_pairs, block_expert, 
     _persistent_down_kernel[(programs,)](*args, **constexprs)
 
 
-def moe(x, topk_ids, topk_weights, experts, config=None):
+def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
     """Triton backend of ops.moe (see there): x [M, D] bf16/fp16, topk_ids [M, k] int32, topk_weights [M, k] fp32.
-
+    keep_sums: the routing-pass path returns its fp32 sums, without the cast (the decode path writes x's dtype).
     `config` overrides the moe_configs entry (benchmark sweeps).
     """
     if x.dtype not in UNPACK:
@@ -1006,13 +1006,13 @@ def moe(x, topk_ids, topk_weights, experts, config=None):
     if not decode and d.get("persistent", False):
         _persistent_down(h, experts, out, topk_weights, sorted_pairs, block_expert, nb, d, BM, top_k, dn_per_cta,
                          dn_split, dn_per_split, x.dtype, ptx)
-        return out.to(x.dtype)
+        return out if keep_sums else out.to(x.dtype)
     _down_kernel[(nb_max, dn_tiles, dn_split)](
         h, experts.down, experts.down_scale, out, y, dn_counters, topk_weights, sorted_pairs, block_expert,
         D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0), **dn_layout,
         TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_flags(d, D, ptx), DECODE=decode, TILES=dn_per_cta,
         ONE_SLAB=dn_slabs == 1 and dn_per_cta > 1, PDL=use_pdl, **_launch(d, use_pdl), **magic)
-    return y if decode else out.to(x.dtype)
+    return y if decode else out if keep_sums else out.to(x.dtype)
 
 
 def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):

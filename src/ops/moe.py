@@ -125,12 +125,14 @@ def pack_int4(q):
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def moe(x, topk_ids, topk_weights, experts):
+def moe(x, topk_ids, topk_weights, experts, keep_sums=False):
     """Routed-expert mixture: out[m] = sum_k topk_weights[m, k] * expert_{topk_ids[m, k]}(x[m]).
 
     expert_e(x) = (silu(x W_gate,e^T) * (x W_up,e^T)) W_down,e^T with INT4 group-32 weights.
     x: [M, D]; topk_ids: [M, k] int32; topk_weights: [M, k] fp32; experts: from `prepare_moe` for the current
-    backend. Returns [M, D] in x's dtype. The shared expert is not included (see `mlp`).
+    backend. Returns [M, D] in x's dtype; with keep_sums, where the backend summed in fp32 (the reference, the
+    Triton routing-pass path), those fp32 sums instead, for a caller that rounds them itself (no cast launch).
+    The shared expert is not included (see `mlp`).
     """
     check_dims("x", x, 2)
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
@@ -142,10 +144,10 @@ def moe(x, topk_ids, topk_weights, experts):
                          f"{backend!r}; call prepare_moe again after switching")
     if x.shape[1] != experts.hidden:
         raise ValueError(f"moe: x hidden {x.shape[1]} but experts hidden {experts.hidden}")
-    return dispatch("moe", x.device, x.dtype)(x, topk_ids, topk_weights, experts)
+    return dispatch("moe", x.device, x.dtype)(x, topk_ids, topk_weights, experts, keep_sums)
 
 
-def moe_torch(x, topk_ids, topk_weights, experts):
+def moe_torch(x, topk_ids, topk_weights, experts, keep_sums=False):
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.long().flatten()
     order = flat_ids.argsort()
@@ -162,7 +164,7 @@ def moe_torch(x, topk_ids, topk_weights, experts):
         gate, up = (x[rows].float() @ w_gate_up.T).chunk(2, dim=-1)
         y = (F.silu(gate) * up) @ w_down.T
         out.index_add_(0, rows, y * topk_weights.flatten()[pairs, None].float())
-    return out.to(x.dtype)
+    return out if keep_sums else out.to(x.dtype)
 
 
 register("router", route_torch, "triton_kernels.router:route", triton_dtypes=(torch.float16, torch.bfloat16))

@@ -19,19 +19,25 @@ def rms_norm_torch(x, weight, eps):
     return out.to(x.dtype)
 
 
-def add_rms_norm(x, residual, weight, eps):
+def add_rms_norm(x, residual, weight, eps, extra=None):
     """The residual add fused with the next norm: `h = x + residual` (rounded to x's dtype), `rms_norm(h)`.
+    With `extra` (a second partial output, e.g. a MoE's shared expert beside its routed experts):
+    `h = (x + extra) + residual`, each add rounded as two separate adds would be.
 
-    x, residual: [M, D] of one dtype; weight: [D]. Returns (h [M, D], normed [M, D]).
+    residual, extra: [M, D] of one dtype; x: [M, D] of that dtype, or fp32 (rounded to it first, as a cast
+    would); weight: [D]. Returns (h [M, D], normed [M, D]) in residual's dtype.
     """
-    if x.shape != residual.shape or x.dtype != residual.dtype or x.shape[-1] != weight.shape[0]:
+    if (x.shape != residual.shape or x.dtype not in (residual.dtype, torch.float32) or x.shape[-1] != weight.shape[0]
+            or extra is not None and (extra.shape != x.shape or extra.dtype != residual.dtype)):
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} "
-                         f"{residual.dtype}, weight {tuple(weight.shape)} do not fit")
-    return dispatch("add_rms_norm", x.device)(x, residual, weight, eps)
+                         f"{residual.dtype}, weight {tuple(weight.shape)}"
+                         + ("" if extra is None else f", extra {tuple(extra.shape)} {extra.dtype}") + " do not fit")
+    return dispatch("add_rms_norm", x.device)(x, residual, weight, eps, extra)
 
 
-def add_rms_norm_torch(x, residual, weight, eps):
-    h = x + residual
+def add_rms_norm_torch(x, residual, weight, eps, extra=None):
+    x = x.to(residual.dtype)
+    h = (x if extra is None else x + extra) + residual
     return h, rms_norm_torch(h, weight, eps)
 
 
