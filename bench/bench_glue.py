@@ -18,6 +18,7 @@ import triton
 
 from bench_tree import graph_of  # bench/ is on sys.path when this file runs as a script
 from triton_kernels import absorb, router
+from triton_kernels import linear as lk
 
 ROWS = (1, 9, 33, 65, 129)
 REPEAT = 20
@@ -46,7 +47,7 @@ def absorb_rows(n, block_ns):
     return row
 
 
-def router_rows(m, tiles):
+def router_rows(m, tiles, gemvs=()):
     dev = "cuda"
     x = torch.randn(m, 7168, device=dev, dtype=torch.bfloat16)
     w = torch.randn(384, 7168, device=dev, dtype=torch.bfloat16) / 85
@@ -64,7 +65,23 @@ def router_rows(m, tiles):
             row[f"logits {block_m}x{block_d}"] = dict(us=per_call_us(call), equal=bool(ok))
     finally:
         router.LOGITS_TILES = default
+    if m == 1:  # one token: the gemv's unsummed K-split partials instead of the dot kernel (router.ONE_ROW_GEMV)
+        default = router.ONE_ROW_GEMV
+        try:
+            for cfg in gemvs:
+                router.ONE_ROW_GEMV = cfg
+                got_w, got_ids = call()
+                ok = torch.equal(got_ids, base_ids) and (got_w - base_w).abs().max().item() < 1e-5
+                name = f"gemv {cfg.block_n}x{cfg.block_k} s{cfg.stages} x{cfg.waves:g}"
+                row[name] = dict(us=per_call_us(call), equal=bool(ok))
+                row[f"{name}, logits alone"] = dict(us=per_call_us(logits), equal=True)
+        finally:
+            router.ONE_ROW_GEMV = default
     return row
+
+
+GEMVS = [lk.Config("gemv", 8, 512, 4, 4, 1), lk.Config("gemv", 8, 512, 4, 4, 2), lk.Config("gemv", 16, 256, 4, 6, 1),
+         lk.Config("gemv", 16, 512, 4, 4, 1), lk.Config("gemv", 16, 256, 4, 6, 2), lk.Config("gemv", 32, 256, 4, 3, 2)]
 
 
 def _tiles(text):
@@ -77,13 +94,14 @@ def main():
     parser.add_argument("--ops", default="absorb_query,router", help="comma-separated: absorb_query, router")
     parser.add_argument("--tiles", default="16x256,32x256,64x128,64x256", type=_tiles,
                         help="the router's logits tiles BLOCK_M x BLOCK_D to time at every row count ('' for none)")
+    parser.add_argument("--gemvs", action="store_true", help="the router's one-token gemv candidates (GEMVS)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     ops = args.ops.split(",")
     meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), repeat=REPEAT)
     report = dict(meta=meta, **{op: {} for op in ops})
-    rows_of = dict(absorb_query=lambda n: absorb_rows(n, (16, 32, 64)), router=lambda n: router_rows(n, args.tiles))
+    rows_of = dict(absorb_query=lambda n: absorb_rows(n, (16, 32, 64)), router=lambda n: router_rows(n, args.tiles, GEMVS if args.gemvs else ()))
     for n in ROWS:
         for op in ops:
             report[op][n] = rows_of[op](n)

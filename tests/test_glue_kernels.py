@@ -276,6 +276,26 @@ def test_router_logits_tiles(monkeypatch, block_m, block_d):
 
 
 @requires_triton
+@requires_triton
+@pytest.mark.parametrize("cfg", [("gemv", 8, 512, 4, 4, 2), ("gemv", 16, 256, 4, 6, 2)], ids=["bn8", "bn16"])
+def test_router_one_token_gemv(monkeypatch, cfg):
+    """One token's logits as the gemv's unsummed K-split partials (several splits, a K off the tile), summed
+    by the select kernel: the reference's experts and weights."""
+    from ops.moe import route_torch
+    from triton_kernels import linear as lk
+    from triton_kernels import router
+
+    monkeypatch.setattr(router, "ONE_ROW_GEMV", lk.Config(*cfg))
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 1100, generator=gen).to(kernel_dtypes()[0]).to(DEV)
+    w = (torch.randn(40, 1100, generator=gen) / 33).to(x.dtype).to(DEV)
+    bias = (0.01 * torch.randn(40, generator=gen)).to(DEV)
+    assert router.logits(x, w).shape[0] > 1  # several K splits
+    weights, ids = router.route(x, w, bias, 6, 1, 1, 2.5)
+    ref_w, ref_ids = route_torch(x.float(), w.float(), bias, 6, 1, 1, 2.5)
+    assert torch.equal(ids, ref_ids) and rel_err(weights, ref_w) < 1e-4
+
+
 def test_router_sums_many_k_splits(monkeypatch):
     """On a GPU one token's logits are split along D over up to 16 programs; force that here."""
     from triton_kernels import router

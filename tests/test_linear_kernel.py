@@ -152,7 +152,9 @@ def sm120_resources():
     can run with, with programmatic dependent launch as the GPU runs them (needs real @triton.jit objects)."""
     from triton_kernels.aot import compile_for
 
-    configs = set(lk.DEFAULTS["sm_120"].values())
+    from triton_kernels.router import ONE_ROW_GEMV
+
+    configs = set(lk.DEFAULTS["sm_120"].values()) | {ONE_ROW_GEMV}  # the router's one-token logits run it too
     configs |= {cfg for entries in lk.ADOPTED["sm_120"].values() for cfg in entries.values()}
     common = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", N="i32", K="i32",
                   k_per_split="i32", splits="i32")
@@ -163,7 +165,7 @@ def sm120_resources():
             if cfg.kind == "gemv":
                 res = compile_for(lk._gemv_kernel, common,
                                   dict(stride_wn=7168, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
-                                       STAGES=p.stages, PDL=True),
+                                       STAGES=p.stages, PDL=True, RAW=cfg == ONE_ROW_GEMV),
                                   num_warps=cfg.warps, aligned=True, divisible=("N", "K", "k_per_split"))
             else:
                 res = compile_for(lk._dot_kernel, dict(common, M="i32"),

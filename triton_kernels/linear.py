@@ -118,8 +118,9 @@ def _split_range(split, k_per_split, K, BLOCK_K: tl.constexpr):
 @triton.jit(do_not_specialize=["splits"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, splits, stride_wn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
-                 PDL: tl.constexpr):
-    """One row: y [1, N] = x [1, K] @ W^T. Grid (N tiles, K splits)."""
+                 PDL: tl.constexpr, RAW: tl.constexpr = False):
+    """One row: y [1, N] = x [1, K] @ W^T. Grid (N tiles, K splits). RAW: each split's fp32 partial [N] stored
+    at part_ptr + split * N for the caller to sum (no y, no counter)."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -139,7 +140,10 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, sp
         x = tl.load(x_ptr + k_full + offs_k, mask=k_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)  # [BN]
-    _finish(out, tl.zeros_like(offs_n), offs_n, 1, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits)
+    if RAW:
+        tl.store(part_ptr + split * N + offs_n, out, mask=offs_n < N)
+    else:
+        _finish(out, tl.zeros_like(offs_n), offs_n, 1, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits)
 
 
 @triton.jit
@@ -254,6 +258,22 @@ def linear_kernel(x, weight, cfg=None):
                                          BLOCK_K=cfg.block_k, EVEN_K=even_k, SWAP=cfg.kind == "swap", PDL=use_pdl,
                                          num_stages=p.stages, **launch)
     return y
+
+
+def gemv_partials(x, weight, cfg):
+    """The gemv's K-split fp32 partials of one row, unsummed: x [1, K] (unit column stride), weight [N, K]
+    row-major, cfg a gemv Config -> [splits, 1, N] (for a caller that sums them in its own next launch)."""
+    K, N = x.shape[1], weight.shape[0]
+    if x.shape[0] != 1 or cfg.kind != "gemv" or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"gemv_partials: one row and a gemv config, got x {tuple(x.shape)}, {cfg}")
+    p = plan(cfg, 1, N, K, _sms(x.device), arch_of(x.device))
+    part = torch.empty(p.splits, 1, N, dtype=torch.float32, device=x.device)
+    use_pdl = x.is_cuda and pdl.active(x)
+    _gemv_kernel[(p.tiles, p.splits)](x, weight, part, part, part, N, K, p.k_per_split, p.splits, weight.stride(0),
+                                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
+                                      STAGES=p.stages, PDL=use_pdl, RAW=True, num_warps=cfg.warps,
+                                      **({"launch_pdl": True} if use_pdl else {}))
+    return part
 
 
 def adopted(device, M, N, K):
