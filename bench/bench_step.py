@@ -33,7 +33,7 @@ from model.parallel import Parallel
 from spec.drafter import DFlashDrafter, DrafterConfig
 from spec.engine import root_tree
 from spec.graphs import DEFAULT_BUCKETS, DraftGraphs, StepGraphs, draft_eligibility, eligibility, parse_buckets
-from triton_kernels import pdl
+from triton_kernels import pdl, router
 
 CONTEXTS = (4096, 32768)
 DFLASH_K25 = dict(num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
@@ -354,6 +354,8 @@ def main():
                         help="buckets to time at contexts after the first (default: all of --buckets)")
     parser.add_argument("--no-overlap", action="store_true", help="the shared expert on the main stream")
     parser.add_argument("--no-pdl", action="store_true", help="plain launches (triton_kernels.pdl.ENABLED off)")
+    parser.add_argument("--router-dot", action="store_true",
+                        help="one token's router logits on the dot kernel (not router.ONE_ROW_GEMV)")
     parser.add_argument("--moe-adds-shared", action="store_true",
                         help="a MoE layer adds its shared expert itself (not in the next norm's launch)")
     args = parser.parse_args()
@@ -361,6 +363,8 @@ def main():
 
     model_module.OVERLAP_SHARED_EXPERT = not args.no_overlap
     model_module.SUM_SHARED_IN_NORM = not args.moe_adds_shared
+    if args.router_dot:
+        router.ONE_ROW_GEMV = None
     pdl.ENABLED = not args.no_pdl
 
     out = Path(args.out)
@@ -374,7 +378,7 @@ def main():
                 drafter_note="Kimi-K2.5-DFlash shape, TP8 rank 0 like the target (8 of 64 query heads, 1 of 8 "
                              "key/value heads, 1/8 of the MLP), scoring with the target's lm_head shard",
                 overlap_shared_expert=not args.no_overlap, pdl=not args.no_pdl,
-                sum_shared_in_norm=not args.moe_adds_shared)
+                sum_shared_in_norm=not args.moe_adds_shared, router_gemv=router.ONE_ROW_GEMV is not None)
     meta["read_GBps"] = bw = read_GBps()
     t0 = time.perf_counter()
     target = build_target()
