@@ -311,7 +311,8 @@ class KimiModel(nn.Module):
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, meta, cache.kv[i])
             if i in hidden_layers:
-                kept[i] = add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[0]  # h + delta
+                # h + delta, rounded as the next norm does it, in one launch (its normed output is unused)
+                kept[i] = add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[0]
         h = add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[1].view(B, T, -1)
         if logit_rows is not None:
             h = h.gather(1, logit_rows[..., None].expand(-1, -1, h.shape[-1]))

@@ -145,6 +145,8 @@ def test_linear_kernel_rejects_what_it_cannot_run():
         lk.linear_kernel(x, w, lk.GEMV)
     with pytest.raises(ValueError, match="M <="):
         lk.linear_kernel(torch.randn(lk.MAX_ROWS + 1, 8), w, lk.SWAP)
+    with pytest.raises(ValueError, match="unsummed partials"):
+        lk.linear_kernel(x[:1], w, lk.SWAP, raw=True)
 
 
 def sm120_resources():

@@ -228,9 +228,10 @@ def _sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def linear_kernel(x, weight, cfg=None):
+def linear_kernel(x, weight, cfg=None, raw=False):
     """The Triton kernel alone (no cuBLAS fallback): x [M, K] (rows may be strided, unit column stride),
-    weight [N, K] row-major, 1 <= M <= 128. cfg: a Config (default: `config_for`). Returns [M, N]."""
+    weight [N, K] row-major, 1 <= M <= 128. cfg: a Config (default: `config_for`). Returns [M, N]; with raw (a gemv
+    config) the K-split fp32 partials [splits, 1, N] unsummed, for a caller that sums them in its next launch."""
     M, K = x.shape
     N = weight.shape[0]
     if not 1 <= M <= MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -240,9 +241,11 @@ def linear_kernel(x, weight, cfg=None):
     cfg = cfg or config_for(arch, M)
     if cfg.kind == "gemv" and M != 1:
         raise ValueError(f"linear_kernel: the gemv config takes one row, got {M}")
+    if raw and cfg.kind != "gemv":
+        raise ValueError(f"linear_kernel: unsummed partials come from a gemv config, not {cfg}")
     p = plan(cfg, M, N, K, _sms(x.device), arch)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    part = torch.empty(p.splits * M * N if p.splits > 1 else 1, dtype=torch.float32, device=x.device)
+    part = torch.empty(p.splits * M * N if p.splits > 1 or raw else 1, dtype=torch.float32, device=x.device)
+    y = part if raw else torch.empty(M, N, dtype=x.dtype, device=x.device)
     counters = arrival_counters("linear", x.device, p.tiles)
     even_k = K % cfg.block_k == 0
     # PTX prefetch and grid-dependency control (not interpretable): where the table measured it, or on the chain
@@ -251,29 +254,13 @@ def linear_kernel(x, weight, cfg=None):
     if cfg.kind == "gemv":
         _gemv_kernel[(p.tiles, p.splits)](x, weight, y, part, counters, N, K, p.k_per_split, p.splits,
                                           weight.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                          EVEN_K=even_k, STAGES=p.stages, PDL=use_pdl, **launch)
+                                          EVEN_K=even_k, STAGES=p.stages, PDL=use_pdl, RAW=raw, **launch)
     else:
         _dot_kernel[(p.tiles, p.splits)](x, weight, y, part, counters, M, N, K, p.k_per_split, p.splits,
                                          x.stride(0), weight.stride(0), BLOCK_M=p.block_m, BLOCK_N=cfg.block_n,
                                          BLOCK_K=cfg.block_k, EVEN_K=even_k, SWAP=cfg.kind == "swap", PDL=use_pdl,
                                          num_stages=p.stages, **launch)
-    return y
-
-
-def gemv_partials(x, weight, cfg):
-    """The gemv's K-split fp32 partials of one row, unsummed: x [1, K] (unit column stride), weight [N, K]
-    row-major, cfg a gemv Config -> [splits, 1, N] (for a caller that sums them in its own next launch)."""
-    K, N = x.shape[1], weight.shape[0]
-    if x.shape[0] != 1 or cfg.kind != "gemv" or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"gemv_partials: one row and a gemv config, got x {tuple(x.shape)}, {cfg}")
-    p = plan(cfg, 1, N, K, _sms(x.device), arch_of(x.device))
-    part = torch.empty(p.splits, 1, N, dtype=torch.float32, device=x.device)
-    use_pdl = x.is_cuda and pdl.active(x)
-    _gemv_kernel[(p.tiles, p.splits)](x, weight, part, part, part, N, K, p.k_per_split, p.splits, weight.stride(0),
-                                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-                                      STAGES=p.stages, PDL=use_pdl, RAW=True, num_warps=cfg.warps,
-                                      **({"launch_pdl": True} if use_pdl else {}))
-    return part
+    return part.view(p.splits, M, N) if raw else y
 
 
 def adopted(device, M, N, K):

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from triton_kernels import pdl
 from triton_kernels.ddtree import _ordered
-from triton_kernels.linear import Config, gemv_partials
+from triton_kernels.linear import Config, linear_kernel
 
 BLOCK_E = 32
 # (max rows, BLOCK_M, BLOCK_D) of the logits kernel, the first row whose max covers M (None: any): one token block
@@ -104,7 +104,7 @@ def _select_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, M, E, splits, group
 
 MAX_SPLITS = 16
 # One token: the gemv of triton_kernels.linear (no tl.dot, fp32 FMAs of 16-byte weight loads) with its K-split
-# partials left for the select kernel to sum (`gemv_partials`); None: the dot kernel above. H200 (17:42 UTC,
+# partials left for the select kernel to sum (`linear_kernel(raw=True)`); None: the dot kernel above. H200 (17:42 UTC,
 # bench/results/glue_h200_s8.md), logits + select at one token: 16x512 5.14 us against the dot kernel's 6.89 (logits
 # alone 2.47 against 3.88), the same experts and weights; 8x512 5.25-5.54, 16x256 5.51, 32x256 5.74
 ONE_ROW_GEMV = Config("gemv", 16, 512, 4, 4, 1)
@@ -127,7 +127,7 @@ def logits(x, gate_weight):
     M, D = x.shape
     E = gate_weight.shape[0]
     if M == 1 and ONE_ROW_GEMV is not None:
-        return gemv_partials(x, gate_weight, ONE_ROW_GEMV)
+        return linear_kernel(x, gate_weight, ONE_ROW_GEMV, raw=True)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
     block_m, block_d = logits_tile(M)
     d_per_split = triton.cdiv(triton.cdiv(D, _splits(M, E, sms, block_m)), block_d) * block_d
