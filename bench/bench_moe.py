@@ -69,6 +69,14 @@ def with_gap(calls):
     return [lambda fn=fn: (GAP.add_(1.0), fn()) for fn in calls]
 
 
+def time_calls(calls, gap_ms=None):
+    """`time_graph` of `calls`, or with gap_ms (the small kernels' own ms a call) each call after the small
+    unrelated kernel (`with_gap`), its time subtracted."""
+    if gap_ms is None:
+        return time_graph(calls)
+    return max(time_graph(with_gap(calls)) - gap_ms, 1e-6)
+
+
 def time_graph(calls, reps=10):
     """Median ms per call of `calls` (a list of thunks) captured back to back in one CUDA graph."""
     stream = torch.cuda.Stream()
@@ -278,9 +286,10 @@ def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def measure_point(shape, M, layers, ct_layer, checked_layer, bf16_weights, bw, gen, sweep=True):
+def measure_point(shape, M, layers, ct_layer, checked_layer, bf16_weights, bw, gen, sweep=True, gap=False):
     """Time one (shape, M): each config checked against the fp32 reference on the repacked checkpoint layer,
-    then timed on the rotating random layers; the best correct one is reported."""
+    then timed on the rotating random layers; the best correct one is reported. gap: each graphed call (Triton
+    and bf16) after a small unrelated kernel, whose own time is subtracted (`time_calls`)."""
     from ops.moe import moe_torch
     from triton_kernels.moe_w4a16 import moe
 
@@ -289,13 +298,16 @@ def measure_point(shape, M, layers, ct_layer, checked_layer, bf16_weights, bw, g
     touched = sum(ids.unique().numel() for _, ids, _ in calls) / len(calls)
     nbytes = touched * expert_bytes(D, I)
     row = dict(shape=shape, M=M, experts_touched=touched, bytes=nbytes, sweep=[])
+    gap_ms = time_graph(with_gap([lambda: None] * CALLS)) if gap else None
+    if gap:
+        row["gap_us"] = gap_ms * 1e3
     ref = moe_torch(*calls[0], ct_layer)
     best = None
     for i, cfg in enumerate(sweep_configs(M) if sweep else sweep_configs(M)[:1]):
         err = rel_err(moe(*calls[0], checked_layer, config=cfg), ref)
         thunks = [lambda c=c, j=j, cfg=cfg: moe(c[0], c[1], c[2], layers[j % len(layers)], config=cfg)
                   for j, c in enumerate(calls)]
-        ms = time_graph(thunks)
+        ms = time_calls(thunks, gap_ms)
         row["sweep"].append(dict(config=cfg, us=ms * 1e3, rel_err=err))
         if err < 1e-2 and (best is None or ms < best[0]):
             best = (ms, i, cfg)
@@ -309,7 +321,7 @@ def measure_point(shape, M, layers, ct_layer, checked_layer, bf16_weights, bw, g
     if bf16_weights is not None:
         try:
             thunks = [lambda c=c: bf16_grouped(*c, *bf16_weights) for c in calls]
-            bf_ms = time_graph(thunks)
+            bf_ms = time_calls(thunks, gap_ms)
             bf_bytes = touched * 3 * D * I * 2
             row.update(bf16_us=bf_ms * 1e3, bf16_bytes=bf_bytes, bf16_frac=bf_bytes / bf_ms / 1e6 / bw)
         except Exception as exc:  # report, keep the sweep going
@@ -333,7 +345,7 @@ def kernel_breakdown(M, layer, gen, calls=8, config=None):
     return {e.key[:60]: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
 
 
-def run_shape(shape, bw, gen, deadline, sweep, out_rows, save):
+def run_shape(shape, bw, gen, deadline, sweep, out_rows, save, gap=False):
     E, D, I = SHAPES[shape]["E"], SHAPES[shape]["D"], SHAPES[shape]["I"]
     per_layer = E * expert_bytes(D, I)
     layers = [random_triton_layer(E, D, I, gen) for _ in range(n_layers(D, I))]
@@ -352,7 +364,7 @@ def run_shape(shape, bw, gen, deadline, sweep, out_rows, save):
         if time.time() > deadline:
             break
         try:
-            row = measure_point(shape, M, layers, ct_layer, checked_layer, bf16_weights, bw, gen, sweep)
+            row = measure_point(shape, M, layers, ct_layer, checked_layer, bf16_weights, bw, gen, sweep, gap)
         except Exception as exc:  # record the failure, keep measuring the other points
             print(f"{shape} M={M}: {exc!r}", flush=True)
             out_rows.append(dict(shape=shape, M=M, error=repr(exc)[:500]))
@@ -428,7 +440,7 @@ def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None,
                 err = rel_err(moe(*calls[0], checked, config=cfg), ref)
                 thunks = [lambda c=c, j=j, cfg=cfg, layers=layers: moe(*c, layers[j % len(layers)], config=cfg)
                           for j, c in enumerate(calls)]
-                ms = max(time_graph(with_gap(thunks)) - row["gap_us"] / 1e3, 1e-6) if gap else time_graph(thunks)
+                ms = time_calls(thunks, row["gap_us"] / 1e3 if gap else None)
                 row["variants"][name] = dict(us=ms * 1e3, frac=nbytes / ms / 1e6 / bw, rel_err=err, config=cfg)
                 if name in breakdown and M in (1, 16, 256):
                     row["variants"][name]["kernels"] = kernel_breakdown(M, layers[0], gen, config=cfg)
@@ -472,7 +484,10 @@ def markdown(meta, rows):
              f"torch {meta['torch']}, triton {meta['triton']}; HBM read bandwidth measured in this run: "
              f"{meta['hbm_read_gbs']:.0f} GB/s (sum over 4 GiB). Weights cold in L2 (rotating layers and routings), "
              "Triton and bf16 under a CUDA graph; torch path eager (it synchronises). Bytes = touched experts' INT4 "
-             "weights + bf16 scales (bf16 baseline: its bf16 weights).", "",
+             "weights + bf16 scales (bf16 baseline: its bf16 weights)."
+             + (" Each graphed call after a small unrelated kernel, as the model's MoE follows the router "
+                f"({rows[0].get('gap_us', 0):.1f} us a call alone, subtracted)." if rows and "gap_us" in rows[0] else ""),
+             "",
              "| shape | M | experts | MB | Triton us | GB/s | % HBM | torch us | % HBM | bf16 grouped us | % HBM |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if "triton_us" in r):
@@ -502,7 +517,8 @@ def main():
                         help="with --variants: comma-separated configs ('default' or variants) timed per kernel")
     parser.add_argument("--routing", default="uniform", choices=["uniform", "step"],
                         help="with --variants: uniform top-k, or the verify step's expert counts (step_pool)")
-    parser.add_argument("--gap", action="store_true", help="with --variants: a small unrelated kernel before each call")
+    parser.add_argument("--gap", action="store_true", help="a small unrelated kernel before each graphed call, its time "
+                                                           "subtracted (as the model runs the MoE: after the router)")
     parser.add_argument("--tag", default="", help="with --variants: suffix of the output file names")
     parser.add_argument("--sass", action="store_true", help="CPU only: static SASS counts of the default and variants")
     parser.add_argument("--sass-m", type=int, default=1, help="with --sass: the M bucket whose entry is counted")
@@ -549,7 +565,8 @@ def main():
         return
     for i, shape in enumerate(SHAPES):
         remaining = args.sweep_budget - (time.time() - start)
-        run_shape(shape, bw, gen, time.time() + remaining / (len(SHAPES) - i), not args.no_sweep, rows, save)
+        run_shape(shape, bw, gen, time.time() + remaining / (len(SHAPES) - i), not args.no_sweep, rows, save,
+                  gap=args.gap)
     with open(os.path.join(args.out, "moe_results.md"), "w") as f:
         f.write(markdown(meta, rows))
     print(markdown(meta, rows), flush=True)

@@ -33,7 +33,7 @@ from model.parallel import Parallel
 from spec.drafter import DFlashDrafter, DrafterConfig
 from spec.engine import root_tree
 from spec.graphs import DEFAULT_BUCKETS, DraftGraphs, StepGraphs, draft_eligibility, eligibility, parse_buckets
-from triton_kernels import pdl, router
+from triton_kernels import moe_configs, pdl, router
 
 CONTEXTS = (4096, 32768)
 DFLASH_K25 = dict(num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
@@ -358,6 +358,9 @@ def main():
                         help="one token's router logits on the dot kernel (not router.ONE_ROW_GEMV)")
     parser.add_argument("--moe-adds-shared", action="store_true",
                         help="a MoE layer adds its shared expert itself (not in the next norm's launch)")
+    parser.add_argument("--moe-variant", default=None,
+                        help="moe_configs.VARIANTS[NAME] on the sm_90 MoE entries up to --moe-variant-upto tokens")
+    parser.add_argument("--moe-variant-upto", type=int, default=33)
     args = parser.parse_args()
     import triton
 
@@ -366,6 +369,11 @@ def main():
     if args.router_dot:
         router.ONE_ROW_GEMV = None
     pdl.ENABLED = not args.no_pdl
+    if args.moe_variant:
+        moe_configs.CONFIGS["sm_90"] = [
+            (max_m, moe_configs.with_variant(cfg, args.moe_variant)
+             if max_m is not None and max_m <= args.moe_variant_upto else cfg)
+            for max_m, cfg in moe_configs.CONFIGS["sm_90"]]
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -378,7 +386,8 @@ def main():
                 drafter_note="Kimi-K2.5-DFlash shape, TP8 rank 0 like the target (8 of 64 query heads, 1 of 8 "
                              "key/value heads, 1/8 of the MLP), scoring with the target's lm_head shard",
                 overlap_shared_expert=not args.no_overlap, pdl=not args.no_pdl,
-                sum_shared_in_norm=not args.moe_adds_shared, router_gemv=router.ONE_ROW_GEMV is not None)
+                sum_shared_in_norm=not args.moe_adds_shared, router_gemv=router.ONE_ROW_GEMV is not None,
+                moe_variant=args.moe_variant and f"{args.moe_variant} up to M = {args.moe_variant_upto}")
     meta["read_GBps"] = bw = read_GBps()
     t0 = time.perf_counter()
     target = build_target()

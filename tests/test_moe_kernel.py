@@ -211,12 +211,13 @@ def test_moe_panel_layout(panels, bn, extra):
                                              (16, (0, 0), {"prescale": True, "swap": False}),
                                              (16, (1, 1), {"prescale": True, "waves": 1, "D": 608}),
                                              (8, (1, 1), {"scales_ahead": True, "tiles": 2}),
-                                             (16, (1, 1), {"scales_ahead": True, "tiles": 2, "I": 320})],
+                                             (16, (1, 1), {"scales_ahead": True, "tiles": 2, "I": 320}),
+                                             (8, (1, 1), {"scales_ahead": True, "decode": True})],
                          ids=["bm8_slab", "bm16_panel_lean_tiles2", "bm8_panel_decode", "bm8_scales_ahead",
                               "unswapped_panel_scales_ahead", "panel_ahead_tiles2",
                               "tiles2_two_slabs_ahead", "prescaled", "bm8_prescaled_tiles2",
                               "unswapped_prescaled", "kmajor_prescaled", "kmajor_bm8_ahead_tiles2",
-                              "kmajor_two_slabs_ahead_tiles2"])
+                              "kmajor_two_slabs_ahead_tiles2", "kmajor_decode_ahead"])
 def test_moe_swapped_tiles(BM, panels, extra):
     """`swap` (transposed tiles: weights as the MMA's M operand, tokens its N) on ragged shapes, split over K, a
     repeated expert; with BM 8 (fewer rows than tl.dot's usual 16), panels, lean pointers, two down tiles a
@@ -311,7 +312,7 @@ def test_moe_k26_shapes_gpu(M, E, I):
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", ["default", "k_swap8_pre", "device_split"])
+@pytest.mark.parametrize("variant", ["default", "k_swap8_pre", "device_split", "prescale"])
 def test_moe_variants_in_a_graph_gpu(variant):
     """The entries (the two-launch decode path with programmatic dependent launch up to M = 4, the routing pass
     above) and the variants (the routing-pass entry at small M, the device-split gate/up with the persistent
