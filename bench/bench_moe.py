@@ -201,7 +201,7 @@ MEMORY_OPS = ("LDG", "LDGSTS", "LDS", "LDSM", "STS", "BAR", "HMMA", "HGMMA")  # 
 H200_ISSUE = dict(sms=132, clock_hz=1.98e9, read_gbs=4317.0)  # read bandwidth: bench/results/moe_h200_s2.md
 
 
-def _cubin_sass(kernel, signature, constexprs, num_warps, num_stages, arch=90):
+def _cubin_sass(kernel, signature, constexprs, num_warps, num_stages, maxnreg=None, arch=90):
     """(nvdisasm text, registers, spill bytes, shared bytes) of `kernel` compiled on the CPU with the
     specialisations the JIT gives the TP8 call: 16-byte aligned pointers, D/I/strides divisible by 16, the down
     kernel's n_slabs == 1 (I = 256), and w_row == 1 for K-major words (PANEL 1)."""
@@ -226,7 +226,9 @@ def _cubin_sass(kernel, signature, constexprs, num_warps, num_stages, arch=90):
              if ty.startswith("*") or name in ("D", "I", "stride_we", "stride_se", "w_row", "s_row", "stride_wp",
                                               "stride_sp", "up_w", "up_s")}
     compiled = triton.compile(ASTSource(fn=kernel, signature=full, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+                              target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})})
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -260,8 +262,9 @@ def sass_count(cfg, shape="tp8"):
     D, I = SHAPES[shape]["D"], SHAPES[shape]["I"]
     budget = 4 * H200_ISSUE["sms"] * H200_ISSUE["clock_hz"] * 32 / (H200_ISSUE["read_gbs"] * 1e9 * 2)  # per weight
     out = {}
-    for (kernel, (sig, cx, _, warps, stages)), tile in zip(compile_specs(cfg, arch=90, D=D, I=I), ("gate_up", "down")):
-        sass, registers, spills, shared = _cubin_sass(kernel, sig, cx, warps, stages)
+    specs = compile_specs(cfg, arch=90, D=D, I=I)
+    for (kernel, (sig, cx, _, warps, stages, cap)), tile in zip(specs, ("gate_up", "down")):
+        sass, registers, spills, shared = _cubin_sass(kernel, sig, cx, warps, stages, cap)
         ops = collections.Counter(_loop_opcodes(sass))
         weights = SLAB * cx["BN"] * (2 if tile == "gate_up" else 1) / (32 * warps)  # per thread per loop trip
         total, alu, imad = sum(ops.values()), sum(ops[o] for o in ALU_PIPE), ops["IMAD"]

@@ -363,21 +363,32 @@ from triton_kernels.moe_configs import config_for, with_variant
 from triton_kernels.moe_w4a16 import compile_specs
 cfg = config_for(torch.device("cpu"), int(sys.argv[2]))
 cfg = cfg if sys.argv[1] == "default" else with_variant(cfg, sys.argv[1])
-print(json.dumps([dict(arch=arch, **vars(compile_for(kernel, *launch))) for arch in (90, 120)
-                  for kernel, launch in compile_specs(cfg, arch=arch)]))
+DIVISIBLE = ("D", "I", "stride_we", "stride_se", "s_row", "stride_wp", "stride_sp", "up_w", "up_s")
+
+
+def as_jit(kernel, launch):  # the TP8 call's specialisation: aligned pointers, strides of 16, K-major rows of 1
+    ones = ["w_row"] if launch[1]["PANEL"] == 1 else []
+    ones += ["n_slabs"] if "down" in kernel.__name__ else []  # intermediate 256: one slab
+    return dict(aligned=True, divisible=[n for n in DIVISIBLE if n in launch[0]], ones=ones)
+
+
+print(json.dumps([dict(arch=arch, maxnreg=launch[5], **vars(compile_for(kernel, *launch, **as_jit(kernel, launch))))
+                  for arch in (90, 120) for kernel, launch in compile_specs(cfg, arch=arch)]))
 """
 
 
 @pytest.mark.parametrize("variant,M", [("default", 1), ("device_split", 16), ("default", 100)])
 def test_inline_ptx_variants_compile(variant, M):
     """sm_90 entries and variants with inline PTX (lop3, L2 prefetch, grid dependency control), which the
-    interpreter cannot run, assemble for sm_90 without spills and for sm_120 (within its shared memory; they do
-    not run there: sm_120's own entries are held to no spills by test_sm120_configs_fit. The BM 16 entry's
-    persistent down spills 16 bytes for sm_120 under Triton 3.6, none under 3.9)."""
+    interpreter cannot run, assemble for sm_90 without spills (a kernel capped at `maxnreg` registers, measured
+    faster so, may spill up to 64 bytes: the M <= 128 entry's gate/up spills 12 under Triton 3.6, 48 under 3.9)
+    and for sm_120 (within its shared memory; they do not run there: sm_120's own entries are held to no spills
+    by test_sm120_configs_fit. The BM 16 entry's persistent down spills 16 bytes for sm_120 under Triton 3.6,
+    none under 3.9)."""
     from triton_kernels.aot import SM120_SHARED_LIMIT
 
     results = compiled_in_child(PTX_COMPILE, variant, str(M))
-    assert all(res["spill_bytes"] == 0 for res in results if res["arch"] == 90), results
+    assert all(res["spill_bytes"] <= (64 if res["maxnreg"] else 0) for res in results if res["arch"] == 90), results
     assert all(res["shared"] <= SM120_SHARED_LIMIT for res in results if res["arch"] == 120), results
 
 

@@ -43,19 +43,24 @@ def _ptxas_report(ptx, arch):
     return (int(regs.group(1)) if regs else 0), sum(spills)
 
 
-def compile_for(kernel, signature, constexprs, arch=120, num_warps=4, num_stages=2, aligned=False,
-                divisible=()):
+def compile_for(kernel, signature, constexprs, arch=120, num_warps=4, num_stages=2, maxnreg=None, aligned=False,
+                divisible=(), ones=()):
     """Compile `kernel` for sm_<arch> and report its resources (no GPU needed).
 
     aligned=True marks every pointer argument 16-byte aligned, as the JIT does for torch tensors at run time
     (without it, loads are not vectorised, nor pipelined, and shared memory is under-counted); `divisible`
-    names integer arguments that are multiples of 16 at run time, which the JIT marks the same way.
+    names integer arguments that are multiples of 16 at run time, which the JIT marks the same way, and `ones`
+    those equal to 1, which the JIT compiles as constants. maxnreg caps the registers a thread, as the launch
+    option does.
     """
+    signature = {k: v for k, v in signature.items() if k not in ones}
+    constexprs = {**constexprs, **{k: 1 for k in ones}}
     full = {**signature, **{k: "constexpr" for k in constexprs}}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
              for name, ty in full.items() if (aligned and ty.startswith("*")) or name in divisible}
     src = ASTSource(fn=kernel, signature=full, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+                              options={"num_warps": num_warps, "num_stages": num_stages,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})})
     registers, spills = _ptxas_report(compiled.asm["ptx"], arch)
     return Resources(shared=compiled.metadata.shared, registers=registers, spill_bytes=spills)

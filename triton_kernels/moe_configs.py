@@ -36,7 +36,11 @@ CONFIGS = {
     # each group's MMA product again, not the weights (the prescaled form's 16 MMAs a slab chained through one
     # accumulator): M = 1 17.8-17.9 against 19.9-20.0 us (32% against 28% of the read bandwidth), 2 / 4 / 8 / 16
     # 29.5 / 43.9 / 80.7 / 133.4 against 29.7 / 45.4 / 84.2 / 138.4, the step's M = 9 / 33 59.5 / 98.9 against
-    # 62.2 / 103.1; slower from M = 64 (the step's M = 65 146.6 against 131.5), so the BM 8 entry above keeps it
+    # 62.2 / 103.1; slower from M = 64 (the step's M = 65 146.6 against 131.5). Capped at 128 registers (161-168
+    # uncapped), the M <= 128 entry's gate/up fits 4 programs an SM, not 3, and is faster that way (18:27 UTC): the
+    # step's M = 65 125.4 against 131.4 us, uniform M = 64 / 128 274.5 / 344.9 against 284.6 / 358.1; at M = 2 / 4
+    # 28.2 / 43.6 against 29.6 / 43.8 (so the M <= 4 entry's too); slower at M = 1, in the device-split entry
+    # (the step's M = 9 / 33: 61.7 / 102.2 against 59.7 / 99.3) and the BM 16 one (M = 129: 217 against 164)
     # The lead's closing step run (bench/results/step_h200_run15.json, 14:04 UTC) put the BM 16 split entry's
     # 65 <= M <= 128 back on BM 8: in the verify at budget 64 (65 tokens) its gate/up + down took 5894 + 3015 us
     # over the 60 layers against BM 8's 5285 + 3152 in run 13 (the bench's synthetic step routing spreads the
@@ -49,7 +53,7 @@ CONFIGS = {
                            scales_ahead=True, tiles=2))),
         (4, dict(BM=8, panels=(1, 1), decode=True,
                  gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True,
-                              scales_ahead=True),
+                              scales_ahead=True, maxnreg=128),
                  down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True,
                            scales_ahead=True, tiles=4))),
         (33, dict(BM=8, panels=(1, 1),
@@ -58,9 +62,9 @@ CONFIGS = {
                   down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True,
                             scales_ahead=True, tiles=4, persistent=True))),
         (128, dict(BM=8, panels=(1, 1),
-                   gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
-                                scales_ahead=True),
-                   down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True, prescale=True,
+                   gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True,
+                                scales_ahead=True, maxnreg=128),
+                   down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True,
                              scales_ahead=True, tiles=4))),
         (None, dict(BM=16, panels=(1, 1),
                     gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=4, swap=True, lop3=True, scales_ahead=True),
@@ -94,15 +98,16 @@ LAYOUTS = {"sm_90": (1, 1), "sm_120": (0, 0)}
 # them (TP8 shape).
 VARIANTS = {
     # the round 3 entry for 8 <= M <= 256 (routing pass, BM 8, K-major, prescaled), at M <= 4
-    "k_swap8_pre": dict(decode=False, pdl=False, gate_up=dict(waves=4, prescale=True),
+    "k_swap8_pre": dict(decode=False, pdl=False, gate_up=dict(waves=4, prescale=True, maxnreg=None),
                         down=dict(tiles=4, prescale=True)),
     # the routing-pass entries with gate/up's K split decided on the device from the blocks the routing pass
     # filled (`device_split`: moe_w4a16._planned_gate_up_kernel) instead of the host's estimate for uniform
     # routing, and down on a persistent grid over those blocks (`persistent`) instead of a program for every block
     # of the static bound (empty blocks included): in the sm_90 entries for 5 <= M <= 33 and 65 <= M <= 128
     "device_split": dict(gate_up=dict(device_split=True), down=dict(persistent=True)),
-    # the weights scaled before the MMA (`prescale`), as the entries up to M = 33 were until session 9
-    "prescale": dict(gate_up=dict(prescale=True), down=dict(prescale=True)),
+    # the weights scaled before the MMA (`prescale`) and gate/up uncapped, as the entries up to M = 128 were
+    # until session 9
+    "prescale": dict(gate_up=dict(prescale=True, maxnreg=None), down=dict(prescale=True)),
 }
 
 

@@ -808,8 +808,10 @@ def _flags(kernel_cfg, N, ptx=True):
 
 
 def _launch(kernel_cfg, use_pdl):
-    """Launch options of a kernel config: num_warps, num_stages and, with use_pdl, programmatic dependent launch."""
+    """Launch options of a kernel config: num_warps, num_stages, its register cap `maxnreg` if any and, with
+    use_pdl, programmatic dependent launch."""
     return dict(num_warps=kernel_cfg["num_warps"], num_stages=kernel_cfg["num_stages"],
+                **({"maxnreg": kernel_cfg["maxnreg"]} if kernel_cfg.get("maxnreg") else {}),
                 **({"launch_pdl": True} if use_pdl else {}))
 
 
@@ -1016,8 +1018,8 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
 
 
 def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
-    """(kernel, (signature, constexprs, arch, num_warps, num_stages)) for each GEMM kernel under config `cfg`
-    at hidden D / intermediate I (for EVEN_N), for ahead-of-time checks with triton_kernels.aot.compile_for."""
+    """(kernel, (signature, constexprs, arch, num_warps, num_stages, maxnreg)) for each GEMM kernel under config
+    `cfg` at hidden D / intermediate I (for EVEN_N), for ahead-of-time checks with triton_kernels.aot.compile_for."""
     magic = UNPACK[torch.bfloat16 if dtype == "bf16" else torch.float16]
     common = dict(sorted_ptr="*i32", block_expert_ptr="*i32", D="i32", I="i32", n_slabs="i32",
                   n_slabs_per_split="i32")
@@ -1038,12 +1040,13 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
         flags = {k: v for k, v in _flags(g, I).items() if k in ("SWAP", "LOP3", "AHEAD", "PRESCALE")}
         gu_spec = (_planned_gate_up_kernel, (planned, dict(
             TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], TILES_N=triton.cdiv(I, g["BN"]), S_PAD=32, COST=PLAN_COST,
-            EVEN_N=I % g["BN"] == 0, PANEL=p_gu, EVEN_K=True, **flags, **magic), arch, g["num_warps"], g["num_stages"]))
+            EVEN_N=I % g["BN"] == 0, PANEL=p_gu, EVEN_K=True, **flags, **magic), arch, g["num_warps"], g["num_stages"],
+            g.get("maxnreg")))
     else:
         gu_spec = (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT=True, EVEN_K=True,
                                                    **_flags(g, I), DECODE=decode, PANEL=p_gu,
                                                    PDL=cfg.get("pdl", False), **magic), arch, g["num_warps"],
-                                   g["num_stages"]))
+                                   g["num_stages"], g.get("maxnreg")))
     if d.get("persistent", False) and not decode:
         tiles = d.get("tiles", 1)
         persistent = dict(h_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", weights_ptr="*fp32",
@@ -1053,10 +1056,11 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
         return [gu_spec, (_persistent_down_kernel, (persistent, dict(
             TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], GROUPS=D // (d["BN"] * tiles), EVEN_N=D % d["BN"] == 0,
             PANEL=p_dn, TILES=tiles, EVEN_K=True, ONE_SLAB=I <= SLAB and tiles > 1, **flags, **magic), arch,
-            d["num_warps"], d["num_stages"]))]
+            d["num_warps"], d["num_stages"], d.get("maxnreg")))]
     return [
         gu_spec,
         (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], EVEN_K=True, **_flags(d, D), DECODE=decode,
                                    PANEL=p_dn, TILES=d.get("tiles", 1), ONE_SLAB=I <= SLAB and d.get("tiles", 1) > 1,
-                                   PDL=cfg.get("pdl", False), **magic), arch, d["num_warps"], d["num_stages"])),
+                                   PDL=cfg.get("pdl", False), **magic), arch, d["num_warps"], d["num_stages"],
+                    d.get("maxnreg"))),
     ]
