@@ -31,6 +31,7 @@ import triton
 
 from ops.attention import mla_attention_torch, pack_tree_mask
 from triton_kernels import mla_attention as mk
+from triton_kernels.moe_configs import sm_count
 
 SCALE = 0.1446802
 CONTEXTS = (1024, 8192, 32768, 131072)
@@ -150,7 +151,7 @@ def run_case(L, H, T, ceil, B=1, causal=False, time_torch=True, pad=0):
     row = {
         "L": L, "H": H, "T": T, "B": B, "causal": causal, "rotate": len(caches), "pad": pad,
         "config": list(mk.pick_config(rows)),
-        "splits": default_choice(rows, B, L + pad, mk.num_sms(q.device), mk._arch())[1],
+        "splits": default_choice(rows, B, L + pad, sm_count(q.device), mk._arch())[1],
         "rel_err": err, "us": us, "cache_bytes": cache_bytes, "GBps": (cache_bytes + io_bytes) / us / 1e3,
         "TFLOPs": flops / us / 1e6, "roofline_us": roof_us, "x_roofline": us / roof_us,
         "frac_read_bw": (cache_bytes + io_bytes) / us / 1e3 / ceil["read_GBps"],
@@ -557,7 +558,7 @@ def main(argv=None):
     contexts = args.contexts or (CONTEXTS[2:] if args.quick else CONTEXTS)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    sms = mk.num_sms(torch.device("cuda"))
+    sms = sm_count(torch.device("cuda"))
     extra = (round2_jobs(contexts, HEADS, TREE_SIZES, sms) if args.round2 else set()) | (
         step_jobs(sms) if args.step or args.tma else set())
     print("precompiled", precompile(HEADS, TREE_SIZES, args.tune and not args.round2, args.workers,

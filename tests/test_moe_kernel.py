@@ -156,7 +156,7 @@ def test_moe_device_split(monkeypatch, panels, swap, waves, M, tiles, BM):
     arrive), down 3 tiles an item (one slab: the pipelined tile loop); second: 8 programs, several work items
     each, no split, down's K loop; third: the first with BM 16 (the sm_90 entry for 65 <= M <= 128), experts
     with more than 8 rows. Ragged shapes and a repeated expert."""
-    monkeypatch.setattr(moe_w4a16, "_sm_count", lambda device: 4)
+    monkeypatch.setattr(moe_w4a16, "sm_count", lambda device: 4)
     E, D, I = (5, 576, 96) if swap else (6, 320, 96)
     kernel = dict(BN=64 if swap else 32, waves=waves, num_warps=4, num_stages=2, swap=swap, lop3=True,
                   prescale=swap, scales_ahead=True, device_split=True)

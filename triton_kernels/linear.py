@@ -23,7 +23,7 @@ import triton.language as tl
 
 from triton_kernels import pdl
 from triton_kernels.counters import arrival_counters
-from triton_kernels.moe_configs import arch_of
+from triton_kernels.moe_configs import arch_of, sm_count
 
 MAX_ROWS = 128
 BUCKETS = (1, 2, 4, 9, 17, 33, 65)  # M buckets of the adoption table: the first bucket >= M
@@ -224,10 +224,6 @@ def config_for(arch, M):
     return table.get(M, table[None])
 
 
-def _sms(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def linear_kernel(x, weight, cfg=None, raw=False):
     """The Triton kernel alone (no cuBLAS fallback): x [M, K] (rows may be strided, unit column stride),
     weight [N, K] row-major, 1 <= M <= 128. cfg: a Config (default: `config_for`). Returns [M, N]; with raw (a gemv
@@ -243,7 +239,7 @@ def linear_kernel(x, weight, cfg=None, raw=False):
         raise ValueError(f"linear_kernel: the gemv config takes one row, got {M}")
     if raw and cfg.kind != "gemv":
         raise ValueError(f"linear_kernel: unsummed partials come from a gemv config, not {cfg}")
-    p = plan(cfg, M, N, K, _sms(x.device), arch)
+    p = plan(cfg, M, N, K, sm_count(x.device), arch)
     part = torch.empty(p.splits * M * N if p.splits > 1 or raw else 1, dtype=torch.float32, device=x.device)
     y = part if raw else torch.empty(M, N, dtype=x.dtype, device=x.device)
     counters = arrival_counters("linear", x.device, p.tiles)

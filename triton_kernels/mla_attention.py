@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import pdl
+from triton_kernels.moe_configs import sm_count
 
 D_LAT = 512  # value dim: the latent c
 D_PE = 64  # rope part of an entry
@@ -285,10 +286,6 @@ def pick_config(rows, arch=None):
     return entry_for(rows, arch).config
 
 
-def num_sms(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def choose_splits(base, max_len, block_n, slots, per_slot, whole=False):
     """Splits per sequence: about per_slot programs per slot over `slots` resident programs with `base` programs
     per split (whole: at most that many, so the programs fill whole waves), each split reading at least
@@ -382,7 +379,7 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     partials = partials or entry.partials or q.dtype
     entry = entry._replace(config=(block_m, block_n, warps, stages, block_dv, unchain))
     if num_splits is None:
-        num_splits = default_splits(entry, rows, B, kv_cache.shape[1], num_sms(q.device), arch, partials.itemsize)
+        num_splits = default_splits(entry, rows, B, kv_cache.shape[1], sm_count(q.device), arch, partials.itemsize)
     grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
     out = torch.empty(B, T, H, D_LAT, dtype=q.dtype, device=q.device)
     direct = num_splits == 1

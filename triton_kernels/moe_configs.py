@@ -122,6 +122,11 @@ def layout_for(device):
     return LAYOUTS.get(arch_of(device), LAYOUTS["sm_90"])
 
 
+def sm_count(device):
+    """SMs of a CUDA device; 4 elsewhere (the interpreter's stand-in, so that grids stay small)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def arch_of(device):
     """'sm_<major><minor>' of a CUDA device; sm_90 (the tuned default) elsewhere."""
     if device.type != "cuda":

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from triton_kernels import pdl
 from triton_kernels.counters import arrival_counters
-from triton_kernels.moe_configs import config_for, layout_for
+from triton_kernels.moe_configs import config_for, layout_for, sm_count
 
 GROUP, PACK = 32, 8
 SLAB = 256  # K values per repacked slab: 32 words x 8 nibbles per column, 8 quantisation groups
@@ -777,10 +777,6 @@ def unprepare_moe(experts):
 # ----------------------------------------------------------------------------------------------- launcher
 
 
-def _sm_count(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 PLAN_COST = 1  # `_plan_split`: a work item's fixed cost (epilogue, index loads), in slabs
 
 
@@ -890,7 +886,7 @@ def _resident_programs(kernel, args, constexprs, device, dtype):
     (`_occupancy` of the compiled kernel, compiled once here)."""
     key = (kernel.fn.__name__, device, dtype, *sorted(constexprs.items()))
     if key not in _GRID:
-        _GRID[key] = _sm_count(device) * _occupancy(kernel.warmup(*args, **constexprs, grid=(1,)), device)
+        _GRID[key] = sm_count(device) * _occupancy(kernel.warmup(*args, **constexprs, grid=(1,)), device)
     return _GRID[key]
 
 
@@ -903,7 +899,7 @@ def _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g,
                       COST=PLAN_COST, EVEN_N=I % BN == 0, EVEN_K=D % SLAB == 0, **UNPACK[x.dtype],
                       **{k: v for k, v in _flags(g, I, ptx).items() if k in ("SWAP", "LOP3", "AHEAD", "PRESCALE")},
                       **_launch(g, False))
-    cap = 4 * g["waves"] * _sm_count(dev)  # work items with partials, at most (`_plan_split`)
+    cap = 4 * g["waves"] * sm_count(dev)  # work items with partials, at most (`_plan_split`)
     part = torch.empty(cap * 2 * BM * BN, dtype=torch.float32, device=dev)
     layout = _layout(experts.gate_up, experts.gate_up_scale, experts.panel_gate_up, BN, up=I)
     constexprs["PANEL"] = layout.pop("PANEL")
@@ -954,7 +950,7 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
     BM, decode = cfg["BM"], cfg.get("decode", False)
     nb_max = P if decode else triton.cdiv(P, BM) + min(E, P)
     capacity = nb_max * BM
-    sms = _sm_count(x.device)
+    sms = sm_count(x.device)
     est_blocks = P if decode else _expected_experts(E, P) + triton.cdiv(P, BM)
 
     gu_bn = cfg["gate_up"]["BN"]

@@ -13,6 +13,7 @@ import triton.language as tl
 from triton_kernels import pdl
 from triton_kernels.ddtree import _ordered
 from triton_kernels.linear import Config, linear_kernel
+from triton_kernels.moe_configs import sm_count
 
 BLOCK_E = 32
 # (max rows, BLOCK_M, BLOCK_D) of the logits kernel, the first row whose max covers M (None: any): one token block
@@ -128,7 +129,7 @@ def logits(x, gate_weight):
     E = gate_weight.shape[0]
     if M == 1 and ONE_ROW_GEMV is not None:
         return linear_kernel(x, gate_weight, ONE_ROW_GEMV, raw=True)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    sms = sm_count(x.device)
     block_m, block_d = logits_tile(M)
     d_per_split = triton.cdiv(triton.cdiv(D, _splits(M, E, sms, block_m)), block_d) * block_d
     splits = triton.cdiv(D, d_per_split)
