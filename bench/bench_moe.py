@@ -180,11 +180,11 @@ VARIANTS = [  # (gate_up BN, num_warps, waves), (down BN, num_warps, waves); wav
 ]
 
 
-def sweep_configs(M):
-    """Configs tried per point: the table's entry first, then the VARIANTS."""
+def sweep_configs(M, I):
+    """Configs tried per point (intermediate size I): the table's entry first, then the VARIANTS."""
     from triton_kernels.moe_configs import config_for
 
-    base = config_for(torch.device(DEV), M)
+    base = config_for(torch.device(DEV), M, intermediate=I)
     variants = [base]
     for (gbn, gw, gwaves), (dbn, dw, dwaves) in VARIANTS:
         cfg = {"BM": base["BM"], "gate_up": dict(base["gate_up"], BN=gbn, num_warps=gw, waves=gwaves),
@@ -306,7 +306,7 @@ def measure_point(shape, M, layers, ct_layer, checked_layer, bf16_weights, bw, g
         row["gap_us"] = gap_ms * 1e3
     ref = moe_torch(*calls[0], ct_layer)
     best = None
-    for i, cfg in enumerate(sweep_configs(M) if sweep else sweep_configs(M)[:1]):
+    for i, cfg in enumerate(sweep_configs(M, I) if sweep else sweep_configs(M, I)[:1]):
         err = rel_err(moe(*calls[0], checked_layer, config=cfg), ref)
         thunks = [lambda c=c, j=j, cfg=cfg: moe(c[0], c[1], c[2], layers[j % len(layers)], config=cfg)
                   for j, c in enumerate(calls)]
@@ -427,7 +427,7 @@ def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None,
         touched = sum(ids.unique().numel() for _, ids, _ in calls) / len(calls)
         nbytes = touched * expert_bytes(D, I)
         ref = moe_torch(*calls[0], ct_layer)
-        base = config_for(torch.device(DEV), M)
+        base = config_for(torch.device(DEV), M, intermediate=I)
         row = dict(shape=shape, M=M, routing=routing, gap=gap, experts_touched=touched, bytes=nbytes, variants={})
         if gap:  # the small kernels alone, subtracted from each timing below
             row["gap_us"] = time_graph(with_gap([lambda: None] * CALLS)) * 1e3

@@ -234,6 +234,21 @@ def test_moe_swapped_tiles(BM, panels, extra):
     assert_three_tokens_match(cfg, panels, E, D, I, seed=6)
 
 
+def test_configs_by_intermediate_size():
+    """moe_configs.BY_INTERMEDIATE: EP8's experts (intermediate 2048) take the prescaled M = 1 entry and 16-row
+    blocks up to M = 128; other sizes the table's entries as they are."""
+    from triton_kernels.moe_configs import config_for
+
+    cpu = torch.device("cpu")
+    assert config_for(cpu, 1, intermediate=2048)["gate_up"]["prescale"]
+    assert config_for(cpu, 1, intermediate=2048)["down"]["prescale"]
+    assert config_for(cpu, 64, intermediate=2048)["BM"] == 16
+    assert config_for(cpu, 64, intermediate=2048)["gate_up"]["maxnreg"] is None
+    assert config_for(cpu, 4, intermediate=2048) == config_for(cpu, 4)
+    for M in (1, 4, 33, 64, 129):
+        assert config_for(cpu, M, intermediate=256) == config_for(cpu, M)
+
+
 @requires_triton
 def test_moe_rejects_config_for_another_layout():
     raw = make_experts(4, 256, 64)

@@ -108,7 +108,17 @@ VARIANTS = {
     # the weights scaled before the MMA (`prescale`) and gate/up uncapped, as the entries up to M = 128 were
     # until session 9
     "prescale": dict(gate_up=dict(prescale=True, maxnreg=None), down=dict(prescale=True)),
+    # 16-row blocks (uncapped: at 128 registers gate/up spills) on an entry's kernels: an expert's tokens at EP8
+    # (48 experts) fill them from M = 64 on
+    "bm16": dict(BM=16, gate_up=dict(maxnreg=None)),
 }
+
+
+# Entries by intermediate size (the MoE's static shape) where CONFIGS' entries, tuned at the TP8 rank's 256, lose:
+# arch -> intermediate -> {bucket's max M: VARIANTS name applied to that entry}. EP8 (48 experts, intermediate 2048;
+# H200 18:46 UTC, bench/results/moe_variants_h200_s9.md section 7): M = 1 prescaled 72.8 against 82.7 us, 16-row
+# blocks at M = 64 / 128 477.1 / 808.5 against 572.1 / 1037.8 us
+BY_INTERMEDIATE = {"sm_90": {2048: {1: "prescale", 128: "bm16"}}}
 
 
 def with_variant(cfg, name):
@@ -135,7 +145,11 @@ def arch_of(device):
     return f"sm_{major}{minor}"
 
 
-def config_for(device, M, table=None):
-    """The entry for M tokens on `device`'s architecture (sm_90's for an architecture without its own)."""
-    buckets = (table or CONFIGS).get(arch_of(device), CONFIGS["sm_90"])
-    return next(cfg for max_m, cfg in buckets if max_m is None or M <= max_m)
+def config_for(device, M, table=None, intermediate=None):
+    """The entry for M tokens on `device`'s architecture (sm_90's for an architecture without its own), with the
+    BY_INTERMEDIATE override of its bucket for experts of that intermediate size, if any."""
+    arch = arch_of(device)
+    max_m, cfg = next((max_m, cfg) for max_m, cfg in (table or CONFIGS).get(arch, CONFIGS["sm_90"])
+                      if max_m is None or M <= max_m)
+    name = BY_INTERMEDIATE.get(arch, {}).get(intermediate, {}).get(max_m)
+    return with_variant(cfg, name) if name else cfg

@@ -943,7 +943,7 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
     M, D = x.shape
     top_k, E, I = topk_ids.shape[1], experts.num_experts, experts.intermediate
     P = M * top_k
-    cfg = config or config_for(x.device, M)
+    cfg = config or config_for(x.device, M, intermediate=I)
     if tuple(cfg.get("panels", (experts.panel_gate_up, experts.panel_down))) != (experts.panel_gate_up, experts.panel_down):
         raise ValueError(f"moe (triton): config for panels {cfg['panels']}, experts laid out with "
                          f"{(experts.panel_gate_up, experts.panel_down)}")
