@@ -37,7 +37,7 @@ CONFIGS = {
     # accumulator): M = 1 17.8-17.9 against 19.9-20.0 us (32% against 28% of the read bandwidth), 2 / 4 / 8 / 16
     # 29.5 / 43.9 / 80.7 / 133.4 against 29.7 / 45.4 / 84.2 / 138.4, the step's M = 9 / 33 59.5 / 98.9 against
     # 62.2 / 103.1; slower from M = 64 (the step's M = 65 146.6 against 131.5). Capped at 128 registers (161-168
-    # uncapped), the M <= 128 entry's gate/up fits 4 programs an SM, not 3, and is faster that way (18:27 UTC): the
+    # uncapped), the M <= 128 entry's gate/up fits 4 programs an SM, not 3, and is faster that way (18:24 UTC): the
     # step's M = 65 125.4 against 131.4 us, uniform M = 64 / 128 274.5 / 344.9 against 284.6 / 358.1; at M = 2 / 4
     # 28.2 / 43.6 against 29.6 / 43.8 (so the M <= 4 entry's too); slower at M = 1, in the device-split entry
     # (the step's M = 9 / 33: 61.7 / 102.2 against 59.7 / 99.3) and the BM 16 one (M = 129: 217 against 164)
@@ -116,7 +116,7 @@ VARIANTS = {
 
 # Entries by intermediate size (the MoE's static shape) where CONFIGS' entries, tuned at the TP8 rank's 256, lose:
 # arch -> intermediate -> {bucket's max M: VARIANTS name applied to that entry}. EP8 (48 experts, intermediate 2048;
-# H200 18:46 UTC, bench/results/moe_variants_h200_s9.md section 7): M = 1 prescaled 72.8 against 82.7 us, 16-row
+# H200 18:43 UTC, bench/results/moe_variants_h200_s9.md section 7): M = 1 prescaled 72.8 against 82.7 us, 16-row
 # blocks at M = 64 / 128 477.1 / 808.5 against 572.1 / 1037.8 us
 BY_INTERMEDIATE = {"sm_90": {2048: {1: "prescale", 128: "bm16"}}}
 
