@@ -47,22 +47,28 @@ def absorb_rows(n, block_ns):
     return row
 
 
+def timed_route(call, base):
+    """call's time and whether its (weights, ids) match base's: ids exactly, weights to 1e-5 (their logits are
+    summed in another order)."""
+    got_w, got_ids = call()
+    ok = torch.equal(got_ids, base[1]) and (got_w - base[0]).abs().max().item() < 1e-5
+    return dict(us=per_call_us(call), equal=bool(ok))
+
+
 def router_rows(m, tiles, gemvs=()):
     dev = "cuda"
     x = torch.randn(m, 7168, device=dev, dtype=torch.bfloat16)
     w = torch.randn(384, 7168, device=dev, dtype=torch.bfloat16) / 85
     bias = 0.01 * torch.randn(384, device=dev)
     call = lambda: router.route(x, w, bias, 8, 1, 1, 2.827)  # noqa: E731
-    base_w, base_ids = call()
+    base = call()
     logits = lambda: router.logits(x, w)  # noqa: E731
     row = {"default": dict(us=per_call_us(call), equal=True), "logits alone": dict(us=per_call_us(logits), equal=True)}
     default = router.LOGITS_TILES
     try:
         for block_m, block_d in tiles:
             router.LOGITS_TILES = ((None, block_m, block_d),)
-            got_w, got_ids = call()
-            ok = torch.equal(got_ids, base_ids) and (got_w - base_w).abs().max().item() < 1e-5
-            row[f"logits {block_m}x{block_d}"] = dict(us=per_call_us(call), equal=bool(ok))
+            row[f"logits {block_m}x{block_d}"] = timed_route(call, base)
     finally:
         router.LOGITS_TILES = default
     if m == 1:  # one token: the gemv's unsummed K-split partials instead of the dot kernel (router.ONE_ROW_GEMV)
@@ -70,10 +76,8 @@ def router_rows(m, tiles, gemvs=()):
         try:
             for cfg in gemvs:
                 router.ONE_ROW_GEMV = cfg
-                got_w, got_ids = call()
-                ok = torch.equal(got_ids, base_ids) and (got_w - base_w).abs().max().item() < 1e-5
                 name = f"gemv {cfg.block_n}x{cfg.block_k} s{cfg.stages} x{cfg.waves:g}"
-                row[name] = dict(us=per_call_us(call), equal=bool(ok))
+                row[name] = timed_route(call, base)
                 row[f"{name}, logits alone"] = dict(us=per_call_us(logits), equal=True)
         finally:
             router.ONE_ROW_GEMV = default
@@ -101,7 +105,9 @@ def main():
     meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), repeat=REPEAT)
     report = dict(meta=meta, **{op: {} for op in ops})
-    rows_of = dict(absorb_query=lambda n: absorb_rows(n, (16, 32, 64)), router=lambda n: router_rows(n, args.tiles, GEMVS if args.gemvs else ()))
+    gemvs = GEMVS if args.gemvs else ()
+    rows_of = dict(absorb_query=lambda n: absorb_rows(n, (16, 32, 64)),
+                   router=lambda n: router_rows(n, args.tiles, gemvs))
     for n in ROWS:
         for op in ops:
             report[op][n] = rows_of[op](n)

@@ -69,6 +69,11 @@ def with_gap(calls):
     return [lambda fn=fn: (GAP.add_(1.0), fn()) for fn in calls]
 
 
+def gap_alone_ms():
+    """Ms a call of the small unrelated kernel alone (`with_gap`), which `time_calls` subtracts."""
+    return time_graph(with_gap([lambda: None] * CALLS))
+
+
 def time_calls(calls, gap_ms=None):
     """`time_graph` of `calls`, or with gap_ms (the small kernels' own ms a call) each call after the small
     unrelated kernel (`with_gap`), its time subtracted."""
@@ -201,34 +206,18 @@ MEMORY_OPS = ("LDG", "LDGSTS", "LDS", "LDSM", "STS", "BAR", "HMMA", "HGMMA")  # 
 H200_ISSUE = dict(sms=132, clock_hz=1.98e9, read_gbs=4317.0)  # read bandwidth: bench/results/moe_h200_s2.md
 
 
-def _cubin_sass(kernel, signature, constexprs, num_warps, num_stages, maxnreg=None, arch=90):
-    """(nvdisasm text, registers, spill bytes, shared bytes) of `kernel` compiled on the CPU with the
-    specialisations the JIT gives the TP8 call: 16-byte aligned pointers, D/I/strides divisible by 16, the down
-    kernel's n_slabs == 1 (I = 256), and w_row == 1 for K-major words (PANEL 1)."""
+def _cubin_sass(kernel, signature, constexprs, num_warps, num_stages, maxnreg=None, I=256, arch=90):
+    """(nvdisasm text, registers, spill bytes, shared bytes) of `kernel` compiled on the CPU as the JIT
+    specialises the call at intermediate size I (`moe_w4a16.jit_specialisation`)."""
     import tempfile
 
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    from triton_kernels.aot import _ptxas_report
-    from triton_kernels.moe_w4a16 import _down_kernel
+    from triton_kernels.aot import _ptxas_report, compile_kernel
+    from triton_kernels.moe_w4a16 import jit_specialisation
 
-    signature, constexprs = dict(signature), dict(constexprs)
-    if kernel is _down_kernel:
-        del signature["n_slabs"]
-        constexprs["n_slabs"] = 1
-    if constexprs.get("PANEL") == 1:  # K-major words: the row stride is 1
-        del signature["w_row"]
-        constexprs["w_row"] = 1
-    full = {**signature, **{k: "constexpr" for k in constexprs}}
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in full.items()
-             if ty.startswith("*") or name in ("D", "I", "stride_we", "stride_se", "w_row", "s_row", "stride_wp",
-                                              "stride_sp", "up_w", "up_s")}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=full, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages,
-                                       **({"maxnreg": maxnreg} if maxnreg else {})})
+    compiled = compile_kernel(kernel, signature, constexprs, arch, num_warps, num_stages, maxnreg,
+                              **jit_specialisation(kernel, signature, constexprs, I))
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -264,7 +253,7 @@ def sass_count(cfg, shape="tp8"):
     out = {}
     specs = compile_specs(cfg, arch=90, D=D, I=I)
     for (kernel, (sig, cx, _, warps, stages, cap)), tile in zip(specs, ("gate_up", "down")):
-        sass, registers, spills, shared = _cubin_sass(kernel, sig, cx, warps, stages, cap)
+        sass, registers, spills, shared = _cubin_sass(kernel, sig, cx, warps, stages, cap, I)
         ops = collections.Counter(_loop_opcodes(sass))
         weights = SLAB * cx["BN"] * (2 if tile == "gate_up" else 1) / (32 * warps)  # per thread per loop trip
         total, alu, imad = sum(ops.values()), sum(ops[o] for o in ALU_PIPE), ops["IMAD"]
@@ -301,7 +290,7 @@ def measure_point(shape, M, layers, ct_layer, checked_layer, bf16_weights, bw, g
     touched = sum(ids.unique().numel() for _, ids, _ in calls) / len(calls)
     nbytes = touched * expert_bytes(D, I)
     row = dict(shape=shape, M=M, experts_touched=touched, bytes=nbytes, sweep=[])
-    gap_ms = time_graph(with_gap([lambda: None] * CALLS)) if gap else None
+    gap_ms = gap_alone_ms() if gap else None
     if gap:
         row["gap_us"] = gap_ms * 1e3
     ref = moe_torch(*calls[0], ct_layer)
@@ -430,7 +419,7 @@ def compare_variants(bw, gen, deadline, out_rows, save, shape="tp8", names=None,
         base = config_for(torch.device(DEV), M, intermediate=I)
         row = dict(shape=shape, M=M, routing=routing, gap=gap, experts_touched=touched, bytes=nbytes, variants={})
         if gap:  # the small kernels alone, subtracted from each timing below
-            row["gap_us"] = time_graph(with_gap([lambda: None] * CALLS)) * 1e3
+            row["gap_us"] = gap_alone_ms() * 1e3
         for name, cfg in [("default", base)] + [(n, with_variant(base, n)) for n in chosen]:
             if time.time() > deadline:
                 break

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from bench_moe import time_graph
 from triton_kernels import pdl
+from triton_kernels.moe_configs import sm_count
 
 CHAIN = 200  # kernels a graph
 
@@ -47,7 +48,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(torch.device("cuda"))
     rows = []
     for ctas in (1, 8, sms, 2 * sms, 4 * sms):
         for use_pdl in (False, True):

@@ -13,6 +13,7 @@ import torch
 
 import bench_attention as ba
 from triton_kernels import mla_attention as mk
+from triton_kernels.moe_configs import sm_count
 
 
 def main():
@@ -20,7 +21,7 @@ def main():
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("cases", nargs="+", help="L,H,T:S1/S2 (extra split counts to time beside the rule's)")
     args = parser.parse_args()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(torch.device("cuda"))
     rows = []
     for case in args.cases:
         shape, _, extra = case.partition(":")

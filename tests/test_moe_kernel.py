@@ -375,19 +375,11 @@ import sys
 import torch
 from triton_kernels.aot import compile_for
 from triton_kernels.moe_configs import config_for, with_variant
-from triton_kernels.moe_w4a16 import compile_specs
+from triton_kernels.moe_w4a16 import compile_specs, jit_specialisation
 cfg = config_for(torch.device("cpu"), int(sys.argv[2]))
 cfg = cfg if sys.argv[1] == "default" else with_variant(cfg, sys.argv[1])
-DIVISIBLE = ("D", "I", "stride_we", "stride_se", "s_row", "stride_wp", "stride_sp", "up_w", "up_s")
-
-
-def as_jit(kernel, launch):  # the TP8 call's specialisation: aligned pointers, strides of 16, K-major rows of 1
-    ones = ["w_row"] if launch[1]["PANEL"] == 1 else []
-    ones += ["n_slabs"] if "down" in kernel.__name__ else []  # intermediate 256: one slab
-    return dict(aligned=True, divisible=[n for n in DIVISIBLE if n in launch[0]], ones=ones)
-
-
-print(json.dumps([dict(arch=arch, maxnreg=launch[5], **vars(compile_for(kernel, *launch, **as_jit(kernel, launch))))
+print(json.dumps([dict(arch=arch, maxnreg=launch[5],
+                       **vars(compile_for(kernel, *launch, **jit_specialisation(kernel, *launch[:2]))))
                   for arch in (90, 120) for kernel, launch in compile_specs(cfg, arch=arch)]))
 """
 

@@ -2,7 +2,7 @@
 
 `compile_for(kernel, signature, constexprs, arch=120, num_warps=4, num_stages=2)` compiles a @triton.jit
 kernel for the given arch without a GPU and returns its shared memory, registers and spill bytes, read
-from ptxas's report.
+from ptxas's report; `compile_kernel` (same arguments) returns the compiled kernel itself.
 """
 
 import re
@@ -43,9 +43,16 @@ def _ptxas_report(ptx, arch):
     return (int(regs.group(1)) if regs else 0), sum(spills)
 
 
-def compile_for(kernel, signature, constexprs, arch=120, num_warps=4, num_stages=2, maxnreg=None, aligned=False,
-                divisible=(), ones=()):
-    """Compile `kernel` for sm_<arch> and report its resources (no GPU needed).
+def compile_for(kernel, *args, **options):
+    """Compile `kernel` (`compile_kernel`'s arguments) and report its resources (no GPU needed)."""
+    compiled = compile_kernel(kernel, *args, **options)
+    registers, spills = _ptxas_report(compiled.asm["ptx"], compiled.metadata.target.arch)
+    return Resources(shared=compiled.metadata.shared, registers=registers, spill_bytes=spills)
+
+
+def compile_kernel(kernel, signature, constexprs, arch=120, num_warps=4, num_stages=2, maxnreg=None, aligned=False,
+                   divisible=(), ones=()):
+    """The compiled `kernel` for sm_<arch> (its .asm holds the PTX and cubin).
 
     aligned=True marks every pointer argument 16-byte aligned, as the JIT does for torch tensors at run time
     (without it, loads are not vectorised, nor pipelined, and shared memory is under-counted); `divisible`
@@ -62,5 +69,4 @@ def compile_for(kernel, signature, constexprs, arch=120, num_warps=4, num_stages
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages,
                                        **({"maxnreg": maxnreg} if maxnreg else {})})
-    registers, spills = _ptxas_report(compiled.asm["ptx"], arch)
-    return Resources(shared=compiled.metadata.shared, registers=registers, spill_bytes=spills)
+    return compiled

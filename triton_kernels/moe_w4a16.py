@@ -1013,6 +1013,17 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
     return y if decode else out if keep_sums else out.to(x.dtype)
 
 
+def jit_specialisation(kernel, signature, constexprs, I=256):
+    """`aot.compile_for` keywords that compile a `compile_specs` launch as the JIT specialises the call at
+    intermediate size I: 16-byte aligned pointers, D, I and the strides multiples of 16, and as the constant 1
+    K-major words' row stride (PANEL 1) and a down kernel's slab count when I is one slab."""
+    ones = ["w_row"] if constexprs.get("PANEL") == 1 else []
+    if kernel in (_down_kernel, _persistent_down_kernel) and I <= SLAB:
+        ones.append("n_slabs")
+    strides = ("D", "I", "stride_we", "stride_se", "w_row", "s_row", "stride_wp", "stride_sp", "up_w", "up_s")
+    return dict(aligned=True, divisible=[n for n in strides if n in signature and n not in ones], ones=ones)
+
+
 def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
     """(kernel, (signature, constexprs, arch, num_warps, num_stages, maxnreg)) for each GEMM kernel under config
     `cfg` at hidden D / intermediate I (for EVEN_N), for ahead-of-time checks with triton_kernels.aot.compile_for."""
