@@ -151,7 +151,7 @@ def run_case(L, H, T, ceil, B=1, causal=False, time_torch=True, pad=0):
     row = {
         "L": L, "H": H, "T": T, "B": B, "causal": causal, "rotate": len(caches), "pad": pad,
         "config": list(mk.pick_config(rows)),
-        "splits": default_choice(rows, B, L + pad, sm_count(q.device), mk._arch())[1],
+        "splits": default_choice(rows, B, L + pad, sm_count(q.device), mk._arch(), 0 if causal else T)[1],
         "rel_err": err, "us": us, "cache_bytes": cache_bytes, "GBps": (cache_bytes + io_bytes) / us / 1e3,
         "TFLOPs": flops / us / 1e6, "roofline_us": roof_us, "x_roofline": us / roof_us,
         "frac_read_bw": (cache_bytes + io_bytes) / us / 1e3 / ceil["read_GBps"],
@@ -174,7 +174,7 @@ def focus_runs(row, sms, table=CANDIDATES, direct=True):
             if (direct or splits > 1) and not any(r[1:3] == (cfg, splits) for r in runs):
                 half = [torch.bfloat16] if rows <= HALF_PARTIALS_MAX_ROWS and splits > 1 else []
                 runs += [(per_sm, cfg, splits, dt) for dt in [torch.float32] + half]
-    cfg, splits, partials = default_choice(rows, B, L + row.get("pad", 0), sms)
+    cfg, splits, partials = default_choice(rows, B, L + row.get("pad", 0), sms, tree=tree_of(row))
     if cfg in candidates(rows, table) and not any(r[1:3] == (cfg, splits) for r in runs):  # the default, always timed
         runs.append(("default", cfg, splits, getattr(torch, partials)))
     return runs
@@ -186,7 +186,7 @@ def round2_runs(row, sms):
     of WAVES_RULE. (Lazy rescale and programmatic dependent launch, timed here in session 3, were slower and are
     gone from the kernel: bench/results/attention_h200_run5.md.)"""
     L, B, rows = row["L"] + row.get("pad", 0), row["B"], row["T"] * row["H"]
-    cfg, splits, partials = default_choice(rows, B, L, sms)
+    cfg, splits, partials = default_choice(rows, B, L, sms, tree=tree_of(row))
     entry = mk.entry_for(rows, 90)
     dt = getattr(torch, partials)
     every = mk.default_splits(entry, rows, B, L, sms, 90, dt.itemsize, every=True)
@@ -211,7 +211,8 @@ def step_runs(row, sms):
     """--step candidates (label, config, splits, partials[, tma]) at a 4k step shape: the default, the STEP_SPLITS
     counts (also with bf16 partials where the default's are fp32) and the other tile load path (tma_runs)."""
     T = row["T"]
-    cfg, splits, partials = default_choice(T * row["H"], row["B"], row["L"] + row.get("pad", 0), sms)
+    cfg, splits, partials = default_choice(T * row["H"], row["B"], row["L"] + row.get("pad", 0), sms,
+                                           tree=tree_of(row))
     dt = getattr(torch, partials)
     runs = [("default", cfg, splits, dt)] + [(f"S{n}", cfg, n, dt) for n in STEP_SPLITS[T]]
     if dt != torch.bfloat16:
@@ -223,7 +224,7 @@ def tma_runs(row, sms):
     """--tma: the default config and split count with the other tile load path (TMA <-> pointers), where the default
     uses TMA or T*H > 16 (the 16-row config's TMA is untimed)."""
     rows = row["T"] * row["H"]
-    cfg, splits, partials = default_choice(rows, row["B"], row["L"] + row.get("pad", 0), sms)
+    cfg, splits, partials = default_choice(rows, row["B"], row["L"] + row.get("pad", 0), sms, tree=tree_of(row))
     tma = mk.entry_for(rows, 90).tma
     return [("pointers" if tma else "tma", cfg, splits, getattr(torch, partials), not tma)] if tma or rows > 16 else []
 
@@ -279,7 +280,7 @@ def merge_time_us(B, rows, splits, partials):
     block_s, block_d = mk.merge_blocks(splits)
     grid = (rows, 512 // block_d, B)
     return graph_time_us(lambda _: mk._merge_kernel[grid](o_part, lse_part, out, rows, splits, BLOCK_S=block_s,
-                                                          BLOCK_D=block_d), [None] * 8)
+                                                          BLOCK_D=block_d, num_warps=mk.MERGE_WARPS), [None] * 8)
 
 
 def tune_case(row, runs):
@@ -354,19 +355,27 @@ def round2_table(report):
     return lines
 
 
-def default_choice(rows, B, L, sms, arch=90):
-    """(config, splits, partials name) the committed CONFIGS and split rule pick for one case."""
+def default_choice(rows, B, L, sms, arch=90, tree=0):
+    """(config, splits, partials name) the committed CONFIGS and split rule pick for one case (tree: its T under a
+    tree mask, 0 for a causal one)."""
     entry = mk.entry_for(rows, arch)
     partials = entry.partials or torch.bfloat16
-    splits = mk.default_splits(entry, rows, B, L, sms, arch, partials.itemsize)
+    tail = bool(tree) and mk.tail_split_default(tree, entry.config[1], arch)
+    splits = mk.default_splits(entry, rows, B, L, sms, arch, partials.itemsize, tree=tree, tail=tail)
     return entry.config, splits, str(partials).split(".")[-1]
+
+
+def tree_of(row):
+    """A case's tree size (0 for a causal one)."""
+    return 0 if row.get("causal") else row["T"]
 
 
 def committed_defaults(report, arch=90):
     """Per case: the config and split count the committed CONFIGS choose, and its time measured in `report`."""
     sms = report.get("sms", 132)  # the H200's 132 SMs (also what the recorded split counts imply)
     for r in report["cases"]:
-        cfg, splits, partials = default_choice(r["T"] * r["H"], r["B"], r["L"] + r.get("pad", 0), sms, arch)
+        cfg, splits, partials = default_choice(r["T"] * r["H"], r["B"], r["L"] + r.get("pad", 0), sms, arch,
+                                               tree_of(r))
         hits = [t["us"] for t in r.get("tuned", []) if "us" in t and t["config"] == list(cfg) and t["splits"] == splits
                 and t.get("partials", "float32") == partials and not t.get("rescale_tau") and not t.get("pdl")]
         yield r, cfg, splits, hits[0] if hits else None
@@ -510,7 +519,8 @@ def sweep(contexts, heads, tree_sizes, tune, out, focus=False, deadline=None, ro
         sms = report["sms"]
         runs = round2_runs(row, sms) if round2 else focus_runs(row, sms, FOCUS if focus else CANDIDATES, not focus)
         row["tuned"] = tune_case(row, runs)
-        _, splits, partials = default_choice(row["T"] * row["H"], row["B"], row["L"] + row.get("pad", 0), sms)
+        _, splits, partials = default_choice(row["T"] * row["H"], row["B"], row["L"] + row.get("pad", 0), sms,
+                                             tree=tree_of(row))
         if round2 and splits > 1:
             row["merge_us"] = merge_time_us(row["B"], row["T"] * row["H"], splits, getattr(torch, partials))
         best = min((t for t in row["tuned"] if "us" in t), key=lambda t: t["us"], default=None)

@@ -27,7 +27,8 @@ def main():
         shape, _, extra = case.partition(":")
         L, H, T = (int(v) for v in shape.split(","))
         entry = mk.entry_for(T * H, 90)
-        rule = mk.default_splits(entry, T * H, 1, L, sms, 90, 2 if T * H <= 64 else 4)
+        rule = mk.default_splits(entry, T * H, 1, L, sms, 90, 2 if T * H <= 64 else 4, tree=T,
+                                 tail=mk.tail_split_default(T, entry.config[1], 90))
         q, caches, lens, mask = ba.make_inputs(L, H, T)
         ref = ba.mla_attention_torch(q.float(), caches[0].float(), lens, mask, ba.SCALE).double()
         row = dict(L=L, H=H, T=T, rule=rule, us={})

@@ -113,6 +113,25 @@ def test_partials_in_the_inputs_dtype(dtype):
         mla_attention(q, kv, cache_lens, mask, SCALE, partials=torch.int32)
 
 
+@requires_triton
+@pytest.mark.parametrize("splits", [2, 5])
+def test_tail_split_takes_the_tree_tiles(splits):
+    """With the last split on the tree's tiles (TAIL_SPLIT): a tree alone (no prefix tile), a tree starting inside a
+    tile and one spanning three 16-entry tiles, more splits than prefix tiles; the cache past each length is NaN."""
+    from triton_kernels.mla_attention import mla_attention
+
+    dtype = kernel_dtypes()[0]
+    q, kv, cache_lens, mask = make_case(3, 33, 2, [33, 75, 130], "deep", dtype, device(), seed=splits)
+    for b, length in enumerate(cache_lens.tolist()):
+        kv[b, length:] = float("nan")
+    ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
+    config = (16, 16, 4, 2, 512, False)
+    for tail in (True, False):
+        out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=splits, config=config, tail_split=tail)
+        assert not out.isnan().any()
+        assert rel_err(out, ref) < bound(dtype)
+
+
 # (T*H, cache entries L_max, splits) measured fastest on the H200 (bench/results/attention_h200_run5.md), where the
 # split rule picks it: 20 of the run's 25 cases (in the other 5 its pick is within 4.3% of the fastest); L_max 32,898
 # is the verify step's padded cache
@@ -142,6 +161,38 @@ def test_split_rule_fills_a_wave_on_short_caches(rows, L, splits):
 
     entry = entry_for(rows, 90)
     assert default_splits(entry, rows, 1, L, 132, 90, (entry.partials or torch.bfloat16).itemsize) == splits
+
+
+# (T*H, T, cache entries L_max, splits) with the tail split, where its pick was measured faster than the count
+# next to it (bench/results/attention_h200_s10_tail_split{,_b}.json, H200 2026-11-30): 32k H 8 T 1 257 against
+# 256 splits 18.27 / 18.53 us, H 8 T 64 and H 64 T 8 17 against 16, H 64 T 32 5 against 4 (370 / 480 us), the
+# verify step's T 33 (cache sized 32,898) 27 against 26 at 4k and at 32k
+H200_TAIL_SPLITS = [(8, 1, 32768, 257), (512, 64, 32768, 17), (512, 8, 32768, 17), (2048, 32, 32768, 5),
+                    (264, 33, 32898, 27)]
+
+
+@pytest.mark.parametrize("rows,T,L,splits", H200_TAIL_SPLITS,
+                         ids=[f"R{r}-T{t}-L{L}" for r, t, L, _ in H200_TAIL_SPLITS])
+def test_tail_split_rule_picks_the_h200_winners(rows, T, L, splits):
+    from triton_kernels.mla_attention import default_splits, entry_for, tail_split_default
+
+    entry = entry_for(rows, 90)
+    assert tail_split_default(T, entry.config[1], 90)
+    assert default_splits(entry, rows, 1, L, 132, 90, (entry.partials or torch.bfloat16).itemsize, tree=T,
+                          tail=True) == splits
+
+
+def test_tail_split_work_and_default():
+    """The split model's work per split: the tail split holds the tree's tiles at TAIL_TILE_COST each, the others
+    the prefix's; without it the last split holds both. A tree over three tiles keeps the whole-length splits
+    (the 4k step's T 129 measured 4-9% slower with the tail split)."""
+    from triton_kernels.mla_attention import TAIL_TILE_COST, split_work, tail_split_default
+
+    assert split_work(3, 200, 64, tree=8, tail=True) == [2, 1, TAIL_TILE_COST]  # prefix [0, 192): 3 tiles
+    assert split_work(2, 200, 64, tree=8, tail=False) == [2, 1 + TAIL_TILE_COST]  # [0, 128), [128, 200)
+    assert split_work(3, 200, 64, tree=9, tail=True) == [1, 1, 2 * TAIL_TILE_COST]  # the tree from entry 191
+    assert split_work(2, 200, 64, tree=0) == [2, 2]  # no tree: every tile alike
+    assert tail_split_default(65, 64, 90) and not tail_split_default(129, 64, 90)
 
 
 def kernel_programs(splits, rows, length, entry):
@@ -253,7 +304,8 @@ for block_m, block_n, warps, stages, block_dv, unchain, tma in configs:
     res = compile_for(_mla_split_kernel, {**sig, **descs},
                       {"H": 8, "CAUSAL": causal, "DIRECT": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
                        "BLOCK_DV": block_dv, "BLOCK_DO": 512 - block_dv if block_dv < 512 else 16,
-                       "TAIL_STAGES": TAIL_STAGES[arch] or stages, "UNCHAIN": unchain, "TMA": tma, "PDL": True,
+                       "TAIL_STAGES": TAIL_STAGES[arch] or stages, "UNCHAIN": unchain, "TMA": tma,
+                       "TAIL_SPLIT": not causal, "PDL": True,
                        **({} if tma else {"lat_desc": None, "pe_desc": None})},
                       arch=arch, num_warps=warps, num_stages=stages, aligned=True)
     report.append([block_m, block_n, res.shared, res.registers, res.spill_bytes])

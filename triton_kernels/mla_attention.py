@@ -65,8 +65,20 @@ MERGE_COST = {90: (4.0, 0.5), 120: (4.0, 0.5)}  # merge: us per launch, us per M
 # Pipeline stages of the masked tail loop (a few tiles): on sm_90 one, which frees the shared memory of a
 # second pipeline for larger tiles; on sm_120 (mma.sync) the pipelined tail uses less shared memory.
 TAIL_STAGES = {90: 1, 120: None}  # None: the config's stages
-MERGE_MAX_SPLITS_BLOCK = 256  # splits combined per step of the merge (one step up to this many)
-MERGE_ELEMENTS = 8192  # partial values per merge program and step: BLOCK_S x BLOCK_D
+# Tree attention with several splits: the last split takes the tiles holding tree entries (masked, slower) and the
+# others split the prefix, so that no program runs a whole split and the masked tiles too. By default where the
+# tree spans at most TAIL_SPLIT[arch] tiles (H200: 1-6% faster at T*H = 64 and 256, up to 13% at the 4k step's
+# T 65 (2 tiles); 4-9% slower at its T 129 (3 tiles)). A masked tile costs about TAIL_TILE_COST unmasked ones
+# in the split model (%globaltimer stamps, 64-row tiles: ~10 against ~4-5 us). sm_120 follows sm_90, untimed.
+TAIL_SPLIT = {90: 2, 120: 2}
+TAIL_TILE_COST = 2.0
+# The merge: up to MERGE_MAX_SPLITS_BLOCK splits combined in one step, MERGE_ELEMENTS partial values (BLOCK_S x
+# BLOCK_D) a program and step, MERGE_WARPS warps. H200 (bench/results/attention_merge_h200_s10.md, the merge alone
+# at the defaults' split counts): 16,384 values on 2 warps, all splits in one step, 0.3-2.8 us faster than 8,192 on
+# 4 warps with at most 256 splits a step (64 rows x 132 splits: 4.6 against 7.4 us). sm_120 follows, untimed.
+MERGE_MAX_SPLITS_BLOCK = 512
+MERGE_ELEMENTS = 16384
+MERGE_WARPS = 2
 MIN_TILES_PER_SPLIT = 4  # a split reads at least this many KV tiles
 
 
@@ -137,7 +149,8 @@ def _mla_split_kernel(
     T, rows_kb, sm_scale_log2,
     H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DO: tl.constexpr,
-    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr = False,
+    TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, TMA: tl.constexpr, TAIL_SPLIT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     SPLIT_V: tl.constexpr = BLOCK_DV < 512  # NV programs per query tile, each owning BLOCK_DV value columns
     NV: tl.constexpr = 512 // BLOCK_DV
@@ -161,9 +174,16 @@ def _mla_split_kernel(
     if CAUSAL:  # entries past this tile's last token are invisible to all its rows
         t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // H, T - 1)
         kv_end = tree_start + t_last + 1
-    split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-    start = pid_s * split_len
-    end = tl.minimum(start + split_len, kv_end)
+    if TAIL_SPLIT:  # the last split takes the tiles holding tree entries, the others split the prefix's tiles
+        prefix_end = tree_start // BLOCK_N * BLOCK_N
+        split_len = tl.cdiv(tl.cdiv(prefix_end, num_splits - 1), BLOCK_N) * BLOCK_N
+        is_tail = pid_s == num_splits - 1
+        start = tl.where(is_tail, prefix_end, pid_s * split_len)
+        end = tl.where(is_tail, kv_end, tl.minimum(start + split_len, prefix_end))
+    else:
+        split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+        start = pid_s * split_len
+        end = tl.minimum(start + split_len, kv_end)
     n_full = tl.maximum(tl.minimum(end, tree_start) - start, 0) // BLOCK_N  # tiles with every entry visible
     q_ok = m_ok & (start + 0 * offs_m < end)  # an empty split (no entry) loads no query and stores no o, only lse = -inf
 
@@ -299,26 +319,51 @@ def choose_splits(base, max_len, block_n, slots, per_slot, whole=False):
     return max(1, min(want, cap))
 
 
-def split_cost(splits, base, max_len, entry, slots, partial_bytes, merge_cost):
+def split_bounds(splits, length, block_n):
+    """(start, end) entries of each of `splits` splits of `length` entries (the kernel's rule)."""
+    split_len = triton.cdiv(triton.cdiv(length, splits), block_n) * block_n
+    return [(min(length, s * split_len), min(length, (s + 1) * split_len)) for s in range(splits)]
+
+
+def split_work(splits, length, block_n, tree=0, tail=False):
+    """Each split's work in unmasked KV tiles, by the kernel's rule: a split's tiles before the tree's first entry
+    run unmasked, the rest (the tree's, a ragged end) masked, each at TAIL_TILE_COST where there is a tree (tree:
+    its entries at the end of the cache; 0: no tree mask, every tile alike). tail: the last split takes the tree's
+    tiles (TAIL_SPLIT)."""
+    tree_start = length - tree
+    if tail and splits > 1:
+        prefix = tree_start // block_n * block_n
+        bounds = split_bounds(splits - 1, prefix, block_n) + [(prefix, length)]
+    else:
+        bounds = split_bounds(splits, length, block_n)
+    masked_cost = TAIL_TILE_COST if tree else 1.0
+    work = []
+    for start, end in bounds:
+        full = max(0, min(end, tree_start) - start) // block_n
+        work.append(full + masked_cost * triton.cdiv(max(0, end - start - full * block_n), block_n))
+    return work
+
+
+def split_cost(splits, base, max_len, entry, slots, partial_bytes, merge_cost, tree=0, tail=False):
     """Modelled time (us) with `splits` splits: the split kernel's programs (`base` per split, each tile_us per KV
-    tile of its split + program_us, in launch order) list-scheduled over `slots`, plus the merge of
-    `partial_bytes` per split."""
-    block_n = entry.config[1]
-    split_len = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n  # the kernel's rule
-    tiles = [triton.cdiv(max(0, min(max_len, (s + 1) * split_len) - s * split_len), block_n) for s in range(splits)]
+    tile of its split's work (split_work) + program_us, in launch order) list-scheduled over `slots`, plus the
+    merge of `partial_bytes` per split."""
+    work = split_work(splits, max_len, entry.config[1], tree, tail)
     free = [0.0] * slots  # heap of the times the slots become free
     for s in range(splits):
         for _ in range(base):
-            heapq.heappush(free, heapq.heappop(free) + entry.tile_us * tiles[s] + entry.program_us)
+            heapq.heappush(free, heapq.heappop(free) + entry.tile_us * work[s] + entry.program_us)
     merge = merge_cost[0] + merge_cost[1] * splits * partial_bytes / 1e6 if splits > 1 else 0.0
     return max(free) + merge
 
 
 @functools.lru_cache(maxsize=4096)
-def default_splits(entry, rows, B, max_len, sms, arch, value_bytes, every=False, rule=None):
+def default_splits(entry, rows, B, max_len, sms, arch, value_bytes, every=False, rule=None, tree=0, tail=False):
     """The split count of the least modelled time among SPLIT_PER_SLOT's candidates (every: among all counts up to
     the cap) with `entry` (of CONFIGS), for B sequences of `rows` query rows over a max_len-entry cache on `sms` SMs
-    of `arch` (partials: value_bytes a value). rule: (window, whole) overriding SPLIT_RULE[arch]."""
+    of `arch` (partials: value_bytes a value). rule: (window, whole) overriding SPLIT_RULE[arch]; tree: the entries
+    under a tree mask at the end of the cache; tail: the last split takes the tree's tiles (each candidate count
+    and one more, for the tail's split)."""
     block_m, block_n, _, _, block_dv, _ = entry.config
     window, whole = rule or SPLIT_RULE[arch]
     grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
@@ -327,19 +372,27 @@ def default_splits(entry, rows, B, max_len, sms, arch, value_bytes, every=False,
               for w in {False, whole}}
     if every:
         counts = range(1, choose_splits(1, max_len, block_n, 1, max_len) + 1)  # 1 .. the cap
+    if tail:
+        counts = {s + k for s in counts for k in (0, 1)}
     part_bytes = B * rows * D_LAT * value_bytes
     lengths = [max_len - k * block_n for k in range(window) if max_len - k * block_n > 0]
 
     def cost(s):
-        return sum(split_cost(s, B * grid_m, n, entry, slots, part_bytes, MERGE_COST[arch]) for n in lengths)
+        return sum(split_cost(s, B * grid_m, n, entry, slots, part_bytes, MERGE_COST[arch], tree, tail)
+                   for n in lengths)
 
     return min(sorted(counts), key=cost)
+
+
+def tail_split_default(T, block_n, arch):
+    """Whether the last split takes a T-node tree's tiles by default: where they are at most TAIL_SPLIT[arch]."""
+    return triton.cdiv(T - 1, block_n) + 1 <= TAIL_SPLIT[arch]
 
 
 def merge_blocks(num_splits):
     """(BLOCK_S, BLOCK_D) of the merge for `num_splits` splits."""
     block_s = min(triton.next_power_of_2(num_splits), MERGE_MAX_SPLITS_BLOCK)
-    return block_s, max(32, min(D_LAT, MERGE_ELEMENTS // block_s))
+    return block_s, max(32, min(D_LAT // 2, MERGE_ELEMENTS // block_s))  # wider than 256: untimed
 
 
 def _check(q, kv_cache, value_dim):
@@ -356,13 +409,15 @@ def _check(q, kv_cache, value_dim):
 
 
 def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, num_splits=None, config=None,
-                  partials=None, tma=None):
+                  partials=None, tma=None, tail_split=None):
     """Triton twin of ops.mla_attention: q [B, T, H, 576], kv_cache [B, L_max, 576], cache_lens [B] int32,
     tree_mask [B, T, ceil(T/32)] int32 or None (causal), -> [B, T, H, 512] in q's dtype.
 
     num_splits (splits per sequence), config ((BLOCK_M, BLOCK_N, warps, stages, BLOCK_DV, UNCHAIN)) and partials
     (dtype of the per-split outputs: torch.float32 or q.dtype) override the defaults; so does tma (True: the
-    unmasked loop loads its tiles through tensor descriptors, TMA; needs BLOCK_DV 512 and a 16-byte aligned cache).
+    unmasked loop loads its tiles through tensor descriptors, TMA; needs BLOCK_DV 512 and a 16-byte aligned cache)
+    and tail_split (True: with a tree mask and several splits, the last split takes the tree's tiles; None:
+    where the tree spans at most TAIL_SPLIT[arch] tiles).
     """
     _check(q, kv_cache, value_dim)
     B, T, H, _ = q.shape
@@ -378,8 +433,11 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         raise ValueError(f"mla_attention (triton): partials must be torch.float32 or q's {q.dtype}, got {partials}")
     partials = partials or entry.partials or q.dtype
     entry = entry._replace(config=(block_m, block_n, warps, stages, block_dv, unchain))
+    causal = tree_mask is None
+    tail = not causal and (tail_split_default(T, block_n, arch) if tail_split is None else tail_split)
     if num_splits is None:
-        num_splits = default_splits(entry, rows, B, kv_cache.shape[1], sm_count(q.device), arch, partials.itemsize)
+        num_splits = default_splits(entry, rows, B, kv_cache.shape[1], sm_count(q.device), arch, partials.itemsize,
+                                    tree=0 if causal else T, tail=tail)
     grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
     out = torch.empty(B, T, H, D_LAT, dtype=q.dtype, device=q.device)
     direct = num_splits == 1
@@ -388,7 +446,6 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     else:
         o_part = torch.empty(B, num_splits, rows, D_LAT, dtype=partials, device=q.device)
         lse_part = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q.device)
-    causal = tree_mask is None
     mask = cache_lens if causal else tree_mask.contiguous()
     lat_desc, pe_desc = _descriptors(kv_cache, block_n) if tma and kv_cache.data_ptr() % 16 == 0 else (None, None)
     _mla_split_kernel[(grid_m, num_splits, B)](
@@ -396,12 +453,13 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         T, kv_cache.stride(0) // ENTRY, scale * 1.4426950408889634,
         H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=block_dv,
         BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16, TAIL_STAGES=tail_stages, UNCHAIN=unchain,
-        TMA=lat_desc is not None, num_warps=warps, num_stages=stages, **pdl.options(q),
+        TMA=lat_desc is not None, TAIL_SPLIT=tail and not direct, num_warps=warps, num_stages=stages, **pdl.options(q),
     )
     if not direct:
         block_s, block_d = merge_blocks(num_splits)
         _merge_kernel[(rows, D_LAT // block_d, B)](
-            o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d, **pdl.options(q),
+            o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=MERGE_WARPS,
+            **pdl.options(q),
         )
     return out
 

@@ -1,0 +1,163 @@
+"""Where an attention call's time goes: the split and merge kernels with %globaltimer / %clock64 stamps.
+
+The committed kernels' source is copied with stamps inserted at a few points (a program's entry, after its PDL
+wait and the length, after its query, after the unmasked and the masked loops, at its end; the merge's entry,
+after its wait, its end), each stamp made to depend on the value computed before it so that it is not issued
+early. The stamped call runs as the last of a CUDA graph over rotated caches (cache cold in L2, as
+bench_attention times it); its stamps give per-phase times (median and max over programs) and the span from
+the split kernel's first program to the merge's last.
+
+Usage (device): python bench/probe_attention_timeline.py --out DIR L,H,T[,pad] ...
+"""
+
+import argparse
+import importlib.util
+import inspect
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import bench_attention as ba
+from triton_kernels import mla_attention as mk
+
+STAMP = '''
+@triton.jit
+def _stamp(times_ptr, slot: tl.constexpr, dep):
+    """Write %globaltimer (ns) and %clock64 of this program to times_ptr[prog * 32 + slot (+ 16)]."""
+    prog = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    dep = dep.to(tl.int32, bitcast=True) if dep.dtype == tl.float32 else dep.to(tl.int32)
+    ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep], dtype=tl.int64, is_pure=False, pack=1)
+    clk = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dep], dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(times_ptr + prog * 32 + slot, ns)
+    tl.store(times_ptr + prog * 32 + 16 + slot, clk)
+    if slot == 0:
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [dep], dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(times_ptr + prog * 32 + 15, sm.to(tl.int64))
+'''
+
+SPLIT_PHASES = ("entry", "waited", "query", "unmasked", "masked", "end")
+MERGE_PHASES = ("entry", "waited", "end")
+
+
+def _insert(src, anchor, line, after=True):
+    """src with `line` (indented as the anchor's line) inserted after (or before) the first line matching anchor."""
+    lines = src.split("\n")
+    i = next(i for i, text in enumerate(lines) if re.search(anchor, text))
+    indent = re.match(r"\s*", lines[i]).group(0)
+    lines.insert(i + 1 if after else i, indent + line)
+    return "\n".join(lines)
+
+
+def stamped_module():
+    """A module with stamped copies of _mla_split_kernel and _merge_kernel (each takes times_ptr last)."""
+    split = inspect.getsource(mk._mla_split_kernel.fn)
+    split = split.replace("PDL: tl.constexpr = False,\n):", "PDL: tl.constexpr = False, times_ptr=None,\n):")
+    split = _insert(split, r"pdl\.wait\(PDL\)", "_stamp(times_ptr, 0, pid_s)", after=False)
+    split = _insert(split, r"length = tl\.load", "_stamp(times_ptr, 1, length)")
+    split = _insert(split, r"q_pe = tl\.load", "_stamp(times_ptr, 2, tl.sum(tl.sum(q_pe.to(tl.float32), 1), 0))")
+    split = _insert(split, r"for j0 in tl\.range", "_stamp(times_ptr, 3, tl.sum(l_i, 0))", after=False)
+    split = _insert(split, r"o = acc / tl\.where", "_stamp(times_ptr, 4, tl.sum(l_i, 0))", after=False)
+    split = _insert(split, r"^    pdl\.release\(PDL\)", "_stamp(times_ptr, 5, tl.sum(l_i, 0))", after=False)
+    merge = inspect.getsource(mk._merge_kernel.fn)
+    merge = merge.replace("PDL: tl.constexpr = False):", "PDL: tl.constexpr = False, times_ptr=None):")
+    merge = _insert(merge, r"pdl\.enter\(PDL\)", "_stamp(times_ptr, 0, tl.program_id(0))", after=False)
+    merge = _insert(merge, r"pdl\.enter\(PDL\)", "_stamp(times_ptr, 1, tl.program_id(0))")
+    merge = _insert(merge, r"out = acc / w_sum", "_stamp(times_ptr, 2, tl.sum(acc, 0))")
+    header = ("import triton\nimport triton.language as tl\nfrom triton_kernels import pdl\n"
+              "from triton_kernels.mla_attention import _scores, _tma_scores, _sum_scores, _probs, _softmax_step\n")
+    path = Path(tempfile.mkdtemp()) / "stamped_attention.py"
+    path.write_text(header + STAMP + "\n\n" + split + "\n\n" + merge)
+    spec = importlib.util.spec_from_file_location("stamped_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["stamped_attention"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class Stamped:
+    """kernel[grid](...) with times_ptr added (a stand-in for the module global the host code launches)."""
+
+    def __init__(self, kernel, times):
+        self.kernel, self.times = kernel, times
+
+    def __getitem__(self, grid):
+        self.grid = grid
+        return lambda *args, **kwargs: self.kernel[grid](*args, times_ptr=self.times, **kwargs)
+
+
+def phases(stamps, names):
+    """Per-phase (median, max) in us of consecutive stamps, and the programs' (first entry, last end) in ns."""
+    ns = stamps[:, :len(names)].double()
+    steps = {f"{names[i]}->{names[i + 1]}": ns[:, i + 1] - ns[:, i] for i in range(len(names) - 1)}
+    out = {k: (round(v.median().item() / 1e3, 2), round(v.max().item() / 1e3, 2)) for k, v in steps.items()}
+    return out, ns[:, 0].min().item(), ns[:, -1].max().item()
+
+
+def run_case(L, H, T, pad, module):
+    q, caches, lens, mask = ba.make_inputs(L, H, T, pad=pad)
+    split_times = torch.zeros(1 << 16, 32, dtype=torch.int64, device="cuda")
+    merge_times = torch.zeros(1 << 16, 32, dtype=torch.int64, device="cuda")
+    split = Stamped(module._mla_split_kernel, split_times)
+    merge = Stamped(module._merge_kernel, merge_times)
+    plain_us = ba.graph_time_us(lambda kv: mk.mla_attention(q, kv, lens, mask, ba.SCALE), caches)
+    saved = mk._mla_split_kernel, mk._merge_kernel
+    mk._mla_split_kernel, mk._merge_kernel = split, merge
+    try:
+        stamped_us = ba.graph_time_us(lambda kv: mk.mla_attention(q, kv, lens, mask, ba.SCALE), caches)
+    finally:
+        mk._mla_split_kernel, mk._merge_kernel = saved
+    torch.cuda.synchronize()
+    n_split = split.grid[0] * split.grid[1] * split.grid[2]
+    s = split_times[:n_split].cpu()
+    row = dict(L=L, H=H, T=T, pad=pad, grid=list(split.grid), plain_us=round(plain_us, 2),
+               stamped_us=round(stamped_us, 2))
+    row["split"], s_first, s_last = phases(s, SPLIT_PHASES)
+    clk_us = (s[:, 16 + 5] - s[:, 16]).double() * 1e-3 / ghz(s)
+    row["split_program_us_by_clock"] = (round(clk_us.median().item(), 2), round(clk_us.max().item(), 2))
+    row["split_entry_spread_us"] = round((s[:, 0].max() - s[:, 0].min()).item() / 1e3, 2)
+    row["split_waited_spread_us"] = round((s[:, 1].max() - s[:, 1].min()).item() / 1e3, 2)
+    row["split_span_us"] = round((s_last - s_first) / 1e3, 2)
+    row["programs_per_sm_max"] = int(torch.bincount(s[:, 15]).max().item())
+    if hasattr(merge, "grid"):
+        n_merge = merge.grid[0] * merge.grid[1] * merge.grid[2]
+        m = merge_times[:n_merge].cpu()
+        row["merge"], m_first, m_last = phases(m, MERGE_PHASES)
+        row["merge_first_entry_after_split_first_us"] = round((m_first - s_first) / 1e3, 2)
+        row["merge_first_waited_after_split_last_end_us"] = round((m[:, 1].min().item() - s_last) / 1e3, 2)
+        row["merge_span_after_split_last_end_us"] = round((m_last - s_last) / 1e3, 2)
+        row["total_span_us"] = round((m_last - s_first) / 1e3, 2)
+    return row
+
+
+def ghz(stamps):
+    """The SM clock (GHz) from the programs' own clock64 and globaltimer deltas, entry to end."""
+    ns = (stamps[:, 5] - stamps[:, 0]).double().sum()
+    clk = (stamps[:, 16 + 5] - stamps[:, 16]).double().sum()
+    return (clk / ns).item()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("cases", nargs="+", help="L,H,T[,pad]")
+    args = parser.parse_args()
+    module = stamped_module()
+    rows = []
+    for case in args.cases:
+        L, H, T, pad = (list(map(int, case.split(","))) + [0])[:4]
+        row = run_case(L, H, T, pad, module)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    (args.out / "attention_timeline.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

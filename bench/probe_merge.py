@@ -1,0 +1,70 @@
+"""The attention's split merge alone, its blocks (BLOCK_S splits x BLOCK_D values a step) and warps against the
+committed merge_blocks rule, at the split counts the defaults run (partials L2-warm, as the split kernel leaves
+them: bench_attention.merge_time_us's timing).
+
+Usage (device): python bench/probe_merge.py --out DIR
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import bench_attention as ba
+from triton_kernels import mla_attention as mk
+
+# (rows, splits, partials): 32k / 128k H 8 T 1 (tail split), T*H = 64 at 32k / 128k, the 4k step's T 1, 9, 33, 65,
+# 32k H 8 T 32
+CASES = [(8, 257, torch.bfloat16), (8, 264, torch.bfloat16), (8, 258, torch.bfloat16), (64, 129, torch.bfloat16),
+         (64, 132, torch.bfloat16), (72, 66, torch.float32), (264, 27, torch.float32), (520, 15, torch.float32),
+         (256, 33, torch.float32)]
+BLOCKS_S = (32, 64, 128, 256, 512)
+BLOCKS_D = (16, 32, 64, 128, 256)
+WARPS = (2, 4, 8)
+
+
+def time_merge(o_part, lse_part, out, rows, splits, block_s, block_d, warps):
+    grid = (rows, 512 // block_d, 1)
+    return ba.graph_time_us(lambda _: mk._merge_kernel[grid](o_part, lse_part, out, rows, splits, BLOCK_S=block_s,
+                                                             BLOCK_D=block_d, num_warps=warps), [None] * 8)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    rows_out = []
+    for rows, splits, dtype in CASES:
+        o_part = torch.randn(1, splits, rows, 512, device="cuda").to(dtype)
+        lse_part = torch.randn(1, splits, rows, device="cuda")
+        ref = torch.empty(1, rows, 512, dtype=torch.bfloat16, device="cuda")
+        block_s, block_d = mk.merge_blocks(splits)
+        base = time_merge(o_part, lse_part, ref, rows, splits, block_s, block_d, 4)
+        row = dict(rows=rows, splits=splits, partials=str(dtype), rule=[block_s, block_d, 4], rule_us=round(base, 2),
+                   runs=[])
+        for bs in BLOCKS_S:
+            for bd in BLOCKS_D:
+                if not 512 <= bs * bd <= 16384 or bs > 2 * triton_next_pow2(splits):
+                    continue
+                for warps in WARPS:
+                    out = torch.empty_like(ref)
+                    us = time_merge(o_part, lse_part, out, rows, splits, bs, bd, warps)
+                    ok = torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+                    row["runs"].append([bs, bd, warps, round(us, 2), ok])
+        best = min(row["runs"], key=lambda r: r[3])
+        print(json.dumps(dict(rows=rows, splits=splits, rule=row["rule"], rule_us=row["rule_us"], best=best,
+                              top5=sorted(row["runs"], key=lambda r: r[3])[:5])), flush=True)
+        rows_out.append(row)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    (args.out / "merge_blocks.json").write_text(json.dumps(dict(meta=meta, rows=rows_out), indent=1))
+
+
+def triton_next_pow2(n):
+    return 1 << (n - 1).bit_length()
+
+
+if __name__ == "__main__":
+    main()
