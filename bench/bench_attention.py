@@ -277,10 +277,10 @@ def merge_time_us(B, rows, splits, partials):
     o_part = torch.randn(B, splits, rows, 512, device="cuda").to(partials)
     lse_part = torch.randn(B, splits, rows, device="cuda")
     out = torch.empty(B, rows, 512, dtype=torch.bfloat16, device="cuda")
-    block_s, block_d = mk.merge_blocks(splits)
+    block_s, block_d, warps = mk.merge_blocks(splits)
     grid = (rows, 512 // block_d, B)
     return graph_time_us(lambda _: mk._merge_kernel[grid](o_part, lse_part, out, rows, splits, BLOCK_S=block_s,
-                                                          BLOCK_D=block_d, num_warps=mk.MERGE_WARPS), [None] * 8)
+                                                          BLOCK_D=block_d, num_warps=warps), [None] * 8)
 
 
 def tune_case(row, runs):

@@ -1,6 +1,6 @@
 """The attention's split merge alone, its blocks (BLOCK_S splits x BLOCK_D values a step) and warps against the
-committed merge_blocks rule, at the split counts the defaults run (partials L2-warm, as the split kernel leaves
-them: bench_attention.merge_time_us's timing).
+merge_blocks rule (the committed one when run), at the split counts the defaults run (partials L2-warm, as the split
+kernel leaves them: bench_attention.merge_time_us's timing).
 
 Usage (device): python bench/probe_merge.py --out DIR
 """
@@ -40,9 +40,9 @@ def main():
         o_part = torch.randn(1, splits, rows, 512, device="cuda").to(dtype)
         lse_part = torch.randn(1, splits, rows, device="cuda")
         ref = torch.empty(1, rows, 512, dtype=torch.bfloat16, device="cuda")
-        block_s, block_d = mk.merge_blocks(splits)
-        base = time_merge(o_part, lse_part, ref, rows, splits, block_s, block_d, 4)
-        row = dict(rows=rows, splits=splits, partials=str(dtype), rule=[block_s, block_d, 4], rule_us=round(base, 2),
+        rule = mk.merge_blocks(splits)
+        base = time_merge(o_part, lse_part, ref, rows, splits, *rule)
+        row = dict(rows=rows, splits=splits, partials=str(dtype), rule=list(rule), rule_us=round(base, 2),
                    runs=[])
         for bs in BLOCKS_S:
             for bd in BLOCKS_D:

@@ -132,6 +132,19 @@ def test_tail_split_takes_the_tree_tiles(splits):
         assert rel_err(out, ref) < bound(dtype)
 
 
+@requires_triton
+@pytest.mark.parametrize("splits", [40, 300])
+def test_merge_of_many_splits(splits):
+    """The merge's wide blocks (MERGE_BLOCKS: 64 and 512 splits a step), most splits empty on a short cache."""
+    from triton_kernels.mla_attention import mla_attention
+
+    dtype = kernel_dtypes()[0]
+    q, kv, cache_lens, mask = make_case(1, 2, 4, [700], "chain", dtype, device(), seed=splits)
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=splits, config=(16, 16, 4, 2, 512, False))
+    ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
+    assert rel_err(out, ref) < bound(dtype)
+
+
 # (T*H, cache entries L_max, splits) measured fastest on the H200 (bench/results/attention_h200_run5.md), where the
 # split rule picks it: 20 of the run's 25 cases (in the other 5 its pick is within 4.3% of the fastest); L_max 32,898
 # is the verify step's padded cache

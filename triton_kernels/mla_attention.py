@@ -72,13 +72,13 @@ TAIL_STAGES = {90: 1, 120: None}  # None: the config's stages
 # in the split model (%globaltimer stamps, 64-row tiles: ~10 against ~4-5 us). sm_120 follows sm_90, untimed.
 TAIL_SPLIT = {90: 2, 120: 2}
 TAIL_TILE_COST = 2.0
-# The merge: up to MERGE_MAX_SPLITS_BLOCK splits combined in one step, MERGE_ELEMENTS partial values (BLOCK_S x
-# BLOCK_D) a program and step, MERGE_WARPS warps. H200 (bench/results/attention_merge_h200_s10.md, the merge alone
-# at the defaults' split counts): 16,384 values on 2 warps, all splits in one step, 0.3-2.8 us faster than 8,192 on
-# 4 warps with at most 256 splits a step (64 rows x 132 splits: 4.6 against 7.4 us). sm_120 follows, untimed.
+# The merge combines up to MERGE_MAX_SPLITS_BLOCK splits a step (BLOCK_S, the splits' next power of two), BLOCK_D
+# values of a row a program, on `warps`: MERGE_BLOCKS[BLOCK_S] = (BLOCK_D, warps), the fastest measured on the H200
+# (bench/results/attention_merge_h200_s10.md, the merge alone at the defaults' split counts; e.g. 64 rows x 132
+# splits 4.6 us against 7.4 with 256 x 32 values on 4 warps, 8 rows x 257 splits 3.4 against 4.1 in two steps);
+# BLOCK_S <= 16 keeps the earlier rule's 512 values on 4 warps (best measured at 15 splits). sm_120 follows, untimed.
 MERGE_MAX_SPLITS_BLOCK = 512
-MERGE_ELEMENTS = 16384
-MERGE_WARPS = 2
+MERGE_BLOCKS = {512: (32, 2), 256: (64, 2), 128: (64, 2), 64: (256, 2), 32: (256, 2)}
 MIN_TILES_PER_SPLIT = 4  # a split reads at least this many KV tiles
 
 
@@ -390,9 +390,9 @@ def tail_split_default(T, block_n, arch):
 
 
 def merge_blocks(num_splits):
-    """(BLOCK_S, BLOCK_D) of the merge for `num_splits` splits."""
+    """(BLOCK_S, BLOCK_D, warps) of the merge for `num_splits` splits."""
     block_s = min(triton.next_power_of_2(num_splits), MERGE_MAX_SPLITS_BLOCK)
-    return block_s, max(32, min(D_LAT // 2, MERGE_ELEMENTS // block_s))  # wider than 256: untimed
+    return (block_s, *MERGE_BLOCKS.get(block_s, (D_LAT, 4)))
 
 
 def _check(q, kv_cache, value_dim):
@@ -456,9 +456,9 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         TMA=lat_desc is not None, TAIL_SPLIT=tail and not direct, num_warps=warps, num_stages=stages, **pdl.options(q),
     )
     if not direct:
-        block_s, block_d = merge_blocks(num_splits)
+        block_s, block_d, warps = merge_blocks(num_splits)
         _merge_kernel[(rows, D_LAT // block_d, B)](
-            o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=MERGE_WARPS,
+            o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps,
             **pdl.options(q),
         )
     return out
