@@ -68,8 +68,10 @@ TAIL_STAGES = {90: 1, 120: None}  # None: the config's stages
 # Tree attention with several splits: the last split takes the tiles holding tree entries (masked, slower) and the
 # others split the prefix, so that no program runs a whole split and the masked tiles too. By default where the
 # tree spans at most TAIL_SPLIT[arch] tiles (H200: 1-6% faster at T*H = 64 and 256, up to 13% at the 4k step's
-# T 65 (2 tiles); 4-9% slower at its T 129 (3 tiles)). A masked tile costs about TAIL_TILE_COST unmasked ones
-# in the split model (%globaltimer stamps, 64-row tiles: ~10 against ~4-5 us). sm_120 follows sm_90, untimed.
+# T 65 (2 tiles); 4-9% slower at its T 129 (3 tiles); the verify step's graph 1.4% faster at budget 64 but 2.6%
+# slower at budget 8, not understood: bench/results/step_h200.md, session 10). A masked tile costs about
+# TAIL_TILE_COST unmasked ones in the split model (%globaltimer stamps, 64-row tiles: ~10 against ~4-5 us).
+# sm_120 follows sm_90, untimed.
 TAIL_SPLIT = {90: 2, 120: 2}
 TAIL_TILE_COST = 2.0
 # The merge combines up to MERGE_MAX_SPLITS_BLOCK splits a step (BLOCK_S, the splits' next power of two), BLOCK_D
