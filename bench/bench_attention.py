@@ -189,8 +189,10 @@ def round2_runs(row, sms):
     cfg, splits, partials = default_choice(rows, B, L, sms, tree=tree_of(row))
     entry = mk.entry_for(rows, 90)
     dt = getattr(torch, partials)
-    every = mk.default_splits(entry, rows, B, L, sms, 90, dt.itemsize, every=True)
-    waves = mk.default_splits(entry, rows, B, L, sms, 90, dt.itemsize, rule=WAVES_RULE)
+    tree = tree_of(row)
+    scheme = dict(tree=tree, tail=bool(tree) and mk.tail_split_default(tree, entry.config[1], 90))
+    every = mk.default_splits(entry, rows, B, L, sms, 90, dt.itemsize, every=True, **scheme)
+    waves = mk.default_splits(entry, rows, B, L, sms, 90, dt.itemsize, rule=WAVES_RULE, **scheme)
     runs = [("default", cfg, splits, dt)]
     if every != splits:
         runs.append(("all-S", cfg, every, dt))
