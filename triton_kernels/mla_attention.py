@@ -78,7 +78,9 @@ TAIL_TILE_COST = 2.0
 # values of a row a program, on `warps`: MERGE_BLOCKS[BLOCK_S] = (BLOCK_D, warps), the fastest measured on the H200
 # (bench/results/attention_merge_h200_s10.md, the merge alone at the defaults' split counts; e.g. 64 rows x 132
 # splits 4.6 us against 7.4 with 256 x 32 values on 4 warps, 8 rows x 257 splits 3.4 against 4.1 in two steps);
-# BLOCK_S <= 16 keeps the earlier rule's 512 values on 4 warps (best measured at 15 splits). sm_120 follows, untimed.
+# BLOCK_S <= 16 keeps the earlier rule's 512 values on 4 warps (best measured at 15 splits). With fp32 partials the
+# 16,384-value blocks spill 300-550 bytes on 2 warps (ptxas, Triton 3.6 and 3.9) and were still the fastest measured
+# (64 x 256 at 33 splits: 5.7 against 7.7 us). sm_120 follows, untimed.
 MERGE_MAX_SPLITS_BLOCK = 512
 MERGE_BLOCKS = {512: (32, 2), 256: (64, 2), 128: (64, 2), 64: (256, 2), 32: (256, 2)}
 MIN_TILES_PER_SPLIT = 4  # a split reads at least this many KV tiles
