@@ -346,3 +346,21 @@ def test_sm90_configs_fit_shared_memory():
     TMA tiles) fits 227 KB."""
     for block_m, block_n, shared, _, _ in aot_report("tree", 90):
         assert shared <= SM90_SHARED_LIMIT, (block_m, block_n, shared)
+
+
+@requires_triton
+def test_timeline_probe_stamps_the_committed_kernels(monkeypatch):
+    """bench/probe_attention_timeline.py patches the kernels' source at anchor lines: they still match, and both
+    stamped kernels take times_ptr (the patched module is written and imported, not compiled)."""
+    import inspect
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
+    import probe_attention_timeline
+
+    module = probe_attention_timeline.stamped_module()
+    assert "times_ptr" in module._mla_split_kernel.arg_names and "times_ptr" in module._merge_kernel.arg_names
+    source = inspect.getsource(module._mla_split_kernel.fn)
+    assert sum(line.strip().startswith("_stamp(") for line in source.split("\n")) == 6
+    sys.modules.pop("stamped_attention", None)
