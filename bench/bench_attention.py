@@ -189,8 +189,7 @@ def round2_runs(row, sms):
     cfg, splits, partials = default_choice(rows, B, L, sms, tree=tree_of(row))
     entry = mk.entry_for(rows, 90)
     dt = getattr(torch, partials)
-    tree = tree_of(row)
-    scheme = dict(tree=tree, tail=bool(tree) and mk.tail_split_default(tree, entry.config[1], 90))
+    scheme = split_scheme(tree_of(row), entry)
     every = mk.default_splits(entry, rows, B, L, sms, 90, dt.itemsize, every=True, **scheme)
     waves = mk.default_splits(entry, rows, B, L, sms, 90, dt.itemsize, rule=WAVES_RULE, **scheme)
     runs = [("default", cfg, splits, dt)]
@@ -357,14 +356,36 @@ def round2_table(report):
     return lines
 
 
+def split_scheme(tree, entry, arch=90):
+    """default_splits' tree and tail keywords as mla_attention picks them (tree: T under a tree mask, 0 causal)."""
+    return dict(tree=tree, tail=bool(tree) and mk.tail_split_default(tree, entry.config[1], arch))
+
+
 def default_choice(rows, B, L, sms, arch=90, tree=0):
     """(config, splits, partials name) the committed CONFIGS and split rule pick for one case (tree: its T under a
     tree mask, 0 for a causal one)."""
     entry = mk.entry_for(rows, arch)
     partials = entry.partials or torch.bfloat16
-    tail = bool(tree) and mk.tail_split_default(tree, entry.config[1], arch)
-    splits = mk.default_splits(entry, rows, B, L, sms, arch, partials.itemsize, tree=tree, tail=tail)
+    splits = mk.default_splits(entry, rows, B, L, sms, arch, partials.itemsize, **split_scheme(tree, entry, arch))
     return entry.config, splits, str(partials).split(".")[-1]
+
+
+def parse_case(case):
+    """(L, H, T, pad) of a probe's "L,H,T[,pad]" argument."""
+    return tuple((list(map(int, case.split(","))) + [0])[:4])
+
+
+def checked_time_us(call, caches, ref):
+    """(us, rel_err) of call(kv): graph_time_us over caches, the error of call(caches[0]) against ref (fp64)."""
+    err = ((call(caches[0]).double() - ref).norm() / ref.norm()).item()
+    return graph_time_us(call, caches), err
+
+
+def write_probe_json(out, name, rows, **meta):
+    """rows to out/name as {meta (GPU, date, and these), rows}, for the bench/probe_*.py scripts."""
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **meta)
+    (out / name).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
 
 
 def tree_of(row):

@@ -7,10 +7,7 @@ Usage (device): python bench/probe_attention_ab.py --out DIR --option tail_split
 import argparse
 import ast
 import json
-import time
 from pathlib import Path
-
-import torch
 
 import bench_attention as ba
 from triton_kernels import mla_attention as mk
@@ -27,7 +24,7 @@ def main():
     ceil = ba.ceilings()
     rows = []
     for case in args.cases:
-        L, H, T, pad = (list(map(int, case.split(","))) + [0])[:4]
+        L, H, T, pad = ba.parse_case(case)
         q, caches, lens, mask = ba.make_inputs(L, H, T, pad=pad)
         ref = ba.mla_attention_torch(q.float(), caches[0].float(), lens, mask, ba.SCALE).double()
         roof = ba.case_costs(L, H, T, 1, ceil)[3]
@@ -35,15 +32,11 @@ def main():
         for name, kwargs in list(variants.items()) + [("default again", {})]:
             def call(kv):
                 return mk.mla_attention(q, kv, lens, mask, ba.SCALE, **kwargs)
-            err = ((call(caches[0]).double() - ref).norm() / ref.norm()).item()
-            us = ba.graph_time_us(call, caches)
+            us, err = ba.checked_time_us(call, caches, ref)
             row["runs"][name] = dict(us=round(us, 2), x_roofline=round(us / roof, 3), rel_err=err)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                ceilings=ceil, variants=variants)
-    (args.out / "attention_ab.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    ba.write_probe_json(args.out, "attention_ab.json", rows, ceilings=ceil, variants=variants)
 
 
 if __name__ == "__main__":

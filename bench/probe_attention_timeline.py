@@ -15,10 +15,8 @@ import importlib.util
 import inspect
 import json
 import re
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -150,13 +148,10 @@ def main():
     module = stamped_module()
     rows = []
     for case in args.cases:
-        L, H, T, pad = (list(map(int, case.split(","))) + [0])[:4]
-        row = run_case(L, H, T, pad, module)
+        row = run_case(*ba.parse_case(case), module)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    (args.out / "attention_timeline.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    ba.write_probe_json(args.out, "attention_timeline.json", rows)
 
 
 if __name__ == "__main__":

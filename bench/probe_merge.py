@@ -7,10 +7,10 @@ Usage (device): python bench/probe_merge.py --out DIR
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
+import triton
 
 import bench_attention as ba
 from triton_kernels import mla_attention as mk
@@ -46,7 +46,7 @@ def main():
                    runs=[])
         for bs in BLOCKS_S:
             for bd in BLOCKS_D:
-                if not 512 <= bs * bd <= 16384 or bs > 2 * triton_next_pow2(splits):
+                if not 512 <= bs * bd <= 16384 or bs > 2 * triton.next_power_of_2(splits):
                     continue
                 for warps in WARPS:
                     out = torch.empty_like(ref)
@@ -57,13 +57,7 @@ def main():
         print(json.dumps(dict(rows=rows, splits=splits, rule=row["rule"], rule_us=row["rule_us"], best=best,
                               top5=sorted(row["runs"], key=lambda r: r[3])[:5])), flush=True)
         rows_out.append(row)
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    (args.out / "merge_blocks.json").write_text(json.dumps(dict(meta=meta, rows=rows_out), indent=1))
-
-
-def triton_next_pow2(n):
-    return 1 << (n - 1).bit_length()
+    ba.write_probe_json(args.out, "merge_blocks.json", rows_out)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ Usage (device): python bench/probe_short_splits.py --out DIR L,H,T:S1/S2 ...   (
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -27,21 +26,17 @@ def main():
         shape, _, extra = case.partition(":")
         L, H, T = (int(v) for v in shape.split(","))
         entry = mk.entry_for(T * H, 90)
-        rule = mk.default_splits(entry, T * H, 1, L, sms, 90, 2 if T * H <= 64 else 4, tree=T,
-                                 tail=mk.tail_split_default(T, entry.config[1], 90))
+        rule = mk.default_splits(entry, T * H, 1, L, sms, 90, 2 if T * H <= 64 else 4, **ba.split_scheme(T, entry))
         q, caches, lens, mask = ba.make_inputs(L, H, T)
         ref = ba.mla_attention_torch(q.float(), caches[0].float(), lens, mask, ba.SCALE).double()
         row = dict(L=L, H=H, T=T, rule=rule, us={})
         for splits in [rule] + [int(s) for s in extra.split("/") if s]:
-            out = mk.mla_attention(q, caches[0], lens, mask, ba.SCALE, num_splits=splits)
-            err = ((out.double() - ref).norm() / ref.norm()).item()
-            us = ba.graph_time_us(lambda kv: mk.mla_attention(q, kv, lens, mask, ba.SCALE, num_splits=splits), caches)
+            us, err = ba.checked_time_us(lambda kv: mk.mla_attention(q, kv, lens, mask, ba.SCALE, num_splits=splits),
+                                         caches, ref)
             row["us"][splits] = dict(us=us, rel_err=err)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    (args.out / "short_splits.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    ba.write_probe_json(args.out, "short_splits.json", rows)
 
 
 if __name__ == "__main__":

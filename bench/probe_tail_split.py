@@ -7,7 +7,6 @@ Usage (device): python bench/probe_tail_split.py --out DIR L,H,T[,pad] ...
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ def main():
     ceil = ba.ceilings()
     rows = []
     for case in args.cases:
-        L, H, T, pad = (list(map(int, case.split(","))) + [0])[:4]
+        L, H, T, pad = ba.parse_case(case)
         entry = mk.entry_for(T * H, 90)
         value_bytes = (entry.partials or torch.bfloat16).itemsize
         counts = {tail: mk.default_splits(entry, T * H, 1, L + pad, sms, 90, value_bytes, tree=T, tail=tail)
@@ -39,16 +38,12 @@ def main():
             for splits in dict.fromkeys([counts[tail], counts[not tail]]):
                 def call(kv):
                     return mk.mla_attention(q, kv, lens, mask, ba.SCALE, num_splits=splits, tail_split=tail)
-                err = ((call(caches[0]).double() - ref).norm() / ref.norm()).item()
-                us = ba.graph_time_us(call, caches)
+                us, err = ba.checked_time_us(call, caches, ref)
                 row["runs"].append(dict(tail=tail, splits=splits, default=splits == counts[tail], us=round(us, 2),
                                         x_roofline=round(us / roof, 3), rel_err=err))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                ceilings=ceil)
-    (args.out / "tail_split.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    ba.write_probe_json(args.out, "tail_split.json", rows, ceilings=ceil)
 
 
 if __name__ == "__main__":
