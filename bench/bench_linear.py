@@ -63,7 +63,9 @@ def candidates(M):
     tiles (512, 1024), deeper pipelines and 8 warps, whose K splits aim at one program per SM (x1; no split where
     the N tiles already fill the GPU). Measured slower and removed: a bulk prefetch of each program's whole weight
     range before its PDL wait (bench/results/linear_h200_s6.md); swap and dot at M = 1 (linear_h200.md). The `pdl`
-    flag is not a candidate: on sm_90 every launch is on the PDL chain (`pdl.active`), so it compiles the same."""
+    flag is not a candidate: on sm_90 every launch is on the PDL chain (`pdl.active`), so it compiles the same.
+    M > 1: swap and dot tiles through pointers and through tensor descriptors (`tma`: the padding rows past M
+    are not loaded; bench/results/linear_probe_h200_s11.json); x4 waves never won (linear_h200.md) and went."""
     C = lk.Config
     if M == 1:
         return [C("gemv", 32, 256, 4, 3, 2), C("gemv", 32, 256, 4, 3, 8), C("gemv", 32, 256, 4, 5, 2),
@@ -72,9 +74,12 @@ def candidates(M):
                 C("gemv", 16, 512, 4, 4, 2), C("gemv", 16, 512, 8, 4, 1), C("gemv", 16, 512, 8, 6, 1),
                 C("gemv", 16, 1024, 8, 3, 1), C("gemv", 8, 512, 4, 4, 1), C("gemv", 8, 512, 4, 4, 2),
                 C("gemv", 8, 1024, 4, 3, 1)]
-    return [C("swap", 64, 128, 4, 4, 1), C("swap", 64, 128, 4, 4, 2), C("swap", 64, 128, 4, 4, 4),
-            C("swap", 64, 128, 4, 4, 2, True), C("swap", 128, 128, 4, 3, 2), C("swap", 64, 256, 4, 3, 2),
-            C("dot", 32, 128, 4, 4, 2)]
+    pointers = [C("swap", 64, 128, 4, 4, 1), C("swap", 64, 128, 4, 4, 2), C("swap", 128, 128, 4, 3, 2),
+                C("swap", 64, 256, 4, 3, 2), C("dot", 32, 128, 4, 4, 2), C("dot", 32, 128, 4, 4, 1)]
+    tma = [C("swap", 64, 128, 4, 4, 1), C("swap", 64, 128, 4, 4, 2), C("swap", 64, 256, 4, 3, 1),
+           C("swap", 128, 128, 8, 4, 1), C("dot", 32, 128, 4, 4, 1), C("dot", 32, 128, 4, 4, 2),
+           C("dot", 64, 128, 4, 4, 1)]
+    return pointers + [cfg._replace(tma=True) for cfg in tma]
 
 
 def _compile_one(job):
@@ -111,7 +116,8 @@ def precompile(ms, ks, workers, defaults):
 
 
 def label(cfg):
-    return f"{cfg.kind} {cfg.block_n}x{cfg.block_k} w{cfg.warps} s{cfg.stages} x{cfg.waves:g}" + " pdl" * cfg.pdl
+    return (f"{cfg.kind} {cfg.block_n}x{cfg.block_k} w{cfg.warps} s{cfg.stages} x{cfg.waves:g}" + " pdl" * cfg.pdl
+            + " tma" * cfg.tma)
 
 
 def per_call_us(fn, x, copies):
@@ -234,18 +240,20 @@ def incumbent(N, K, M, row):
 
 def proposed(report):
     """The ADOPTED table the measurements give: {(N, K): {bucket: Config}} where Triton beat cuBLAS by MARGIN;
-    the current entry stays unless the fastest candidate also beats it by MARGIN."""
-    table = {}
+    the current entry stays unless the fastest candidate also beats it by MARGIN, and so do the entries of the
+    points not measured."""
+    table = {nk: dict(entries) for nk, entries in lk.ADOPTED["sm_90"].items()}
     for entry in report["shapes"]:
         N, K = entry["N"], entry["K"]
         for M, row in entry["rows"].items():
+            table.get((N, K), {}).pop(lk.bucket_of(int(M)), None)
             if row.get("adopt"):
                 cfg = lk.Config(*row["triton"][row["best"]]["config"])
                 now = incumbent(N, K, int(M), row)
                 if now and row["best_us"] > MARGIN * now[1]:
                     cfg = lk.ADOPTED["sm_90"][(N, K)][lk.bucket_of(int(M))]
                 table.setdefault((N, K), {})[lk.bucket_of(int(M))] = cfg
-    return table
+    return {nk: entries for nk, entries in table.items() if entries}
 
 
 def markdown(report):
@@ -322,13 +330,18 @@ def main():
     parser.add_argument("--defaults", action="store_true", help="time only ops.linear's choice beside cuBLAS")
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--compile-workers", type=int, default=8, help="processes that compile the candidates first")
+    parser.add_argument("--names", help="only the shapes of these projections (comma-separated, as in shapes())")
     parser.add_argument("--step-ab", action="store_true",
-                        help="then the TP8 verify at 4k, budgets 0 and 32, cuBLAS vs the table (builds the model)")
+                        help="then the TP8 verify at 4k, cuBLAS vs the table (builds the model)")
+    parser.add_argument("--step-budgets", default="0,32", help="tree budgets of the --step-ab verify")
     args = parser.parse_args()
     deadline = time.time() + args.budget
     args.out.mkdir(parents=True, exist_ok=True)
     ms = [int(m) for m in args.ms.split(",")]
     found = shapes()
+    if args.names:
+        keep = set(args.names.split(","))
+        found = {nk: names for nk, names in found.items() if keep & set(names)}
     if args.compile_workers:
         t0 = time.time()
         try:
@@ -357,7 +370,7 @@ def main():
         del copies
         torch.cuda.empty_cache()
         try:
-            report["step_ab"] = step_ab(table)
+            report["step_ab"] = step_ab(table, tuple(int(b) for b in args.step_budgets.split(",")))
         except Exception as exc:  # the sweep's results still get their table  # noqa: BLE001
             report["step_ab_error"] = repr(exc)[:500]
             print(f"step A/B failed: {exc!r}"[:600], flush=True)

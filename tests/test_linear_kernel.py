@@ -3,6 +3,7 @@ per-shape adoption behind `ops.linear`, and its sm_120 configs' resources (inter
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ops
 from triton_kernels import linear as lk
@@ -42,6 +43,27 @@ def test_linear_kernel_matches_reference(cfg, M, N, K):
         assert out.shape == (M, N) and rel_err(out, ref) < 5e-3
 
 
+TMA_CASES = [  # tiles through tensor descriptors: rows past M, a ragged N and K (zero-filled), one K split or several
+    (C("swap", 64, 128, 4, 4, 8, tma=True), 33, 130, 1096),
+    (C("swap", 128, 64, 8, 4, 1, tma=True), 65, 130, 296),
+    (C("dot", 32, 128, 4, 4, 2, tma=True), 9, 72, 1096),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("cfg,M,N,K", TMA_CASES, ids=lambda v: v.kind if isinstance(v, lk.Config) else str(v))
+def test_linear_kernel_tma_tiles_match_reference(cfg, M, N, K):
+    gen = torch.Generator().manual_seed(M + N + K)
+    dtype = kernel_dtypes()[0]
+    x = torch.randn(M, K, generator=gen).to(dtype).to(DEV)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(DEV)
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    assert lk._tma_ok(x, w) and not lk._tma_ok(x[:, 3:], w)  # misaligned rows fall back to pointers
+    for _ in range(2):
+        assert rel_err(lk.linear_kernel(x, w, cfg), ref) < 5e-3
+    assert rel_err(lk.linear_kernel(x[:, 3:], w[:, 3:], cfg), ref - x[:, :3].float() @ w[:, :3].float().T) < 5e-3
+
+
 @requires_triton
 def test_linear_kernel_weight_rows_strided():
     """A weight view whose rows are further apart than K (a slice of a wider buffer)."""
@@ -52,8 +74,12 @@ def test_linear_kernel_weight_rows_strided():
 
 
 def test_cases_cover_split_paths():
-    splits = [lk.plan(cfg, M, N, K, 4).splits for cfg, M, N, K in CASES]
+    """One K split and several; partials summed 4 at a time (a count not a multiple of 4 among them) and 1."""
+    plans = [(lk.plan(cfg, M, N, K, 4), cfg) for cfg, M, N, K in CASES + TMA_CASES]
+    splits = [p.splits for p, _ in plans]
     assert min(splits) == 1 and max(splits) > 4
+    loads = {(lk.reduce_loads(cfg, p.block_m), p.splits % 4 != 0) for p, cfg in plans if p.splits > 4}
+    assert (4, True) in loads and any(lk.reduce_loads(cfg, p.block_m) == 1 for p, cfg in plans if p.splits > 1)
 
 
 @requires_gpu
@@ -65,11 +91,14 @@ def test_linear_kernel_bf16_at_step_shape(M):
 
 
 @requires_gpu
-@pytest.mark.parametrize("N,K", [nk for nk, e in lk.ADOPTED["sm_90"].items() if 1 in e])
-def test_adopted_gemv_bf16_at_its_shape(N, K):
-    """Every adopted M = 1 config, bf16, at the (N, K) it was adopted for."""
-    x, w, ref = operands(1, N, K, torch.bfloat16, N + K)
-    assert rel_err(lk.linear_kernel(x, w, lk.ADOPTED["sm_90"][(N, K)][1]), ref) < 1e-2
+@pytest.mark.parametrize("N,K,M", [(*nk, m) for nk, e in lk.ADOPTED["sm_90"].items() for m in e])
+def test_adopted_configs_bf16_at_their_shapes(N, K, M):
+    """Every adopted config, bf16, at the (N, K) and the largest M of the bucket it was adopted for, x contiguous
+    as the model's (so the tensor-descriptor tiles run where the config asks for them)."""
+    gen = torch.Generator().manual_seed(N + K + M)
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16).to(DEV)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(torch.bfloat16).to(DEV)
+    assert rel_err(lk.linear_kernel(x, w, lk.ADOPTED["sm_90"][(N, K)][M]), F.linear(x.float(), w.float())) < 1e-2
 
 
 @requires_gpu
@@ -167,12 +196,14 @@ def sm120_resources():
             if cfg.kind == "gemv":
                 res = compile_for(lk._gemv_kernel, common,
                                   dict(stride_wn=7168, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
-                                       STAGES=p.stages, PDL=True, RAW=cfg == ONE_ROW_GEMV),
+                                       STAGES=p.stages, PDL=True, RAW=cfg == ONE_ROW_GEMV, REDUCE_LOADS=4),
                                   num_warps=cfg.warps, aligned=True, divisible=("N", "K", "k_per_split"))
             else:
                 res = compile_for(lk._dot_kernel, dict(common, M="i32"),
-                                  dict(stride_xm=7168, stride_wn=7168, BLOCK_M=p.block_m, BLOCK_N=cfg.block_n,
-                                       BLOCK_K=cfg.block_k, EVEN_K=True, SWAP=cfg.kind == "swap", PDL=True),
+                                  dict(stride_xm=7168, stride_wn=7168, x_desc=None, w_desc=None, BLOCK_M=p.block_m,
+                                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
+                                       SWAP=cfg.kind == "swap", PDL=True, TMA=False,
+                                       REDUCE_LOADS=lk.reduce_loads(cfg, p.block_m)),
                                   num_warps=cfg.warps, num_stages=p.stages, aligned=True,
                                   divisible=("N", "K", "k_per_split"))
             out.append(dict(config=list(cfg), block_m=p.block_m, **vars(res)))

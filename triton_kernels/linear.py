@@ -38,6 +38,7 @@ class Config(NamedTuple):
     stages: int
     waves: float  # programs per SM that the K splits aim for
     pdl: bool = False  # programmatic dependent launch: ask L2 for the first weight tiles, then wait for x
+    tma: bool = False  # dot/swap: x and W tiles through tensor descriptors (rows past M zero-filled, not loaded)
 
 
 GEMV = Config("gemv", 32, 256, 4, 3, 2)
@@ -46,21 +47,27 @@ DEFAULTS = {"sm_90": {1: GEMV, None: SWAP}, "sm_120": {1: GEMV, None: SWAP}}  # 
 
 C = Config
 # (N, K) -> {M bucket: Config} where the kernel beat cuBLAS by >= 2% (H200, 2026-11-30 08:59 UTC,
-# bench/results/linear_h200.md; q_a + kv_a at 17 and shared down at 33: 12:39 UTC on the PDL chain, 12.74 / 3.50 us
-# against cuBLAS's 13.86 / 3.90, linear_h200_s6.md; M = 1: 16:06 UTC, linear_h200_s7.md, 8- and 16-row tiles
-# where they beat the 32x256 entry by >= 2%: q_a + kv_a 9.51 against 11.33 us, q_b 2.62 against 4.49); shapes or
-# buckets not listed run cuBLAS. sm_120: not measured, nothing adopted.
+# bench/results/linear_h200.md; M = 1: 16:06 UTC, linear_h200_s7.md, 8- and 16-row tiles where they beat the 32x256
+# entry by >= 2%: q_a + kv_a 9.51 against 11.33 us, q_b 2.62 against 4.49). The verify layer's projections at
+# M > 1: 20:53 UTC, linear_h200_s11.md, with the tiles through tensor descriptors (`tma`) among the candidates,
+# e.g. o_proj at 9 / 33 rows 5.57 / 6.21 us against cuBLAS's 6.62 / 6.78, shared down at 33 2.72 against the
+# pointer tiles' 3.47. Shapes or buckets not listed run cuBLAS. sm_120: not measured, nothing adopted.
+TMA_SWAP = C("swap", 64, 256, 4, 3, 1, tma=True)
 ADOPTED = {
     "sm_90": {
-        (2112, 7168): {1: C("gemv", 8, 512, 4, 4, 2), 2: C("swap", 64, 128, 4, 4, 1), 4: C("swap", 64, 128, 4, 4, 1),
-                       9: C("swap", 64, 128, 4, 4, 1), 17: C("swap", 64, 128, 4, 4, 1)},  # q_a + kv_a
-        (1536, 1536): {1: C("gemv", 16, 512, 4, 4, 1), 2: C("swap", 64, 128, 4, 4, 2)},  # q_b
-        (7168, 1024): {1: C("gemv", 32, 256, 4, 3, 2)},  # o_proj, drafter o
-        (512, 7168): {1: C("gemv", 16, 256, 4, 6, 1), 2: C("dot", 32, 128, 4, 4, 2), 4: C("dot", 32, 128, 4, 4, 2),
-                      9: C("dot", 32, 128, 4, 4, 2)},  # shared expert gate/up
-        (7168, 256): {1: C("gemv", 32, 256, 4, 3, 2, True), 2: C("swap", 64, 256, 4, 3, 2),
+        (2112, 7168): {1: C("gemv", 8, 512, 4, 4, 2), 2: TMA_SWAP, 4: TMA_SWAP, 9: TMA_SWAP,
+                       17: C("dot", 32, 128, 4, 4, 2, tma=True)},  # q_a + kv_a
+        (1536, 1536): {1: C("gemv", 16, 512, 4, 4, 1), 2: C("dot", 32, 128, 4, 4, 1, tma=True),
+                       4: C("dot", 32, 128, 4, 4, 2, tma=True), 9: C("dot", 32, 128, 4, 4, 1, tma=True)},  # q_b
+        (7168, 1024): {1: C("gemv", 32, 256, 4, 3, 2), 2: TMA_SWAP, 4: TMA_SWAP, 9: TMA_SWAP, 17: TMA_SWAP,
+                       33: TMA_SWAP},  # o_proj, drafter o
+        (512, 7168): {1: C("gemv", 16, 256, 4, 6, 1), 2: C("dot", 32, 128, 4, 4, 1, tma=True),
+                      4: C("dot", 32, 128, 4, 4, 1), 9: C("dot", 32, 128, 4, 4, 1), 17: C("dot", 32, 128, 4, 4, 1),
+                      33: C("dot", 32, 128, 4, 4, 1)},  # shared expert gate/up
+        (7168, 256): {1: C("gemv", 32, 256, 4, 3, 2, True), 2: C("dot", 64, 128, 4, 4, 1, tma=True),
                       4: C("swap", 64, 128, 4, 4, 1), 9: C("swap", 64, 128, 4, 4, 1),
-                      17: C("swap", 64, 128, 4, 4, 1), 33: C("swap", 64, 128, 4, 4, 1)},  # shared expert down
+                      17: C("swap", 64, 128, 4, 4, 1), 33: C("dot", 64, 128, 4, 4, 1, tma=True),
+                      65: C("dot", 64, 128, 4, 4, 1, tma=True)},  # shared expert down
         (4608, 7168): {1: C("gemv", 16, 256, 4, 6, 1)},  # dense layer and drafter gate/up
         (7168, 2304): {1: C("gemv", 32, 256, 4, 3, 2)},  # dense layer and drafter down
         (20480, 7168): {1: C("gemv", 16, 256, 4, 6, 1), 4: C("swap", 64, 128, 4, 4, 2, True)},  # lm_head shard
@@ -75,9 +82,16 @@ ADOPTED = {
 
 
 @triton.jit
-def _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, tile, split, splits):
+def _partial(part_ptr, s, m, n, M, N, ok):
+    """Split s's partial at (m, n): .cg reads it at L2, not from a stale L1."""
+    return tl.load(part_ptr + (s * M + m) * N + n, mask=ok, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, tile, split, splits, REDUCE_LOADS: tl.constexpr):
     """Store acc (fp32, rows m and columns n broadcast to its shape) to y, or as split `split`'s partial; the
-    last of `splits` programs of `tile` to arrive sums the partials [splits, M, N] into y."""
+    last of `splits` programs of `tile` to arrive sums the partials [splits, M, N] into y, loading REDUCE_LOADS
+    partials at once."""
     ok = (m < M) & (n < N)
     if splits == 1:
         tl.store(y_ptr + m * N + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
@@ -87,8 +101,11 @@ def _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, tile, split, splits):
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if arrived == splits - 1:
             total = tl.zeros_like(acc)
-            for s in range(splits):  # .cg: read the other programs' partials at L2, not a stale L1
-                total += tl.load(part_ptr + (s * M + m) * N + n, mask=ok, other=0.0, cache_modifier=".cg")
+            # several partials in flight (the L2 is busy with the other programs' weights: each round trip is
+            # long); summed in split order all the same, adding +0.0 for splits past the last
+            for s0 in range(0, splits, REDUCE_LOADS):
+                for i in tl.static_range(REDUCE_LOADS):  # unrolled: the loads do not wait for the sums
+                    total += _partial(part_ptr, s0 + i, m, n, M, N, ok & (s0 + i + 0 * m < splits))
             tl.store(y_ptr + m * N + n, total.to(y_ptr.dtype.element_ty), mask=ok)
             tl.atomic_xchg(count_ptr + tile, 0)
 
@@ -118,7 +135,7 @@ def _split_range(split, k_per_split, K, BLOCK_K: tl.constexpr):
 @triton.jit(do_not_specialize=["splits"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, splits, stride_wn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
-                 PDL: tl.constexpr, RAW: tl.constexpr = False):
+                 PDL: tl.constexpr, RAW: tl.constexpr = False, REDUCE_LOADS: tl.constexpr = 4):
     """One row: y [1, N] = x [1, K] @ W^T. Grid (N tiles, K splits). RAW: each split's fp32 partial [N] stored
     at part_ptr + split * N for the caller to sum (no y, no counter)."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
@@ -143,7 +160,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, sp
     if RAW:
         tl.store(part_ptr + split * N + offs_n, out, mask=offs_n < N)
     else:
-        _finish(out, tl.zeros_like(offs_n), offs_n, 1, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits)
+        _finish(out, tl.zeros_like(offs_n), offs_n, 1, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits,
+                REDUCE_LOADS)
 
 
 @triton.jit
@@ -158,9 +176,11 @@ def _mma(x, w, acc, SWAP: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M", "splits"])
 def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, splits, stride_xm, stride_wn,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                SWAP: tl.constexpr, PDL: tl.constexpr):
-    """y [M, N] = x [M, K] @ W^T, M <= BLOCK_M. Grid (N tiles, K splits)."""
+                x_desc, w_desc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr = False,
+                REDUCE_LOADS: tl.constexpr = 4):
+    """y [M, N] = x [M, K] @ W^T, M <= BLOCK_M. Grid (N tiles, K splits). TMA: the tiles come through x_desc
+    ([BM, BK] blocks of x) and w_desc ([BN, BK] blocks of W), which zero-fill past M, N and K."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -176,11 +196,15 @@ def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, 
     k_start, k_end, k_full = _split_range(split, k_per_split, K, BLOCK_K)
     if PDL:
         _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K)
-    for k in range(k_start, k_full, BLOCK_K):
-        x = tl.load(x_rows + k + offs_k[None, :])  # [BM, BK]
-        w = tl.load(w_rows + k + offs_k[None, :])  # [BN, BK]
-        acc = _mma(x, w, acc, SWAP)
-    if not EVEN_K and k_full < k_end:  # a ragged K's masked tail
+    if TMA:  # the padding rows past M cost no traffic: x is about as many bytes as W per program at BM 64
+        for k in range(k_start, k_end, BLOCK_K):
+            acc = _mma(x_desc.load([0, k]), w_desc.load([pid_n * BLOCK_N, k]), acc, SWAP)
+    else:
+        for k in range(k_start, k_full, BLOCK_K):
+            x = tl.load(x_rows + k + offs_k[None, :])  # [BM, BK]
+            w = tl.load(w_rows + k + offs_k[None, :])  # [BN, BK]
+            acc = _mma(x, w, acc, SWAP)
+    if not TMA and not EVEN_K and k_full < k_end:  # a ragged K's masked tail
         k_ok = (k_full + offs_k < k_end)[None, :]
         x = tl.load(x_rows + k_full + offs_k[None, :], mask=k_ok, other=0.0)
         w = tl.load(w_rows + k_full + offs_k[None, :], mask=k_ok, other=0.0)
@@ -189,7 +213,7 @@ def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, 
         m, n = offs_m[None, :], offs_n[:, None]
     else:
         m, n = offs_m[:, None], offs_n[None, :]
-    _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits)
+    _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits, REDUCE_LOADS)
 
 
 class Plan(NamedTuple):
@@ -211,6 +235,13 @@ def plan(cfg, M, N, K, sms, arch="sm_90"):
     stage_bytes = (cfg.block_n + block_m) * cfg.block_k * 2
     stages = max(2, min(cfg.stages, SHARED_BUDGET.get(arch, SHARED_BUDGET["sm_90"]) // stage_bytes))
     return Plan(block_m, tiles, triton.cdiv(K, k_per_split), k_per_split, stages)
+
+
+def reduce_loads(cfg, block_m):
+    """Partials the last program of a tile loads at once: 4 where a [BN, BM] fp32 tile is at most 32 registers a
+    thread, else 1 (H200, bench/results/linear_probe_h200_s11.json: 4 at once took shared gate_up at 33 rows from
+    12.0 to 9.3 us; at 65 rows, 64 registers a thread, 4 were 8% slower)."""
+    return 4 if cfg.block_n * block_m <= 32 * 32 * cfg.warps else 1
 
 
 def bucket_of(M):
@@ -252,11 +283,26 @@ def linear_kernel(x, weight, cfg=None, raw=False):
                                           weight.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                           EVEN_K=even_k, STAGES=p.stages, PDL=use_pdl, RAW=raw, **launch)
     else:
+        x_desc, w_desc = _descriptors(x, weight, p.block_m, cfg) if cfg.tma and _tma_ok(x, weight) else (None, None)
         _dot_kernel[(p.tiles, p.splits)](x, weight, y, part, counters, M, N, K, p.k_per_split, p.splits,
-                                         x.stride(0), weight.stride(0), BLOCK_M=p.block_m, BLOCK_N=cfg.block_n,
-                                         BLOCK_K=cfg.block_k, EVEN_K=even_k, SWAP=cfg.kind == "swap", PDL=use_pdl,
-                                         num_stages=p.stages, **launch)
+                                         x.stride(0), weight.stride(0), x_desc, w_desc, BLOCK_M=p.block_m,
+                                         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k,
+                                         SWAP=cfg.kind == "swap", PDL=use_pdl, TMA=x_desc is not None,
+                                         REDUCE_LOADS=reduce_loads(cfg, p.block_m), num_stages=p.stages, **launch)
     return part.view(p.splits, M, N) if raw else y
+
+
+def _tma_ok(x, weight):
+    """Whether tensor descriptors can cover x and weight: 16-byte aligned bases and row strides."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, weight))
+
+
+def _descriptors(x, weight, block_m, cfg):
+    """Tensor descriptors of x [M, K] in [block_m, BK] blocks and weight [N, K] in [BN, BK] blocks."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, cfg.block_k]),
+            TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [cfg.block_n, cfg.block_k]))
 
 
 def adopted(device, M, N, K):
