@@ -362,7 +362,8 @@ def main():
                 entry["rows"][str(M)] = measure_point(entry["N"], entry["K"], M, ws, bw, gen, args.defaults)
         (args.out / "linear.json").write_text(json.dumps(report, indent=1))
     table = lk.ADOPTED["sm_90"] if args.defaults else proposed(report)
-    chain_ms = [m for m in (1, 9, 33) if str(m) in report["shapes"][0]["rows"]]
+    measured = {name for e in report["shapes"] for name in e["names"]}
+    chain_ms = [m for m in (1, 9, 33) if str(m) in report["shapes"][0]["rows"]] if set(LAYER) <= measured else []
     if chain_ms and time.time() < deadline + 20:
         report["layer_chain"] = layer_chain(report, copies, chain_ms, gen, table)
         (args.out / "linear.json").write_text(json.dumps(report, indent=1))

@@ -49,9 +49,10 @@ C = Config
 # (N, K) -> {M bucket: Config} where the kernel beat cuBLAS by >= 2% (H200, 2026-11-30 08:59 UTC,
 # bench/results/linear_h200.md; M = 1: 16:06 UTC, linear_h200_s7.md, 8- and 16-row tiles where they beat the 32x256
 # entry by >= 2%: q_a + kv_a 9.51 against 11.33 us, q_b 2.62 against 4.49). The verify layer's projections at
-# M > 1: 20:53 UTC, linear_h200_s11.md, with the tiles through tensor descriptors (`tma`) among the candidates,
-# e.g. o_proj at 9 / 33 rows 5.57 / 6.21 us against cuBLAS's 6.62 / 6.78, shared down at 33 2.72 against the
-# pointer tiles' 3.47. Shapes or buckets not listed run cuBLAS. sm_120: not measured, nothing adopted.
+# M > 1: 20:53 UTC, linear_h200_s11.md (the drafter's and the dense layer's: 21:08 UTC, linear_h200_s11_drafter.md),
+# with the tiles through tensor descriptors (`tma`) among the candidates, e.g. o_proj at 9 / 33 rows 5.57 / 6.21 us
+# against cuBLAS's 6.62 / 6.78, shared down at 33 2.72 against the pointer tiles' 3.47. Shapes or buckets not listed
+# run cuBLAS. sm_120: not measured, nothing adopted.
 TMA_SWAP = C("swap", 64, 256, 4, 3, 1, tma=True)
 ADOPTED = {
     "sm_90": {
@@ -68,13 +69,16 @@ ADOPTED = {
                       4: C("swap", 64, 128, 4, 4, 1), 9: C("swap", 64, 128, 4, 4, 1),
                       17: C("swap", 64, 128, 4, 4, 1), 33: C("dot", 64, 128, 4, 4, 1, tma=True),
                       65: C("dot", 64, 128, 4, 4, 1, tma=True)},  # shared expert down
-        (4608, 7168): {1: C("gemv", 16, 256, 4, 6, 1)},  # dense layer and drafter gate/up
-        (7168, 2304): {1: C("gemv", 32, 256, 4, 3, 2)},  # dense layer and drafter down
+        (4608, 7168): {1: C("gemv", 16, 256, 4, 6, 1), 2: C("swap", 128, 128, 4, 3, 2),
+                       4: C("swap", 128, 128, 4, 3, 2)},  # dense layer and drafter gate/up
+        (7168, 2304): {1: C("gemv", 32, 256, 4, 3, 2), 2: TMA_SWAP, 4: TMA_SWAP, 9: TMA_SWAP,
+                       17: TMA_SWAP},  # dense layer and drafter down
         (20480, 7168): {1: C("gemv", 16, 256, 4, 6, 1), 4: C("swap", 64, 128, 4, 4, 2, True)},  # lm_head shard
         (1024, 7168): {1: C("gemv", 8, 512, 4, 4, 1), 2: C("swap", 64, 128, 4, 4, 1), 4: C("swap", 64, 128, 4, 4, 1),
-                       9: C("swap", 64, 128, 4, 4, 1)},  # drafter q
+                       9: C("swap", 64, 128, 4, 4, 1), 17: C("swap", 64, 128, 4, 4, 1)},  # drafter q
         (128, 7168): {1: C("gemv", 8, 1024, 4, 3, 1), 2: C("swap", 64, 256, 4, 3, 2),
-                      4: C("swap", 64, 256, 4, 3, 2), 9: C("swap", 64, 256, 4, 3, 2)},  # drafter k, v
+                      4: C("swap", 64, 256, 4, 3, 2), 9: C("dot", 32, 128, 4, 4, 1),
+                      17: C("dot", 32, 128, 4, 4, 1)},  # drafter k, v
         (7168, 43008): {1: C("gemv", 32, 256, 4, 3, 2)},  # drafter fc
     },
     "sm_120": {},
