@@ -55,7 +55,7 @@ def timed_route(call, base):
     return dict(us=per_call_us(call), equal=bool(ok))
 
 
-def router_rows(m, tiles, gemvs=()):
+def router_rows(m, tiles, gemvs=(), many=()):
     dev = "cuda"
     x = torch.randn(m, 7168, device=dev, dtype=torch.bfloat16)
     w = torch.randn(384, 7168, device=dev, dtype=torch.bfloat16) / 85
@@ -64,13 +64,14 @@ def router_rows(m, tiles, gemvs=()):
     base = call()
     logits = lambda: router.logits(x, w)  # noqa: E731
     row = {"default": dict(us=per_call_us(call), equal=True), "logits alone": dict(us=per_call_us(logits), equal=True)}
-    default = router.LOGITS_TILES
+    default, many_default = router.LOGITS_TILES, router.MANY_ROWS
     try:
+        router.MANY_ROWS = None  # the logits kernel at every token count
         for block_m, block_d in tiles:
             router.LOGITS_TILES = ((None, block_m, block_d),)
             row[f"logits {block_m}x{block_d}"] = timed_route(call, base)
     finally:
-        router.LOGITS_TILES = default
+        router.LOGITS_TILES, router.MANY_ROWS = default, many_default
     if m == 1:  # one token: the gemv's unsummed K-split partials instead of the dot kernel (router.ONE_ROW_GEMV)
         default = router.ONE_ROW_GEMV
         try:
@@ -81,11 +82,25 @@ def router_rows(m, tiles, gemvs=()):
                 row[f"{name}, logits alone"] = dict(us=per_call_us(logits), equal=True)
         finally:
             router.ONE_ROW_GEMV = default
+    if 1 < m <= lk.MAX_ROWS:  # the skinny GEMM's dot tiles, partials unsummed (router.MANY_ROWS)
+        default = router.MANY_ROWS
+        try:
+            for cfg in many:
+                router.MANY_ROWS = cfg
+                name = f"{cfg.kind} {cfg.block_n}x{cfg.block_k} s{cfg.stages} x{cfg.waves:g}" + " tma" * cfg.tma
+                row[name] = timed_route(call, base)
+                row[f"{name}, logits alone"] = dict(us=per_call_us(logits), equal=True)
+        finally:
+            router.MANY_ROWS = default
     return row
 
 
 GEMVS = [lk.Config("gemv", 8, 512, 4, 4, 1), lk.Config("gemv", 8, 512, 4, 4, 2), lk.Config("gemv", 16, 256, 4, 6, 1),
          lk.Config("gemv", 16, 512, 4, 4, 1), lk.Config("gemv", 16, 256, 4, 6, 2), lk.Config("gemv", 32, 256, 4, 3, 2)]
+
+
+MANY = [lk.Config("dot", 32, 128, 4, 4, 1, tma=True), lk.Config("swap", 64, 128, 4, 4, 1, tma=True),
+        lk.Config("swap", 64, 128, 4, 4, 0.5, tma=True), lk.Config("dot", 64, 128, 4, 4, 1, tma=True)]
 
 
 def _tiles(text):
@@ -99,6 +114,7 @@ def main():
     parser.add_argument("--tiles", default="16x256,32x256,64x128,64x256", type=_tiles,
                         help="the router's logits tiles BLOCK_M x BLOCK_D to time at every row count ('' for none)")
     parser.add_argument("--gemvs", action="store_true", help="the router's one-token gemv candidates (GEMVS)")
+    parser.add_argument("--many", action="store_true", help="the router's 2-128 token skinny-GEMM candidates (MANY)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     ops = args.ops.split(",")
@@ -106,8 +122,9 @@ def main():
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), repeat=REPEAT)
     report = dict(meta=meta, **{op: {} for op in ops})
     gemvs = GEMVS if args.gemvs else ()
+    many = MANY if args.many else ()
     rows_of = dict(absorb_query=lambda n: absorb_rows(n, (16, 32, 64)),
-                   router=lambda n: router_rows(n, args.tiles, gemvs))
+                   router=lambda n: router_rows(n, args.tiles, gemvs, many))
     for n in ROWS:
         for op in ops:
             report[op][n] = rows_of[op](n)

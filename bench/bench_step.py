@@ -33,7 +33,7 @@ from model.parallel import Parallel
 from spec.drafter import DFlashDrafter, DrafterConfig
 from spec.engine import root_tree
 from spec.graphs import DEFAULT_BUCKETS, DraftGraphs, StepGraphs, draft_eligibility, eligibility, parse_buckets
-from triton_kernels import mla_attention, moe_configs, pdl, router
+from triton_kernels import linear, mla_attention, moe_configs, pdl, router
 
 CONTEXTS = (4096, 32768)
 DFLASH_K25 = dict(num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
@@ -361,6 +361,9 @@ def main():
     parser.add_argument("--moe-variant", default=None,
                         help="moe_configs.VARIANTS[NAME] on the sm_90 MoE entries up to --moe-variant-upto tokens")
     parser.add_argument("--moe-variant-upto", type=int, default=33)
+    parser.add_argument("--router-many", default=None,
+                        help="router.MANY_ROWS as kind,block_n,block_k,warps,stages,waves[,tma] (the router's 2-128 "
+                             "token logits on the skinny GEMM)")
     parser.add_argument("--no-tail-split", action="store_true",
                         help="the attention's splits over the whole length (mla_attention.TAIL_SPLIT off)")
     args = parser.parse_args()
@@ -370,6 +373,9 @@ def main():
     model_module.SUM_SHARED_IN_NORM = not args.moe_adds_shared
     if args.router_dot:
         router.ONE_ROW_GEMV = None
+    if args.router_many:
+        kind, *nums = args.router_many.split(",")
+        router.MANY_ROWS = linear.Config(kind, *(int(v) for v in nums[:4]), float(nums[4]), tma="tma" in nums[5:])
     pdl.ENABLED = not args.no_pdl
     if args.no_tail_split:
         mla_attention.TAIL_SPLIT = dict.fromkeys(mla_attention.TAIL_SPLIT, 0)
@@ -391,6 +397,7 @@ def main():
                              "key/value heads, 1/8 of the MLP), scoring with the target's lm_head shard",
                 overlap_shared_expert=not args.no_overlap, pdl=not args.no_pdl,
                 sum_shared_in_norm=not args.moe_adds_shared, router_gemv=router.ONE_ROW_GEMV is not None,
+                router_many=router.MANY_ROWS and list(router.MANY_ROWS),
                 moe_variant=args.moe_variant and f"{args.moe_variant} up to M = {args.moe_variant_upto}",
                 attention_tail_split=not args.no_tail_split)
     meta["read_GBps"] = bw = read_GBps()

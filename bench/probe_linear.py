@@ -46,18 +46,19 @@ def stamped_module():
     """A copy of triton_kernels/linear.py whose _dot_kernel stamps its phases to the module global TIMES."""
     src = Path(lk.__file__).read_text()
     src = _replace(src, "import triton.language as tl\n", "import triton.language as tl\n" + STAMP + "\nTIMES = None\n")
-    src = _replace(src, "split, splits, REDUCE_LOADS: tl.constexpr):",
-                   "split, splits, REDUCE_LOADS: tl.constexpr, times_ptr):")
+    src = _replace(src, "split, splits, REDUCE_LOADS: tl.constexpr,\n            RAW: tl.constexpr):",
+                   "split, splits, REDUCE_LOADS: tl.constexpr,\n            RAW: tl.constexpr, times_ptr):")
     src = _insert(src, r"arrived = tl\.atomic_add", "_stamp(times_ptr, 2, arrived)")
     src = _insert(src, r"tl\.atomic_xchg\(count_ptr", "_stamp(times_ptr, 3, arrived)")
-    src = _replace(src, "                REDUCE_LOADS: tl.constexpr = 4):\n    \"\"\"y [M, N]",
-                   "                REDUCE_LOADS: tl.constexpr = 4, times_ptr=None):\n    \"\"\"y [M, N]")
+    src = _replace(src, "                REDUCE_LOADS: tl.constexpr = 4, RAW: tl.constexpr = False):\n    \"\"\"y [M, N]",
+                   "                REDUCE_LOADS: tl.constexpr = 4, RAW: tl.constexpr = False, times_ptr=None):\n"
+                   "    \"\"\"y [M, N]")
     src = _replace(src, "tl.program_id(1)\n    offs_m = tl.arange(0, BLOCK_M)",
                    "tl.program_id(1)\n    _stamp(times_ptr, 0, pid_n)\n    offs_m = tl.arange(0, BLOCK_M)")
-    src = _replace(src, "    _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits, REDUCE_LOADS)",
+    src = _replace(src, "    _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits, REDUCE_LOADS, RAW)",
                    "    _stamp(times_ptr, 1, tl.sum(tl.sum(acc, 1), 0))\n    _finish(acc, m, n, M, N, y_ptr, part_ptr, "
-                   "count_ptr, pid_n, split, splits, REDUCE_LOADS, times_ptr)")
-    src = _replace(src, "num_stages=p.stages, **launch)", "num_stages=p.stages, times_ptr=TIMES, **launch)")
+                   "count_ptr, pid_n, split, splits, REDUCE_LOADS, RAW, times_ptr)")
+    src = _replace(src, "num_stages=p.stages,", "num_stages=p.stages, times_ptr=TIMES,")
     path = Path(tempfile.mkdtemp()) / "linear_stamped.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(path.stem, path)

@@ -265,6 +265,7 @@ def test_router_logits_tiles(monkeypatch, block_m, block_d):
     from triton_kernels import router
 
     monkeypatch.setattr(router, "LOGITS_TILES", ((None, block_m, block_d),))
+    monkeypatch.setattr(router, "MANY_ROWS", None)  # the logits kernel at every token count
     dtype = kernel_dtypes()[0]
     gen = torch.Generator().manual_seed(block_m)
     x = torch.randn(70, 300, generator=gen).to(dtype).to(DEV)
@@ -275,7 +276,6 @@ def test_router_logits_tiles(monkeypatch, block_m, block_d):
     assert torch.equal(ids.cpu(), ref_ids.cpu()) and rel_err(weights, ref_weights) < 1e-4
 
 
-@requires_triton
 @requires_triton
 @pytest.mark.parametrize("cfg", [("gemv", 8, 512, 4, 4, 2), ("gemv", 16, 256, 4, 6, 2)], ids=["bn8", "bn16"])
 def test_router_one_token_gemv(monkeypatch, cfg):
@@ -296,11 +296,34 @@ def test_router_one_token_gemv(monkeypatch, cfg):
     assert torch.equal(ids, ref_ids) and rel_err(weights, ref_w) < 1e-4
 
 
+@requires_triton
+@pytest.mark.parametrize("cfg,M", [(("dot", 32, 128, 4, 4, 2, False, True), 5),
+                                   (("swap", 64, 128, 4, 4, 2, False, True), 33)], ids=["dot-M5", "swap-M33"])
+def test_router_many_tokens_on_the_skinny_gemm(monkeypatch, cfg, M):
+    """Several tokens' logits as the skinny GEMM's unsummed K-split partials (`MANY_ROWS`: tiles through tensor
+    descriptors, rows past M not loaded, a K off the tile), summed by the select kernel: the reference's experts
+    and weights."""
+    from ops.moe import route_torch
+    from triton_kernels import linear as lk
+    from triton_kernels import router
+
+    monkeypatch.setattr(router, "MANY_ROWS", lk.Config(*cfg))
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 1096, generator=gen).to(kernel_dtypes()[0]).to(DEV)
+    w = (torch.randn(40, 1096, generator=gen) / 33).to(x.dtype).to(DEV)
+    bias = (0.01 * torch.randn(40, generator=gen)).to(DEV)
+    assert router.logits(x, w).shape[0] > 1  # several K splits
+    weights, ids = router.route(x, w, bias, 6, 1, 1, 2.5)
+    ref_w, ref_ids = route_torch(x.float(), w.float(), bias, 6, 1, 1, 2.5)
+    assert torch.equal(ids, ref_ids) and rel_err(weights, ref_w) < 1e-4
+
+
 def test_router_sums_many_k_splits(monkeypatch):
     """On a GPU one token's logits are split along D over up to 16 programs; force that here."""
     from triton_kernels import router
 
     monkeypatch.setattr(router, "_splits", lambda M, E, sms, block_m: 7)
+    monkeypatch.setattr(router, "MANY_ROWS", None)
     dtype = kernel_dtypes()[0]
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(2, 1800, generator=gen).to(dtype).to(DEV)

@@ -92,12 +92,15 @@ def _partial(part_ptr, s, m, n, M, N, ok):
 
 
 @triton.jit
-def _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, tile, split, splits, REDUCE_LOADS: tl.constexpr):
+def _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, tile, split, splits, REDUCE_LOADS: tl.constexpr,
+            RAW: tl.constexpr):
     """Store acc (fp32, rows m and columns n broadcast to its shape) to y, or as split `split`'s partial; the
     last of `splits` programs of `tile` to arrive sums the partials [splits, M, N] into y, loading REDUCE_LOADS
-    partials at once."""
+    partials at once. RAW: every split's partial stored for the caller to sum (no y, no counter)."""
     ok = (m < M) & (n < N)
-    if splits == 1:
+    if RAW:
+        tl.store(part_ptr + (split * M + m) * N + n, acc, mask=ok)
+    elif splits == 1:
         tl.store(y_ptr + m * N + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
     else:
         tl.store(part_ptr + (split * M + m) * N + n, acc, mask=ok)
@@ -161,11 +164,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, sp
         x = tl.load(x_ptr + k_full + offs_k, mask=k_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)  # [BN]
-    if RAW:
-        tl.store(part_ptr + split * N + offs_n, out, mask=offs_n < N)
-    else:
-        _finish(out, tl.zeros_like(offs_n), offs_n, 1, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits,
-                REDUCE_LOADS)
+    _finish(out, tl.zeros_like(offs_n), offs_n, 1, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits,
+            REDUCE_LOADS, RAW)
 
 
 @triton.jit
@@ -182,7 +182,7 @@ def _mma(x, w, acc, SWAP: tl.constexpr):
 def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, splits, stride_xm, stride_wn,
                 x_desc, w_desc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr = False,
-                REDUCE_LOADS: tl.constexpr = 4):
+                REDUCE_LOADS: tl.constexpr = 4, RAW: tl.constexpr = False):
     """y [M, N] = x [M, K] @ W^T, M <= BLOCK_M. Grid (N tiles, K splits). TMA: the tiles come through x_desc
     ([BM, BK] blocks of x) and w_desc ([BN, BK] blocks of W), which zero-fill past M, N and K."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
@@ -217,7 +217,7 @@ def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, 
         m, n = offs_m[None, :], offs_n[:, None]
     else:
         m, n = offs_m[:, None], offs_n[None, :]
-    _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits, REDUCE_LOADS)
+    _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits, REDUCE_LOADS, RAW)
 
 
 class Plan(NamedTuple):
@@ -261,8 +261,8 @@ def config_for(arch, M):
 
 def linear_kernel(x, weight, cfg=None, raw=False):
     """The Triton kernel alone (no cuBLAS fallback): x [M, K] (rows may be strided, unit column stride),
-    weight [N, K] row-major, 1 <= M <= 128. cfg: a Config (default: `config_for`). Returns [M, N]; with raw (a gemv
-    config) the K-split fp32 partials [splits, 1, N] unsummed, for a caller that sums them in its next launch."""
+    weight [N, K] row-major, 1 <= M <= 128. cfg: a Config (default: `config_for`). Returns [M, N]; with raw the
+    K-split fp32 partials [splits, M, N] unsummed, for a caller that sums them in its next launch."""
     M, K = x.shape
     N = weight.shape[0]
     if not 1 <= M <= MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -272,8 +272,6 @@ def linear_kernel(x, weight, cfg=None, raw=False):
     cfg = cfg or config_for(arch, M)
     if cfg.kind == "gemv" and M != 1:
         raise ValueError(f"linear_kernel: the gemv config takes one row, got {M}")
-    if raw and cfg.kind != "gemv":
-        raise ValueError(f"linear_kernel: unsummed partials come from a gemv config, not {cfg}")
     p = plan(cfg, M, N, K, sm_count(x.device), arch)
     part = torch.empty(p.splits * M * N if p.splits > 1 or raw else 1, dtype=torch.float32, device=x.device)
     y = part if raw else torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -292,7 +290,8 @@ def linear_kernel(x, weight, cfg=None, raw=False):
                                          x.stride(0), weight.stride(0), x_desc, w_desc, BLOCK_M=p.block_m,
                                          BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k,
                                          SWAP=cfg.kind == "swap", PDL=use_pdl, TMA=x_desc is not None,
-                                         REDUCE_LOADS=reduce_loads(cfg, p.block_m), num_stages=p.stages, **launch)
+                                         REDUCE_LOADS=reduce_loads(cfg, p.block_m), RAW=raw, num_stages=p.stages,
+                                         **launch)
     return part.view(p.splits, M, N) if raw else y
 
 

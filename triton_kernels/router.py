@@ -12,7 +12,7 @@ import triton.language as tl
 
 from triton_kernels import pdl
 from triton_kernels.ddtree import _ordered
-from triton_kernels.linear import Config, linear_kernel
+from triton_kernels.linear import MAX_ROWS, Config, linear_kernel
 from triton_kernels.moe_configs import sm_count
 
 BLOCK_E = 32
@@ -109,6 +109,13 @@ MAX_SPLITS = 16
 # bench/results/glue_h200_s8.md), logits + select at one token: 16x512 5.14 us against the dot kernel's 6.89 (logits
 # alone 2.47 against 3.88), the same experts and weights; 8x512 5.25-5.54, 16x256 5.51, 32x256 5.74
 ONE_ROW_GEMV = Config("gemv", 16, 512, 4, 4, 1)
+# 2 to linear.MAX_ROWS tokens: a Config of the skinny GEMM (its tiles through tensor descriptors do not load the
+# padding rows), the K-split partials left for the select kernel as the gemv's are; None: the logits kernel above.
+# H200 (21:30 UTC, bench/results/glue_h200_s11.json), logits + select at 9 / 33 / 65 tokens with
+# Config("swap", 64, 128, 4, 4, 0.5, tma=True) (6 N tiles x 11 K splits): 5.98 / 6.81 / 7.99 us against the logits
+# kernel's 6.87 / 8.18 / 9.70.
+# Off by default: the GPU suite has not run with it on (issue #7's note, session 11).
+MANY_ROWS = None
 
 
 def logits_tile(M):
@@ -129,6 +136,8 @@ def logits(x, gate_weight):
     E = gate_weight.shape[0]
     if M == 1 and ONE_ROW_GEMV is not None:
         return linear_kernel(x, gate_weight, ONE_ROW_GEMV, raw=True)
+    if 1 < M <= MAX_ROWS and MANY_ROWS is not None:
+        return linear_kernel(x, gate_weight, MANY_ROWS, raw=True)
     sms = sm_count(x.device)
     block_m, block_d = logits_tile(M)
     d_per_split = triton.cdiv(triton.cdiv(D, _splits(M, E, sms, block_m)), block_d) * block_d
