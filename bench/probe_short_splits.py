@@ -25,8 +25,7 @@ def main():
     for case in args.cases:
         shape, _, extra = case.partition(":")
         L, H, T = (int(v) for v in shape.split(","))
-        entry = mk.entry_for(T * H, 90)
-        rule = mk.default_splits(entry, T * H, 1, L, sms, 90, 2 if T * H <= 64 else 4, **ba.split_scheme(T, entry))
+        rule = ba.default_choice(T * H, 1, L, sms, tree=T)[1]
         q, caches, lens, mask = ba.make_inputs(L, H, T)
         ref = ba.mla_attention_torch(q.float(), caches[0].float(), lens, mask, ba.SCALE).double()
         row = dict(L=L, H=H, T=T, rule=rule, us={})

@@ -276,41 +276,28 @@ def test_router_logits_tiles(monkeypatch, block_m, block_d):
     assert torch.equal(ids.cpu(), ref_ids.cpu()) and rel_err(weights, ref_weights) < 1e-4
 
 
+ROUTER_ON_LINEAR = [  # (router attribute, its linear Config, tokens, D, seed): K-split partials the select sums
+    ("ONE_ROW_GEMV", ("gemv", 8, 512, 4, 4, 2), 1, 1100, 11),
+    ("ONE_ROW_GEMV", ("gemv", 16, 256, 4, 6, 2), 1, 1100, 11),
+    ("MANY_ROWS", ("dot", 32, 128, 4, 4, 2, False, True), 5, 1096, 5),
+    ("MANY_ROWS", ("swap", 64, 128, 4, 4, 2, False, True), 33, 1096, 33),
+]
+
+
 @requires_triton
-@pytest.mark.parametrize("cfg", [("gemv", 8, 512, 4, 4, 2), ("gemv", 16, 256, 4, 6, 2)], ids=["bn8", "bn16"])
-def test_router_one_token_gemv(monkeypatch, cfg):
-    """One token's logits as the gemv's unsummed K-split partials (several splits, a K off the tile), summed
-    by the select kernel: the reference's experts and weights."""
+@pytest.mark.parametrize("attr,cfg,M,D,seed", ROUTER_ON_LINEAR, ids=["gemv-bn8", "gemv-bn16", "dot-M5", "swap-M33"])
+def test_router_logits_on_the_skinny_gemm(monkeypatch, attr, cfg, M, D, seed):
+    """The logits as the skinny GEMM's unsummed K-split partials (several splits, a K off the tile), summed by the
+    select kernel: one token on the gemv (`ONE_ROW_GEMV`), several on the dot tiles through tensor descriptors
+    (`MANY_ROWS`: rows past M not loaded): the reference's experts and weights."""
     from ops.moe import route_torch
     from triton_kernels import linear as lk
     from triton_kernels import router
 
-    monkeypatch.setattr(router, "ONE_ROW_GEMV", lk.Config(*cfg))
-    gen = torch.Generator().manual_seed(11)
-    x = torch.randn(1, 1100, generator=gen).to(kernel_dtypes()[0]).to(DEV)
-    w = (torch.randn(40, 1100, generator=gen) / 33).to(x.dtype).to(DEV)
-    bias = (0.01 * torch.randn(40, generator=gen)).to(DEV)
-    assert router.logits(x, w).shape[0] > 1  # several K splits
-    weights, ids = router.route(x, w, bias, 6, 1, 1, 2.5)
-    ref_w, ref_ids = route_torch(x.float(), w.float(), bias, 6, 1, 1, 2.5)
-    assert torch.equal(ids, ref_ids) and rel_err(weights, ref_w) < 1e-4
-
-
-@requires_triton
-@pytest.mark.parametrize("cfg,M", [(("dot", 32, 128, 4, 4, 2, False, True), 5),
-                                   (("swap", 64, 128, 4, 4, 2, False, True), 33)], ids=["dot-M5", "swap-M33"])
-def test_router_many_tokens_on_the_skinny_gemm(monkeypatch, cfg, M):
-    """Several tokens' logits as the skinny GEMM's unsummed K-split partials (`MANY_ROWS`: tiles through tensor
-    descriptors, rows past M not loaded, a K off the tile), summed by the select kernel: the reference's experts
-    and weights."""
-    from ops.moe import route_torch
-    from triton_kernels import linear as lk
-    from triton_kernels import router
-
-    monkeypatch.setattr(router, "MANY_ROWS", lk.Config(*cfg))
-    gen = torch.Generator().manual_seed(M)
-    x = torch.randn(M, 1096, generator=gen).to(kernel_dtypes()[0]).to(DEV)
-    w = (torch.randn(40, 1096, generator=gen) / 33).to(x.dtype).to(DEV)
+    monkeypatch.setattr(router, attr, lk.Config(*cfg))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, D, generator=gen).to(kernel_dtypes()[0]).to(DEV)
+    w = (torch.randn(40, D, generator=gen) / 33).to(x.dtype).to(DEV)
     bias = (0.01 * torch.randn(40, generator=gen)).to(DEV)
     assert router.logits(x, w).shape[0] > 1  # several K splits
     weights, ids = router.route(x, w, bias, 6, 1, 1, 2.5)

@@ -3,7 +3,6 @@ per-shape adoption behind `ops.linear`, and its sm_120 configs' resources (inter
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ops
 from triton_kernels import linear as lk
@@ -28,9 +27,11 @@ CASES = [  # (config, M, N, K): M not a power of two, N and K off the tiles, one
 ]
 
 
-def operands(M, N, K, dtype, seed):
+def operands(M, N, K, dtype, seed, rows_strided=True):
+    """x [M, K] (rows strided, not 16-byte aligned, unless rows_strided is False), w [N, K], fp32 x @ w^T."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K + 3, generator=gen).to(dtype).to(DEV)[:, 3:]  # rows strided
+    pad = 3 if rows_strided else 0
+    x = torch.randn(M, K + pad, generator=gen).to(dtype).to(DEV)[:, pad:]
     w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(DEV)
     return x, w, torch.nn.functional.linear(x.float(), w.float())
 
@@ -54,11 +55,7 @@ TMA_CASES = [  # tiles through tensor descriptors: rows past M, a ragged N and K
 @requires_triton
 @pytest.mark.parametrize("cfg,M,N,K", TMA_CASES, ids=lambda v: v.kind if isinstance(v, lk.Config) else str(v))
 def test_linear_kernel_tma_tiles_match_reference(cfg, M, N, K):
-    gen = torch.Generator().manual_seed(M + N + K)
-    dtype = kernel_dtypes()[0]
-    x = torch.randn(M, K, generator=gen).to(dtype).to(DEV)
-    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(DEV)
-    ref = torch.nn.functional.linear(x.float(), w.float())
+    x, w, ref = operands(M, N, K, kernel_dtypes()[0], M + N + K, rows_strided=False)
     assert lk._tma_ok(x, w) and not lk._tma_ok(x[:, 3:], w)  # misaligned rows fall back to pointers
     for _ in range(2):
         assert rel_err(lk.linear_kernel(x, w, cfg), ref) < 5e-3
@@ -72,10 +69,8 @@ def test_linear_kernel_unsummed_partials(cfg, M, N, K):
     """raw: every K split's fp32 partial [splits, M, N] left for the caller (the router's select sums them): summed
     in split order they are what the kernel writes summed itself (to the bit under the interpreter; on a GPU
     checked to the tolerance only, the bits not yet checked there)."""
-    gen = torch.Generator().manual_seed(M + N + K)
     dtype = kernel_dtypes()[0]
-    x = torch.randn(M, K, generator=gen).to(dtype).to(DEV)
-    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(DEV)
+    x, w, _ = operands(M, N, K, dtype, M + N + K, rows_strided=False)
     parts = lk.linear_kernel(x, w, cfg, raw=True)
     splits = lk.plan(cfg, M, N, K, sm_count(x.device), arch_of(x.device)).splits
     assert parts.dtype == torch.float32 and parts.shape == (splits, M, N) and splits > 1
@@ -117,10 +112,8 @@ def test_linear_kernel_bf16_at_step_shape(M):
 def test_adopted_configs_bf16_at_their_shapes(N, K, M):
     """Every adopted config, bf16, at the (N, K) and the largest M of the bucket it was adopted for, x contiguous
     as the model's (so the tensor-descriptor tiles run where the config asks for them)."""
-    gen = torch.Generator().manual_seed(N + K + M)
-    x = torch.randn(M, K, generator=gen).to(torch.bfloat16).to(DEV)
-    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(torch.bfloat16).to(DEV)
-    assert rel_err(lk.linear_kernel(x, w, lk.ADOPTED["sm_90"][(N, K)][M]), F.linear(x.float(), w.float())) < 1e-2
+    x, w, ref = operands(M, N, K, torch.bfloat16, N + K + M, rows_strided=False)
+    assert rel_err(lk.linear_kernel(x, w, lk.ADOPTED["sm_90"][(N, K)][M]), ref) < 1e-2
 
 
 @requires_gpu
@@ -216,7 +209,7 @@ def sm120_resources():
             if cfg.kind == "gemv":
                 res = compile_for(lk._gemv_kernel, common,
                                   dict(stride_wn=7168, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
-                                       STAGES=p.stages, PDL=True, RAW=cfg == ONE_ROW_GEMV, REDUCE_LOADS=4),
+                                       STAGES=p.stages, PDL=True, RAW=cfg == ONE_ROW_GEMV),
                                   num_warps=cfg.warps, aligned=True, divisible=("N", "K", "k_per_split"))
             else:
                 res = compile_for(lk._dot_kernel, dict(common, M="i32"),

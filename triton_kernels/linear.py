@@ -142,7 +142,7 @@ def _split_range(split, k_per_split, K, BLOCK_K: tl.constexpr):
 @triton.jit(do_not_specialize=["splits"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, splits, stride_wn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
-                 PDL: tl.constexpr, RAW: tl.constexpr = False, REDUCE_LOADS: tl.constexpr = 4):
+                 PDL: tl.constexpr, RAW: tl.constexpr = False):
     """One row: y [1, N] = x [1, K] @ W^T. Grid (N tiles, K splits). RAW: each split's fp32 partial [N] stored
     at part_ptr + split * N for the caller to sum (no y, no counter)."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
@@ -164,8 +164,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, sp
         x = tl.load(x_ptr + k_full + offs_k, mask=k_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)  # [BN]
-    _finish(out, tl.zeros_like(offs_n), offs_n, 1, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits,
-            REDUCE_LOADS, RAW)
+    _finish(out, tl.zeros_like(offs_n), offs_n, 1, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits, 4, RAW)
 
 
 @triton.jit
