@@ -69,11 +69,16 @@ def stamped_module():
     merge = _insert(merge, r"out = acc / w_sum", "_stamp(times_ptr, 2, tl.sum(acc, 0))")
     header = ("import triton\nimport triton.language as tl\nfrom triton_kernels import pdl\n"
               "from triton_kernels.mla_attention import _scores, _tma_scores, _sum_scores, _probs, _softmax_step\n")
-    path = Path(tempfile.mkdtemp()) / "stamped_attention.py"
-    path.write_text(header + STAMP + "\n\n" + split + "\n\n" + merge)
-    spec = importlib.util.spec_from_file_location("stamped_attention", path)
+    return load_source("stamped_attention", header + STAMP + "\n\n" + split + "\n\n" + merge)
+
+
+def load_source(name, src):
+    """Module `name` from the source text src, written to a file (Triton's jit reads a kernel's source from it)."""
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["stamped_attention"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 

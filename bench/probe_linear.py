@@ -8,10 +8,8 @@ Usage (device): python bench/probe_linear.py --out DIR [--ms 33,65,17]
 """
 
 import argparse
-import importlib.util
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_linear as bl  # noqa: E402
 from bench_moe import hbm_read_bandwidth  # noqa: E402
-from probe_attention_timeline import STAMP, _insert  # noqa: E402
+from probe_attention_timeline import STAMP, _insert, load_source  # noqa: E402
 from triton_kernels import linear as lk  # noqa: E402
 
 C = lk.Config
@@ -59,13 +57,7 @@ def stamped_module():
                    "    _stamp(times_ptr, 1, tl.sum(tl.sum(acc, 1), 0))\n    _finish(acc, m, n, M, N, y_ptr, part_ptr, "
                    "count_ptr, pid_n, split, splits, REDUCE_LOADS, RAW, times_ptr)")
     src = _replace(src, "num_stages=p.stages,", "num_stages=p.stages, times_ptr=TIMES,")
-    path = Path(tempfile.mkdtemp()) / "linear_stamped.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_source("linear_stamped", src)
 
 
 def phases(module, x, w, cfg):
