@@ -113,9 +113,9 @@ ONE_ROW_GEMV = Config("gemv", 16, 512, 4, 4, 1)
 # padding rows), the K-split partials left for the select kernel as the gemv's are; None: the logits kernel above.
 # H200 (21:30 UTC, bench/results/glue_h200_s11.json), logits + select at 9 / 33 / 65 tokens with
 # Config("swap", 64, 128, 4, 4, 0.5, tma=True) (6 N tiles x 11 K splits): 5.98 / 6.81 / 7.99 us against the logits
-# kernel's 6.87 / 8.18 / 9.70.
-# Off by default: the GPU suite has not run with it on (issue #7's note, session 11).
-MANY_ROWS = None
+# kernel's 6.87 / 8.18 / 9.70. In the verify at 4k (session 12, 22:07 UTC, same call, bench/results/
+# step_h200_s12_router_{many,none}.json): budget 8 / 32 7.84 / 11.10 ms against 7.88 / 11.24 with the logits kernel.
+MANY_ROWS = Config("swap", 64, 128, 4, 4, 0.5, tma=True)
 
 
 def logits_tile(M):
