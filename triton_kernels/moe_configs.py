@@ -45,6 +45,10 @@ CONFIGS = {
     # 65 <= M <= 128 back on BM 8: in the verify at budget 64 (65 tokens) its gate/up + down took 5894 + 3015 us
     # over the 60 layers against BM 8's 5285 + 3152 in run 13 (the bench's synthetic step routing spreads the
     # tokens differently); from M = 129 the M > 256 entry stays (7571 + 4161 against 7497 + 4419 us)
+    # session 12 (bench/results/step_h200_s12_routed_pdl_{on,off}.json, H200 22:20 UTC, the verify at 4k, same
+    # call): `pdl` on the routing pass and the GEMMs after it in the 5 <= M <= 33 entry (its persistent grids hold
+    # no empty blocks): budget 8 / 32 7.74 / 11.02 against 7.82 / 11.08 ms; on the 34-128 and 129+ entries (static
+    # grids, most blocks empty) slower: budget 64 / 128 13.98 / 19.50 against 13.71 / 19.11 ms
     "sm_90": [
         (1, dict(BM=8, panels=(1, 1), decode=True, pdl=True,
                  gate_up=dict(BN=64, waves=2, num_warps=4, num_stages=3, swap=True, lop3=True,
@@ -56,7 +60,7 @@ CONFIGS = {
                               scales_ahead=True, maxnreg=128),
                  down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True,
                            scales_ahead=True, tiles=4))),
-        (33, dict(BM=8, panels=(1, 1),
+        (33, dict(BM=8, panels=(1, 1), pdl=True,
                   gate_up=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True,
                                scales_ahead=True, device_split=True),
                   down=dict(BN=64, waves=4, num_warps=4, num_stages=3, swap=True, lop3=True,
@@ -93,8 +97,8 @@ LAYOUTS = {"sm_90": (1, 1), "sm_120": (0, 0)}
 # `lean` (slab pointers carried across the K loop, no column masks when BN divides N), `decode` (top level: a block
 # per (token, expert) pair, no routing pass, memset or cast), `device_split` (gate/up, with the routing pass: a
 # persistent grid whose K split is chosen on the device), `persistent` (down, with the routing pass: a persistent
-# grid over the filled blocks), `pdl` (top level, the two-launch decode path: programmatic dependent launch of
-# down), `panels` (top level: the weight layout the config expects). `python bench/bench_moe.py --variants` times
+# grid over the filled blocks), `pdl` (top level: programmatic dependent launch of the GEMMs, and of the routing
+# pass before them), `panels` (top level: the weight layout the config expects). `python bench/bench_moe.py --variants` times
 # them (TP8 shape).
 VARIANTS = {
     # the round 3 entry for 8 <= M <= 256 (routing pass, BM 8, K-major, prescaled), at M <= 4
@@ -111,6 +115,8 @@ VARIANTS = {
     # 16-row blocks (uncapped: at 128 registers gate/up spills) on an entry's kernels: an expert's tokens at EP8
     # (48 experts) fill them from M = 64 on
     "bm16": dict(BM=16, gate_up=dict(maxnreg=None)),
+    # plain launches (no programmatic dependent launch)
+    "plain": dict(pdl=False),
 }
 
 

@@ -250,7 +250,7 @@ def _next_slab(w_ptrs, a_ptrs, s_ptrs, k, w_row, s_row):
 @triton.jit(do_not_specialize=["n_zero", "P", "CAPACITY", "NB_MAX"])
 def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr, rank_ptr, nb_ptr,
                   zero_ptr, n_zero, P, CAPACITY, NB_MAX,
-                  BM: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+                  BM: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program 0: sorted_ptr[slot] = pair id (or -1), block_expert_ptr[b] = expert of block b (or -1), nb_ptr[0]
     = the number of blocks filled (blocks 0 .. nb - 1).
 
@@ -258,6 +258,7 @@ def _route_kernel(ids_ptr, sorted_ptr, block_expert_ptr, counts_ptr, offsets_ptr
     The phases are ordered by CTA barriers (bar.sync orders the global accesses, atomics included, of the
     threads it joins), so the atomics need no fences of their own.
     """
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     if pid > 0:
@@ -326,8 +327,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     With SWAP the tiles are transposed ([BN, BM]: the weights are the MMA's M operand, see `_slab_dot`); LOP3
     dequantises with inline PTX (`_unpack_group`); AHEAD loads a slab's scales during the slab before (Triton
     pipelines only loads that feed a dot: the scales would otherwise wait a global load each slab). PDL
-    (programmatic dependent launch, with DECODE): the down kernel may launch once every program has started; this
-    kernel waits for the previous one (whatever wrote x) first.
+    (programmatic dependent launch): the down kernel may launch once every program has started; this kernel waits
+    for the previous one (whatever wrote x, or the routing pass) first.
     Layout (TritonExperts): w_row / s_row are the row strides of words / scales, stride_wp / stride_sp their
     panel strides (PANEL > 0), up_w / up_s the offsets of the up columns from the gate columns.
     """
@@ -430,12 +431,14 @@ def _planned_gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, s
                             TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TILES_N: tl.constexpr,
                             S_PAD: tl.constexpr, COST: tl.constexpr, EVEN_N: tl.constexpr, PANEL: tl.constexpr,
                             MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
-                            SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, PRESCALE: tl.constexpr):
+                            SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, PRESCALE: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """`_gate_up_kernel` after the routing pass with the K split decided on the device: G programs take the work
     items (block, N tile, split) g, g + G, ... of the nb blocks the routing pass filled (nb_ptr), the split
     from `_plan_split` (the real number of blocks, not a host estimate). A split stores its partial tiles
     [2, BM, BN] at part [item]; the last of a tile's splits to arrive sums them in split order (deterministic)
     and writes h. Counters [nb_max, TILES_N] zeroed by the routing pass."""
+    pdl.enter(PDL)
     pid, G = tl.program_id(0), tl.num_programs(0)
     nb = tl.load(nb_ptr)
     split, per_split = _plan_split(nb, TILES_N, n_slabs, G, cap, S_PAD, COST)
@@ -642,11 +645,12 @@ def _persistent_down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_pt
                             EVEN_N: tl.constexpr, PANEL: tl.constexpr, TILES: tl.constexpr, MAGIC: tl.constexpr,
                             MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
                             LOP3: tl.constexpr, AHEAD: tl.constexpr, ONE_SLAB: tl.constexpr,
-                            PRESCALE: tl.constexpr):
+                            PRESCALE: tl.constexpr, PDL: tl.constexpr = False):
     """`_down_kernel` after the routing pass on a persistent grid: G programs take the work items (block, group of
     TILES N tiles, K split) g, g + G, ... of the nb blocks the routing pass filled (nb_ptr), so no program is
     launched for the empty blocks of the static grid (cdiv(M k, BM) + min(E, M k) blocks, most of them empty when
     the tokens share experts)."""
+    pdl.enter(PDL)
     pid, G = tl.program_id(0), tl.num_programs(0)
     nb = tl.load(nb_ptr)
     for item in range(pid, nb * GROUPS * split, G):
@@ -827,7 +831,7 @@ def _layout(words, scales, panel, BN, up=0):
     return {**args, **(dict(up_w=first_up * words.stride(1), up_s=first_up * scales.stride(1)) if up else {})}
 
 
-def _route(topk_ids, scratch, E, BM, capacity, nb_max):
+def _route(topk_ids, scratch, E, BM, capacity, nb_max, use_pdl=False):
     """Launch `_route_kernel` (it also zeroes `scratch`): -> (sorted pair ids [capacity], block experts [nb_max],
     the number of blocks filled [1])."""
     P = topk_ids.numel()
@@ -841,7 +845,7 @@ def _route(topk_ids, scratch, E, BM, capacity, nb_max):
     block = 1024
     _route_kernel[(1 + triton.cdiv(scratch.numel(), block),)](
         topk_ids, sorted_pairs, block_expert, counts, offsets, rank, nb, scratch, scratch.numel(), P, capacity, nb_max,
-        BM=BM, E_PAD=e_pad, BLOCK=block)
+        BM=BM, E_PAD=e_pad, BLOCK=block, PDL=use_pdl, **({"launch_pdl": True} if use_pdl else {}))
     return sorted_pairs, block_expert, nb
 
 
@@ -890,7 +894,7 @@ def _resident_programs(kernel, args, constexprs, device, dtype):
     return _GRID[key]
 
 
-def _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g, BM, top_k, ptx):
+def _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g, BM, top_k, ptx, use_pdl=False):
     """Launch `_planned_gate_up_kernel` (gate/up config g with `device_split`): as many programs as the GPU holds
     at once (in the interpreter, `waves` x 4), partials for up to 4 x that many work items."""
     D, I, dev = x.shape[1], experts.intermediate, x.device
@@ -898,7 +902,7 @@ def _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g,
     constexprs = dict(TOP_K=top_k, BM=BM, BN=BN, TILES_N=triton.cdiv(I, BN), S_PAD=triton.next_power_of_2(slabs),
                       COST=PLAN_COST, EVEN_N=I % BN == 0, EVEN_K=D % SLAB == 0, **UNPACK[x.dtype],
                       **{k: v for k, v in _flags(g, I, ptx).items() if k in ("SWAP", "LOP3", "AHEAD", "PRESCALE")},
-                      **_launch(g, False))
+                      PDL=use_pdl, **_launch(g, use_pdl))
     cap = 4 * g["waves"] * sm_count(dev)  # work items with partials, at most (`_plan_split`)
     part = torch.empty(cap * 2 * BM * BN, dtype=torch.float32, device=dev)
     layout = _layout(experts.gate_up, experts.gate_up_scale, experts.panel_gate_up, BN, up=I)
@@ -911,7 +915,7 @@ def _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g,
 
 
 def _persistent_down(h, experts, out, topk_weights, sorted_pairs, block_expert, nb, d, BM, top_k, tiles, split,
-                     per_split, dtype, ptx):
+                     per_split, dtype, ptx, use_pdl=False):
     """Launch `_persistent_down_kernel` (down config d with `persistent`): as many programs as the GPU holds at
     once (in the interpreter, `waves` x 4)."""
     D, I, dev = out.shape[1], experts.intermediate, out.device
@@ -921,7 +925,7 @@ def _persistent_down(h, experts, out, topk_weights, sorted_pairs, block_expert, 
                       PANEL=layout.pop("PANEL"), TILES=tiles, EVEN_K=I % SLAB == 0,
                       ONE_SLAB=slabs == 1 and tiles > 1, **UNPACK[dtype],
                       **{k: v for k, v in _flags(d, D, ptx).items() if k in ("SWAP", "LOP3", "AHEAD", "PRESCALE")},
-                      **_launch(d, False))
+                      PDL=use_pdl, **_launch(d, use_pdl))
     args = [h, experts.down, experts.down_scale, out, topk_weights, sorted_pairs, block_expert, nb, D, I, slabs,
             per_split, split, experts.down.stride(0), experts.down_scale.stride(0),
             *(layout[k] for k in ("w_row", "s_row", "stride_wp", "stride_sp"))]
@@ -972,7 +976,9 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
 
     dev = x.device
     ptx = dev.type == "cuda"  # inline PTX (lop3) compiles; the interpreter runs the plain forms
-    use_pdl = ptx and decode and cfg.get("pdl", False)  # programmatic dependent launch of the GEMMs (CUDA only)
+    # programmatic dependent launch (sm_90 and newer) of the GEMMs, and of the routing pass before them, where the
+    # entry asks for it
+    use_pdl = ptx and cfg.get("pdl", False) and pdl.active(x)
     h = torch.empty((capacity, I), dtype=x.dtype, device=dev)
     if decode:  # no routing pass, no memset, no cast: zeroed sums and counters that the kernels zero again
         sorted_pairs = block_expert = topk_ids
@@ -983,7 +989,7 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
         planned = cfg["gate_up"].get("device_split", False)
         n_counters = nb_max * gu_tiles if gu_split > 1 or planned else 0
         scratch = torch.empty(M * D + n_counters, dtype=torch.float32, device=dev)  # zeroed by _route_kernel
-        sorted_pairs, block_expert, nb = _route(topk_ids, scratch, E, BM, capacity, nb_max)
+        sorted_pairs, block_expert, nb = _route(topk_ids, scratch, E, BM, capacity, nb_max, use_pdl)
         out, counters = scratch[: M * D].view(M, D), scratch[M * D :].view(torch.int32)
         y, dn_counters = out, counters  # unused
         part = torch.empty((gu_split if gu_split > 1 else 0, capacity, 2 * I), dtype=torch.float32, device=dev)
@@ -992,7 +998,7 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
     dn_layout = _layout(experts.down, experts.down_scale, experts.panel_down, dn_bn)
     g = cfg["gate_up"]
     if not decode and planned:
-        _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g, BM, top_k, ptx)
+        _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g, BM, top_k, ptx, use_pdl)
     else:
         _gate_up_kernel[(nb_max, gu_tiles, gu_split)](
             x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert,
@@ -1003,7 +1009,7 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
     d = cfg["down"]
     if not decode and d.get("persistent", False):
         _persistent_down(h, experts, out, topk_weights, sorted_pairs, block_expert, nb, d, BM, top_k, dn_per_cta,
-                         dn_split, dn_per_split, x.dtype, ptx)
+                         dn_split, dn_per_split, x.dtype, ptx, use_pdl)
         return out if keep_sums else out.to(x.dtype)
     _down_kernel[(nb_max, dn_tiles, dn_split)](
         h, experts.down, experts.down_scale, out, y, dn_counters, topk_weights, sorted_pairs, block_expert,
@@ -1039,6 +1045,7 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
                 stride_we="i64", stride_se="i64", **layout)
     g, d, decode = cfg["gate_up"], cfg["down"], cfg.get("decode", False)
     p_gu, p_dn = cfg.get("panels", (0, 0))
+    use_pdl = cfg.get("pdl", False)
     if g.get("device_split", False) and not decode:
         planned = dict(x_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", h_ptr=f"*{dtype}", part_ptr="*fp32",
                        counter_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32", nb_ptr="*i32", D="i32",
@@ -1047,12 +1054,12 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
         flags = {k: v for k, v in _flags(g, I).items() if k in ("SWAP", "LOP3", "AHEAD", "PRESCALE")}
         gu_spec = (_planned_gate_up_kernel, (planned, dict(
             TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], TILES_N=triton.cdiv(I, g["BN"]), S_PAD=32, COST=PLAN_COST,
-            EVEN_N=I % g["BN"] == 0, PANEL=p_gu, EVEN_K=True, **flags, **magic), arch, g["num_warps"], g["num_stages"],
-            g.get("maxnreg")))
+            EVEN_N=I % g["BN"] == 0, PANEL=p_gu, EVEN_K=True, **flags, PDL=use_pdl, **magic), arch, g["num_warps"],
+            g["num_stages"], g.get("maxnreg")))
     else:
         gu_spec = (_gate_up_kernel, (gate_up, dict(TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], SPLIT=True, EVEN_K=True,
                                                    **_flags(g, I), DECODE=decode, PANEL=p_gu,
-                                                   PDL=cfg.get("pdl", False), **magic), arch, g["num_warps"],
+                                                   PDL=use_pdl, **magic), arch, g["num_warps"],
                                    g["num_stages"], g.get("maxnreg")))
     if d.get("persistent", False) and not decode:
         tiles = d.get("tiles", 1)
@@ -1062,12 +1069,12 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
         flags = {k: v for k, v in _flags(d, D).items() if k in ("SWAP", "LOP3", "AHEAD", "PRESCALE")}
         return [gu_spec, (_persistent_down_kernel, (persistent, dict(
             TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], GROUPS=D // (d["BN"] * tiles), EVEN_N=D % d["BN"] == 0,
-            PANEL=p_dn, TILES=tiles, EVEN_K=True, ONE_SLAB=I <= SLAB and tiles > 1, **flags, **magic), arch,
-            d["num_warps"], d["num_stages"], d.get("maxnreg")))]
+            PANEL=p_dn, TILES=tiles, EVEN_K=True, ONE_SLAB=I <= SLAB and tiles > 1, **flags, PDL=use_pdl, **magic),
+            arch, d["num_warps"], d["num_stages"], d.get("maxnreg")))]
     return [
         gu_spec,
         (_down_kernel, (down, dict(TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], EVEN_K=True, **_flags(d, D), DECODE=decode,
                                    PANEL=p_dn, TILES=d.get("tiles", 1), ONE_SLAB=I <= SLAB and d.get("tiles", 1) > 1,
-                                   PDL=cfg.get("pdl", False), **magic), arch, d["num_warps"], d["num_stages"],
+                                   PDL=use_pdl, **magic), arch, d["num_warps"], d["num_stages"],
                     d.get("maxnreg"))),
     ]
