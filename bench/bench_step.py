@@ -20,6 +20,7 @@ device; tests/test_graphs.py smoke-tests them on 'tiny'.
 import argparse
 import json
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -343,6 +344,14 @@ def markdown(meta, rows):
     return "\n".join(lines) + "\n"
 
 
+def linear_config(spec):
+    """A linear.Config from 'kind,block_n,block_k,warps,stages,waves[,tma]', or None from 'none'."""
+    if spec == "none":
+        return None
+    kind, *nums = spec.split(",")
+    return linear.Config(kind, *(int(v) for v in nums[:4]), float(nums[4]), tma="tma" in nums[5:])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
@@ -363,7 +372,10 @@ def main():
     parser.add_argument("--moe-variant-upto", type=int, default=33)
     parser.add_argument("--router-many", default=None,
                         help="router.MANY_ROWS as kind,block_n,block_k,warps,stages,waves[,tma] (the router's 2-128 "
-                             "token logits on the skinny GEMM)")
+                             "token logits on the skinny GEMM), or none (the logits kernel)")
+    parser.add_argument("--linear-entry", action="append", default=[],
+                        help="NxK@BUCKET=kind,block_n,block_k,warps,stages,waves[,tma]: a linear.ADOPTED['sm_90'] entry "
+                             "for this run (repeatable; 'cublas' as the config removes the entry)")
     parser.add_argument("--no-tail-split", action="store_true",
                         help="the attention's splits over the whole length (mla_attention.TAIL_SPLIT off)")
     args = parser.parse_args()
@@ -374,8 +386,14 @@ def main():
     if args.router_dot:
         router.ONE_ROW_GEMV = None
     if args.router_many:
-        kind, *nums = args.router_many.split(",")
-        router.MANY_ROWS = linear.Config(kind, *(int(v) for v in nums[:4]), float(nums[4]), tma="tma" in nums[5:])
+        router.MANY_ROWS = linear_config(args.router_many)
+    for entry in args.linear_entry:
+        shape, bucket, cfg = re.fullmatch(r"(\d+x\d+)@(\d+)=(.+)", entry).groups()
+        table = linear.ADOPTED["sm_90"].setdefault(tuple(int(v) for v in shape.split("x")), {})
+        if cfg == "cublas":
+            table.pop(int(bucket), None)
+        else:
+            table[int(bucket)] = linear_config(cfg)
     pdl.ENABLED = not args.no_pdl
     if args.no_tail_split:
         mla_attention.TAIL_SPLIT = dict.fromkeys(mla_attention.TAIL_SPLIT, 0)
@@ -397,7 +415,7 @@ def main():
                              "key/value heads, 1/8 of the MLP), scoring with the target's lm_head shard",
                 overlap_shared_expert=not args.no_overlap, pdl=not args.no_pdl,
                 sum_shared_in_norm=not args.moe_adds_shared, router_gemv=router.ONE_ROW_GEMV is not None,
-                router_many=router.MANY_ROWS and list(router.MANY_ROWS),
+                router_many=router.MANY_ROWS and list(router.MANY_ROWS), linear_entries=args.linear_entry,
                 moe_variant=args.moe_variant and f"{args.moe_variant} up to M = {args.moe_variant_upto}",
                 attention_tail_split=not args.no_tail_split)
     meta["read_GBps"] = bw = read_GBps()
