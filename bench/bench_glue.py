@@ -1,5 +1,5 @@
-"""Launch options of two small verify-step kernels on the GPU: the absorbed query (`absorb_query`, tokens per
-program) and the router (its default launches, the logits kernel alone, whose difference to the default is the
+"""Launch options of small verify-step kernels on the GPU: the absorbed query (`absorb_query`, tokens per
+program), the absorbed output (`absorb_output`, its tile `absorb.OUTPUT_TILE`) and the router (its default launches, the logits kernel alone, whose difference to the default is the
 select's share, and the logits kernel's token block and D tile, `router.LOGITS_TILES`), at one TP8 rank's shapes
 (8 heads, E = 384, D = 7168) for 1-129 tree nodes.
 
@@ -44,6 +44,25 @@ def absorb_rows(n, block_ns):
             row[f"block_n {bn}"] = dict(us=per_call_us(call), equal=bool(torch.equal(call(), base)))
     finally:
         absorb.QUERY_BLOCK_N = default
+    return row
+
+
+def absorb_output_rows(n, tiles):
+    """absorb_output at each (BLOCK_D, BLOCK_K, stages) of `tiles` ('default': absorb.OUTPUT_TILES)."""
+    dev = "cuda"
+    o = torch.randn(n, 8, 512, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(8, 128, 512, device=dev, dtype=torch.bfloat16) / 22
+    call = lambda: absorb.absorb_output(o, w)  # noqa: E731
+    base, row = call(), {}
+    default = absorb.OUTPUT_TILES
+    row["default"] = dict(us=per_call_us(call), equal=True)
+    try:
+        for tile in tiles:
+            absorb.OUTPUT_TILES = ((None, *tile),)
+            got = call()
+            row["x".join(map(str, tile))] = dict(us=per_call_us(call), equal=bool((got - base).abs().max() < 1e-2))
+    finally:
+        absorb.OUTPUT_TILES = default
     return row
 
 
@@ -110,7 +129,10 @@ def _tiles(text):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--ops", default="absorb_query,router", help="comma-separated: absorb_query, router")
+    parser.add_argument("--ops", default="absorb_query,router",
+                        help="comma-separated: absorb_query, absorb_output, router")
+    parser.add_argument("--output-tiles", default="32x128x2,32x256x2,32x512x1,16x512x1,16x256x2,64x128x2",
+                        type=_tiles, help="absorb_output's BLOCK_D x BLOCK_K x stages to time")
     parser.add_argument("--tiles", default="16x256,32x256,64x128,64x256", type=_tiles,
                         help="the router's logits tiles BLOCK_M x BLOCK_D to time at every row count ('' for none)")
     parser.add_argument("--gemvs", action="store_true", help="the router's one-token gemv candidates (GEMVS)")
@@ -124,6 +146,7 @@ def main():
     gemvs = GEMVS if args.gemvs else ()
     many = MANY if args.many else ()
     rows_of = dict(absorb_query=lambda n: absorb_rows(n, (16, 32, 64)),
+                   absorb_output=lambda n: absorb_output_rows(n, args.output_tiles),
                    router=lambda n: router_rows(n, args.tiles, gemvs, many))
     for n in ROWS:
         for op in ops:

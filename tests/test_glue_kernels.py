@@ -103,7 +103,7 @@ def test_router_matches_reference(M, E, D, top_k, n_group, topk_group, norm):
 def sm120_resources():
     """Resources of each glue kernel compiled for sm_120 with programmatic dependent launch, as the GPU runs them
     (needs real @triton.jit objects: no interpreter)."""
-    from triton_kernels.absorb import _absorb_output_kernel, _absorb_query_kernel
+    from triton_kernels.absorb import OUTPUT_TILES, _absorb_output_kernel, _absorb_query_kernel
     from triton_kernels.aot import compile_for
     from triton_kernels.glue import _head_norm_rope_kernel, _rms_norm_kernel, _rope_kernel, _write_latent_kernel
     from triton_kernels.router import BLOCK_E, LOGITS_TILES, SELECT_WARPS, _logits_kernel, _select_kernel
@@ -136,9 +136,11 @@ def sm120_resources():
                                                stride_qnh="i32", stride_qp="i32", stride_qph="i32", stride_wh="i32",
                                                stride_wd="i32", factor="fp32"),
                     dict(DN=128, R=512, HALF=32, BLOCK_N=16, BLOCK_C=64, PDL=True), aligned=True),
-        compile_for(_absorb_output_kernel, dict(o_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", N="i32", H="i32",
-                                                stride_on="i32", stride_oh="i32", stride_wh="i32", stride_wd="i32"),
-                    dict(R=512, DV=128, BLOCK_N=64, BLOCK_D=32, BLOCK_K=128, PDL=True), aligned=True),
+        *(compile_for(_absorb_output_kernel, dict(o_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", N="i32", H="i32",
+                                                  stride_on="i32", stride_oh="i32", stride_wh="i32", stride_wd="i32"),
+                      dict(R=512, DV=128, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_K=block_k, PDL=True),
+                      num_stages=stages, aligned=True)
+          for block_n in (16, 64) for _, block_d, block_k, stages in OUTPUT_TILES),
     ]
 
 

@@ -2,6 +2,8 @@
 GEMMs of a few rows (4.5-6.5 us each at one token on an H200 for 1 MB of weights), with the query's RoPE and the
 [latent ; rope] concatenation folded into the query kernel and the head-major output written in place."""
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -58,6 +60,13 @@ def _absorb_output_kernel(o_ptr, w_ptr, out_ptr, N, H, stride_on, stride_oh, str
 QUERY_BLOCK_N = 16  # tokens a program: 2.2x faster than 64 at 33 rows, 2.2x at 129 (bench_glue, H200)
 
 
+# (max rows, BLOCK_D, BLOCK_K, stages) of the output kernel, the first row whose max covers N (None: any): value
+# columns a program, latent values a loop step. H200 (22:33 UTC, bench/results/glue_h200_s12_absorb_output.md), us
+# at 1 / 9 / 33 / 65 / 129 rows: 16x512x1 2.11 / 2.61 / 2.78 / 3.02 / 4.38, 32x512x1 2.76 / 3.13 / 3.14 / 3.27 /
+# 3.48, the earlier 32x128x2 3.02 / 3.05 / 3.53 / 4.26 / 4.43
+OUTPUT_TILES = ((65, 16, 512, 1), (None, 32, 512, 1))
+
+
 def _block_n(N):
     return 16 if N <= 16 else 64
 
@@ -88,9 +97,11 @@ def absorb_output(o_lat, w_uv):
         raise ValueError("absorb_output (triton): last dims must be contiguous, R a multiple of 128, dv of 32")
     out = torch.empty(N, H * dv, dtype=o_lat.dtype, device=o_lat.device)
     if N:
+        tile_d, tile_k, stages = next(t[1:] for t in OUTPUT_TILES if t[0] is None or N <= t[0])
+        block_d, block_k = math.gcd(tile_d, dv), math.gcd(tile_k, R)  # powers of two that divide dv and R
         block_n = _block_n(N)
-        _absorb_output_kernel[(H, dv // 32, triton.cdiv(N, block_n))](
+        _absorb_output_kernel[(H, dv // block_d, triton.cdiv(N, block_n))](
             o_lat, w_uv, out, N, H, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1),
-            R=R, DV=dv, BLOCK_N=block_n, BLOCK_D=32, BLOCK_K=128, num_stages=2,
+            R=R, DV=dv, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_K=block_k, num_stages=stages,
             **pdl.options(o_lat))
     return out
