@@ -37,6 +37,7 @@ from spec.graphs import DEFAULT_BUCKETS, DraftGraphs, StepGraphs, draft_eligibil
 from triton_kernels import linear, mla_attention, moe_configs, pdl, router
 
 CONTEXTS = (4096, 32768)
+MAX_TOKENS = 1 << 20  # --moe-variant-upto's stand-in for the MoE table's last entry (no max)
 DFLASH_K25 = dict(num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
                   intermediate_size=18432, block_size=8, target_layer_ids=(1, 12, 24, 35, 47, 58))
 DFLASH_TINY = dict(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -369,7 +370,8 @@ def main():
                         help="a MoE layer adds its shared expert itself (not in the next norm's launch)")
     parser.add_argument("--moe-variant", default=None,
                         help="moe_configs.VARIANTS[NAME] on the sm_90 MoE entries up to --moe-variant-upto tokens")
-    parser.add_argument("--moe-variant-upto", type=int, default=33)
+    parser.add_argument("--moe-variant-upto", type=int, default=33,
+                        help=f"the entries for at most this many tokens ({MAX_TOKENS}: the last entry too)")
     parser.add_argument("--router-many", default=None,
                         help="router.MANY_ROWS as kind,block_n,block_k,warps,stages,waves[,tma] (the router's 2-128 "
                              "token logits on the skinny GEMM), or none (the logits kernel)")
@@ -400,7 +402,7 @@ def main():
     if args.moe_variant:
         moe_configs.CONFIGS["sm_90"] = [
             (max_m, moe_configs.with_variant(cfg, args.moe_variant)
-             if max_m is not None and max_m <= args.moe_variant_upto else cfg)
+             if (max_m or MAX_TOKENS) <= args.moe_variant_upto else cfg)
             for max_m, cfg in moe_configs.CONFIGS["sm_90"]]
 
     out = Path(args.out)
