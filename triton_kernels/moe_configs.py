@@ -49,7 +49,7 @@ CONFIGS = {
     # call): `pdl` on the routing pass and the GEMMs after it in the 5 <= M <= 33 entry (its persistent grids hold
     # no empty blocks): budget 8 / 32 7.74 / 11.02 against 7.82 / 11.08 ms; on the 34-128 and 129+ entries (static
     # grids, most blocks empty) slower: budget 64 / 128 13.98 / 19.50 against 13.71 / 19.11 ms. The 5-33 entry's
-    # scheme (device split, persistent down, `pdl`) on the 34-128 and 129+ entries' tiles (22:32 UTC, same call,
+    # scheme (device split, persistent down, `pdl`) on the 34-128 and 129+ entries' tiles (22:30 UTC, same call,
     # bench/results/step_h200_s12_split_pdl_base.json for the base): 13.67 / 20.66 against 13.55 / 19.13 ms; alone
     # (moe_step_h200_s12_split_pdl.json) 131.3 / 213.4 against 129.3 / 195.6 us a layer
     "sm_90": [
