@@ -34,7 +34,7 @@ from model.parallel import Parallel
 from spec.drafter import DFlashDrafter, DrafterConfig
 from spec.engine import root_tree
 from spec.graphs import DEFAULT_BUCKETS, DraftGraphs, StepGraphs, draft_eligibility, eligibility, parse_buckets
-from triton_kernels import linear, mla_attention, moe_configs, pdl, router
+from triton_kernels import absorb, linear, mla_attention, moe_configs, pdl, router
 
 CONTEXTS = (4096, 32768)
 MAX_TOKENS = 1 << 20  # --moe-variant-upto's stand-in for the MoE table's last entry (no max)
@@ -378,6 +378,8 @@ def main():
     parser.add_argument("--linear-entry", action="append", default=[],
                         help="NxK@BUCKET=kind,block_n,block_k,warps,stages,waves[,tma]: a linear.ADOPTED['sm_90'] entry "
                              "for this run (repeatable; 'cublas' as the config removes the entry)")
+    parser.add_argument("--absorb-output-tile", default=None,
+                        help="BLOCK_DxBLOCK_KxSTAGES: absorb.OUTPUT_TILES at every row count (e.g. 32x128x2)")
     parser.add_argument("--no-tail-split", action="store_true",
                         help="the attention's splits over the whole length (mla_attention.TAIL_SPLIT off)")
     args = parser.parse_args()
@@ -397,6 +399,8 @@ def main():
         else:
             table[int(bucket)] = linear_config(cfg)
     pdl.ENABLED = not args.no_pdl
+    if args.absorb_output_tile:
+        absorb.OUTPUT_TILES = ((None, *(int(v) for v in args.absorb_output_tile.split("x"))),)
     if args.no_tail_split:
         mla_attention.TAIL_SPLIT = dict.fromkeys(mla_attention.TAIL_SPLIT, 0)
     if args.moe_variant:
@@ -419,7 +423,7 @@ def main():
                 sum_shared_in_norm=not args.moe_adds_shared, router_gemv=router.ONE_ROW_GEMV is not None,
                 router_many=router.MANY_ROWS and list(router.MANY_ROWS), linear_entries=args.linear_entry,
                 moe_variant=args.moe_variant and f"{args.moe_variant} up to M = {args.moe_variant_upto}",
-                attention_tail_split=not args.no_tail_split)
+                attention_tail_split=not args.no_tail_split, absorb_output_tiles=absorb.OUTPUT_TILES)
     meta["read_GBps"] = bw = read_GBps()
     t0 = time.perf_counter()
     target = build_target()
