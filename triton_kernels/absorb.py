@@ -61,7 +61,7 @@ QUERY_BLOCK_N = 16  # tokens a program: 2.2x faster than 64 at 33 rows, 2.2x at 
 
 
 # (max rows, BLOCK_D, BLOCK_K, stages) of the output kernel, the first row whose max covers N (None: any): value
-# columns a program, latent values a loop step. H200 (22:33 UTC, bench/results/glue_h200_s12_absorb_output.md), us
+# columns a program, latent values a loop step. H200 (22:25 UTC, bench/results/glue_h200_s12_absorb_output.md), us
 # at 1 / 9 / 33 / 65 / 129 rows: 16x512x1 2.11 / 2.61 / 2.78 / 3.02 / 4.38, 32x512x1 2.76 / 3.13 / 3.14 / 3.27 /
 # 3.48, the earlier 32x128x2 3.02 / 3.05 / 3.53 / 4.26 / 4.43
 OUTPUT_TILES = ((65, 16, 512, 1), (None, 32, 512, 1))
