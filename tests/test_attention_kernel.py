@@ -364,3 +364,59 @@ def test_timeline_probe_stamps_the_committed_kernels(monkeypatch):
     source = inspect.getsource(module._mla_split_kernel.fn)
     assert sum(line.strip().startswith("_stamp(") for line in source.split("\n")) == 6
     sys.modules.pop("stamped_attention", None)
+
+
+GLUON_CASES = [  # B, T, H, lens, tree kind, num_splits (None: the launcher's), tail split
+    (1, 1, 8, [37], "chain", None, None),
+    (3, 2, 16, [5, 70, 133], "wide", 3, False),
+    (2, 16, 8, [200, 17], "deep", 2, True),
+    (1, 64, 8, [150], "wide", None, None),
+    (2, 33, 8, [33, 90], "causal", 1, None),
+    (2, 33, 2, [40, 131], "causal", 3, None),
+    (1, 9, 8, [4105], "deep", 20, True),
+    (2, 9, 8, [1000, 77], "padded", 6, False),
+]
+
+
+@requires_gpu
+@pytest.mark.parametrize("B,T,H,lens,kind,splits,tail", GLUON_CASES,
+                         ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-{c[4]}-S{c[5]}-tail{c[6]}" for c in GLUON_CASES])
+def test_gluon_split_kernel_matches_reference(B, T, H, lens, kind, splits, tail):
+    """The split kernel hand-scheduled in Gluon (`mla_gluon`, Hopper): ragged batches, trees and causal rows, the
+    tail split, one split (output written directly) and several, the cache past each length NaN (never read)."""
+    from triton_kernels.mla_attention import mla_attention
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is Hopper's (wgmma)")
+    q, kv, cache_lens, mask = make_case(B, T, H, lens, kind, torch.bfloat16, "cuda", seed=B * 100 + T + H)
+    for b, length in enumerate(lens):
+        kv[b, length:] = float("nan")
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=splits, config=UNCHAINED, tail_split=tail,
+                        gluon=True)
+    ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 1e-2
+
+
+@requires_triton
+def test_gluon_split_kernel_is_refused_where_it_cannot_run():
+    from triton_kernels.mla_attention import mla_attention
+
+    q, kv, cache_lens, mask = make_case(1, 2, 8, [40], "chain", torch.float16, device(), seed=3)
+    with pytest.raises(ValueError, match="gluon"):
+        mla_attention(q, kv, cache_lens, mask, SCALE, config=UNCHAINED, gluon=True)
+
+
+GLUON_AOT = """
+import json
+from triton_kernels.mla_gluon import compile_report
+print(json.dumps([[causal, tail, *vars(compile_report(causal=causal, tail_split=tail)).values()]
+                  for causal, tail in ((False, True), (True, False), (False, False))]))
+"""
+
+
+def test_gluon_split_kernel_fits_sm90():
+    """The Gluon kernel compiled for sm_90 without a GPU (tree with and without the tail split, causal): Q and two
+    cache stages fit 227 KB, and it hardly spills (Triton 3.6: 8 bytes in the tree form; 3.9: none)."""
+    for causal, tail, shared, registers, spills in compiled_in_child(GLUON_AOT):
+        assert shared <= SM90_SHARED_LIMIT and spills <= 64, (causal, tail, shared, registers, spills)

@@ -73,6 +73,12 @@ TAIL_STAGES = {90: 1, 120: None}  # None: the config's stages
 # TAIL_TILE_COST unmasked ones in the split model (%globaltimer stamps, 64-row tiles: ~10 against ~4-5 us).
 # sm_120 follows sm_90, untimed.
 TAIL_SPLIT = {90: 2, 120: 2}
+# The split kernel hand-scheduled in Gluon (`mla_gluon.py`, Hopper, bf16, the 64x64 config) instead of Triton's, by
+# default per arch. Off until the whole GPU suite and the step have run with it (issue #6's note, session 12):
+# H200, at the op's defaults with a tree, same call (bench/results/attention_gluon_h200_s12_tree.json): 32k
+# H 64 T 8 96.4 against 109.1 us, H 8 T 32 57.2 / 66.0, H 64 T 128 1327 / 1388; 128k H 64 T 1 63.1 / 68.0; 32k
+# H 64 T 1 and H 8 T 8 equal (30.3 / 30.3, 31.1 / 30.2); the 4k verify's T 33 / 9 21.4 / 22.6 and 16.6 / 16.7.
+GLUON = {90: False, 120: False}
 TAIL_TILE_COST = 2.0
 # The merge combines up to MERGE_MAX_SPLITS_BLOCK splits a step (BLOCK_S, the splits' next power of two), BLOCK_D
 # values of a row a program, on `warps`: MERGE_BLOCKS[BLOCK_S] = (BLOCK_D, warps), the fastest measured on the H200
@@ -413,7 +419,7 @@ def _check(q, kv_cache, value_dim):
 
 
 def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, num_splits=None, config=None,
-                  partials=None, tma=None, tail_split=None):
+                  partials=None, tma=None, tail_split=None, gluon=None):
     """Triton twin of ops.mla_attention: q [B, T, H, 576], kv_cache [B, L_max, 576], cache_lens [B] int32,
     tree_mask [B, T, ceil(T/32)] int32 or None (causal), -> [B, T, H, 512] in q's dtype.
 
@@ -421,7 +427,8 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     (dtype of the per-split outputs: torch.float32 or q.dtype) override the defaults; so does tma (True: the
     unmasked loop loads its tiles through tensor descriptors, TMA; needs BLOCK_DV 512 and a 16-byte aligned cache)
     and tail_split (True: with a tree mask and several splits, the last split takes the tree's tiles; None:
-    where the tree spans at most TAIL_SPLIT[arch] tiles).
+    where the tree spans at most TAIL_SPLIT[arch] tiles), and gluon (True: the split kernel in Gluon, `mla_gluon`,
+    which needs a Hopper GPU, bf16 and the 64x64 config with BLOCK_DV 512; None: where GLUON[arch] says and it can).
     """
     _check(q, kv_cache, value_dim)
     B, T, H, _ = q.shape
@@ -435,6 +442,7 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         raise ValueError(f"mla_attention (triton): BLOCK_DV must be 256 or 512 (512 with tma), got {block_dv}")
     if partials not in (None, torch.float32, q.dtype):
         raise ValueError(f"mla_attention (triton): partials must be torch.float32 or q's {q.dtype}, got {partials}")
+    asked = partials is not None
     partials = partials or entry.partials or q.dtype
     entry = entry._replace(config=(block_m, block_n, warps, stages, block_dv, unchain))
     causal = tree_mask is None
@@ -444,13 +452,21 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
                                     tree=0 if causal else T, tail=tail)
     grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
     out = torch.empty(B, T, H, D_LAT, dtype=q.dtype, device=q.device)
-    direct = num_splits == 1
+    use_gluon = _use_gluon(gluon, arch, q, kv_cache, entry.config)
+    direct = num_splits == 1 and not use_gluon  # the Gluon kernel always writes partials
     if direct:
         o_part = lse_part = out
-    else:
-        o_part = torch.empty(B, num_splits, rows, D_LAT, dtype=partials, device=q.device)
+    else:  # the Gluon kernel stores fp32 partials faster than 16-bit ones (H200, attention_gluon_h200_s12_variants)
+        o_part = torch.empty(B, num_splits, rows, D_LAT, dtype=torch.float32 if use_gluon and not asked else partials,
+                             device=q.device)
         lse_part = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q.device)
     mask = cache_lens if causal else tree_mask.contiguous()
+    if use_gluon:
+        from triton_kernels import mla_gluon
+
+        mla_gluon.split(q, kv_cache, cache_lens, mask, o_part, lse_part, num_splits, scale * 1.4426950408889634,
+                        causal, tail)
+        return _merged(o_part, lse_part, out, rows, num_splits, B, direct, q)
     lat_desc, pe_desc = _descriptors(kv_cache, block_n) if tma and kv_cache.data_ptr() % 16 == 0 else (None, None)
     _mla_split_kernel[(grid_m, num_splits, B)](
         q, kv_cache, cache_lens, mask, out, o_part, lse_part, lat_desc, pe_desc,
@@ -459,6 +475,26 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
         BLOCK_DO=D_LAT - block_dv if block_dv < D_LAT else 16, TAIL_STAGES=tail_stages, UNCHAIN=unchain,
         TMA=lat_desc is not None, TAIL_SPLIT=tail and not direct, num_warps=warps, num_stages=stages, **pdl.options(q),
     )
+    return _merged(o_part, lse_part, out, rows, num_splits, B, direct, q)
+
+
+def _use_gluon(gluon, arch, q, kv_cache, config):
+    """Whether this call runs the Gluon split kernel: asked for (gluon True; an error where it cannot run) or by
+    GLUON[arch] (gluon None) where it can."""
+    if gluon is False or (gluon is None and not GLUON.get(arch, False)):
+        return False
+    from triton_kernels import mla_gluon
+
+    if mla_gluon.usable(q, kv_cache, config):
+        return True
+    if gluon:
+        raise ValueError(f"mla_attention (triton): gluon=True needs a Hopper GPU, bf16 q and the 64x64 config with "
+                         f"BLOCK_DV 512, got {q.device} {q.dtype} {tuple(config)}")
+    return False
+
+
+def _merged(o_part, lse_part, out, rows, num_splits, B, direct, q):
+    """out, after the merge kernel has combined the splits' partials into it (unless the split kernel wrote it)."""
     if not direct:
         block_s, block_d, warps = merge_blocks(num_splits)
         _merge_kernel[(rows, D_LAT // block_d, B)](
