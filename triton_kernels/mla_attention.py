@@ -153,6 +153,31 @@ def _softmax_step(s, v, m_i, l_i, acc, live, UNCHAIN: tl.constexpr):
     return m_new, l_i, acc
 
 
+@triton.jit
+def program_range(length, T, pid_m, pid_s, num_splits, H: tl.constexpr, CAUSAL: tl.constexpr,
+                  TAIL_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(tree_start, start, end, n_full) of split pid_s of query tile pid_m for a sequence of `length` entries whose
+    last T are the tree: its entries [start, end), the first n_full of its tiles wholly visible. Shared with the
+    Gluon kernel (mla_gluon.py)."""
+    tree_start = length - T  # first new token's entry
+    kv_end = length
+    if CAUSAL:  # entries past this tile's last token are invisible to all its rows
+        t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // H, T - 1)
+        kv_end = tree_start + t_last + 1
+    if TAIL_SPLIT:  # the last split takes the tiles holding tree entries, the others split the prefix's tiles
+        prefix_end = tree_start // BLOCK_N * BLOCK_N
+        split_len = tl.cdiv(tl.cdiv(prefix_end, num_splits - 1), BLOCK_N) * BLOCK_N
+        is_tail = pid_s == num_splits - 1
+        start = tl.where(is_tail, prefix_end, pid_s * split_len)
+        end = tl.where(is_tail, kv_end, tl.minimum(start + split_len, prefix_end))
+    else:
+        split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+        start = pid_s * split_len
+        end = tl.minimum(start + split_len, kv_end)
+    n_full = tl.maximum(tl.minimum(end, tree_start) - start, 0) // BLOCK_N  # tiles with every entry visible
+    return tree_start, start, end, n_full
+
+
 @triton.jit(do_not_specialize=["T", "rows_kb"])
 def _mla_split_kernel(
     q_ptr, kv_ptr, lens_ptr, mask_ptr, out_ptr, o_part_ptr, lse_part_ptr, lat_desc, pe_desc,
@@ -179,22 +204,8 @@ def _mla_split_kernel(
 
     pdl.wait(PDL)  # released at the end (pdl.py): the merge's programs do not wait beside this grid
     length = tl.load(lens_ptr + b)
-    tree_start = length - T  # first new token's entry
-    kv_end = length
-    if CAUSAL:  # entries past this tile's last token are invisible to all its rows
-        t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // H, T - 1)
-        kv_end = tree_start + t_last + 1
-    if TAIL_SPLIT:  # the last split takes the tiles holding tree entries, the others split the prefix's tiles
-        prefix_end = tree_start // BLOCK_N * BLOCK_N
-        split_len = tl.cdiv(tl.cdiv(prefix_end, num_splits - 1), BLOCK_N) * BLOCK_N
-        is_tail = pid_s == num_splits - 1
-        start = tl.where(is_tail, prefix_end, pid_s * split_len)
-        end = tl.where(is_tail, kv_end, tl.minimum(start + split_len, prefix_end))
-    else:
-        split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-        start = pid_s * split_len
-        end = tl.minimum(start + split_len, kv_end)
-    n_full = tl.maximum(tl.minimum(end, tree_start) - start, 0) // BLOCK_N  # tiles with every entry visible
+    tree_start, start, end, n_full = program_range(length, T, pid_m, pid_s, num_splits, H, CAUSAL, TAIL_SPLIT,
+                                                   BLOCK_M, BLOCK_N)
     q_ok = m_ok & (start + 0 * offs_m < end)  # an empty split (no entry) loads no query and stores no o, only lse = -inf
 
     q_rows = q_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 576

@@ -21,6 +21,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
+from triton_kernels.mla_attention import program_range
+
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # Triton >= 3.7 / 3.6
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6 / newer
 
@@ -100,21 +102,7 @@ def _split_kernel(q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, kv_ptr, lens_ptr
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     length = gl.load(lens_ptr + b)
-    tree_start = length - T
-    kv_end = length
-    if CAUSAL:  # entries past this tile's last token are invisible to all its rows
-        kv_end = tree_start + gl.minimum((pid_m * BM + BM - 1) // H, T - 1) + 1
-    if TAIL_SPLIT:  # the last split takes the tiles holding tree entries, the others split the prefix's tiles
-        prefix_end = tree_start // BN * BN
-        split_len = gl.cdiv(gl.cdiv(prefix_end, num_splits - 1), BN) * BN
-        is_tail = pid_s == num_splits - 1
-        start = gl.where(is_tail, prefix_end, pid_s * split_len)
-        end = gl.where(is_tail, kv_end, gl.minimum(start + split_len, prefix_end))
-    else:
-        split_len = gl.cdiv(gl.cdiv(kv_end, num_splits), BN) * BN
-        start = pid_s * split_len
-        end = gl.minimum(start + split_len, kv_end)
-    n_full = gl.maximum(gl.minimum(end, tree_start) - start, 0) // BN  # tiles with every entry visible
+    tree_start, start, end, n_full = program_range(length, T, pid_m, pid_s, num_splits, H, CAUSAL, TAIL_SPLIT, BM, BN)
 
     q_lat = gl.allocate_shared_memory(gl.bfloat16, [BM, D_LAT], q_lat_desc.layout)
     q_pe = gl.allocate_shared_memory(gl.bfloat16, [BM, D_PE], q_pe_desc.layout)
