@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import triton
 
+from bench_tree import graph_of  # bench/ is on sys.path when this file runs as a script
+from ops.attention import pack_tree_mask
 from triton_kernels.mla_attention import mla_attention
 
 ENTRY = 576
@@ -26,15 +28,7 @@ SCALE = 1.0 / math.sqrt(192)
 
 def _time_us(fn, calls):
     """us per call of `calls` back-to-back calls (each its own cache copy) replayed in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(0)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in range(calls):
-            fn(c)
+    graph = graph_of(lambda: [fn(c) for c in range(calls)])
     ms = triton.testing.do_bench(graph.replay, warmup=5, rep=60, return_mode="median")
     return ms * 1e3 / calls
 
@@ -43,11 +37,7 @@ def random_tree_mask(B, T, gen):
     """[B, T, ceil(T/32)] int32: node t sees itself and a random subset of the nodes before it (any bit pattern
     serves: both kernels read the same bits)."""
     seen = torch.rand(B, T, T, generator=gen, device="cuda") < 0.3
-    seen = (seen.tril(-1) | torch.eye(T, dtype=torch.bool, device="cuda")).to(torch.int64)
-    words = torch.zeros(B, T, triton.cdiv(T, 32), dtype=torch.int64, device="cuda")
-    for n in range(T):
-        words[:, :, n // 32] |= seen[:, :, n] << (n % 32)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return pack_tree_mask(seen.tril(-1) | torch.eye(T, dtype=torch.bool, device="cuda"))
 
 
 def case(lens, L_max, H, T, tree, seed, copies=1):

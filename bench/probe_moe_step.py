@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import bench_step as bs
+from bench_tree import graph_of
 from model.model import MoE
 import ops
 from triton_kernels import moe_configs, moe_w4a16
@@ -80,15 +81,12 @@ def config_of(name, M, device):
 
 def replay_us(calls, cfg, iters):
     """us per layer of all calls replayed in one graph under config cfg, and the outputs of one replay."""
-    run = lambda: [moe_w4a16.moe(x, ids, w, ex, keep_sums=True, config=cfg) for x, ids, w, ex in calls]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = run()
+    outs = []
+
+    def run():  # the captured call's outputs are the graph's
+        outs[:] = [moe_w4a16.moe(x, ids, w, ex, keep_sums=True, config=cfg) for x, ids, w, ex in calls]
+
+    graph = graph_of(run)
     ms = bs.wall_ms(graph.replay, iters)
     return ms * 1e3 / len(calls), [o.clone() for o in outs]
 
