@@ -382,6 +382,8 @@ def main():
                         help="BLOCK_DxBLOCK_KxSTAGES: absorb.OUTPUT_TILES at every row count (e.g. 32x128x2)")
     parser.add_argument("--no-tail-split", action="store_true",
                         help="the attention's splits over the whole length (mla_attention.TAIL_SPLIT off)")
+    parser.add_argument("--attention-gluon", choices=("on", "off"), default=None,
+                        help="the attention's split kernel in Gluon on sm_90 (mla_attention.GLUON) on or off")
     args = parser.parse_args()
     import triton
 
@@ -403,6 +405,8 @@ def main():
         absorb.OUTPUT_TILES = ((None, *(int(v) for v in args.absorb_output_tile.split("x"))),)
     if args.no_tail_split:
         mla_attention.TAIL_SPLIT = dict.fromkeys(mla_attention.TAIL_SPLIT, 0)
+    if args.attention_gluon:
+        mla_attention.GLUON[90] = args.attention_gluon == "on"
     if args.moe_variant:
         moe_configs.CONFIGS["sm_90"] = [
             (max_m, moe_configs.with_variant(cfg, args.moe_variant)
@@ -423,7 +427,8 @@ def main():
                 sum_shared_in_norm=not args.moe_adds_shared, router_gemv=router.ONE_ROW_GEMV is not None,
                 router_many=router.MANY_ROWS and list(router.MANY_ROWS), linear_entries=args.linear_entry,
                 moe_variant=args.moe_variant and f"{args.moe_variant} up to M = {args.moe_variant_upto}",
-                attention_tail_split=not args.no_tail_split, absorb_output_tiles=absorb.OUTPUT_TILES)
+                attention_tail_split=not args.no_tail_split, absorb_output_tiles=absorb.OUTPUT_TILES,
+                attention_gluon=mla_attention.GLUON[90])
     meta["read_GBps"] = bw = read_GBps()
     t0 = time.perf_counter()
     target = build_target()

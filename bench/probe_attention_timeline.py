@@ -7,7 +7,10 @@ early. The stamped call runs as the last of a CUDA graph over rotated caches (ca
 bench_attention times it); its stamps give per-phase times (median and max over programs) and the span from
 the split kernel's first program to the merge's last.
 
-Usage (device): python bench/probe_attention_timeline.py --out DIR L,H,T[,pad] ...
+--gluon stamps the Gluon split kernel (`mla_gluon`, sm_90) instead: entry, after the length, after its query's
+TMA, after the first tile's scores, after the loop, at its end.
+
+Usage (device): python bench/probe_attention_timeline.py --out DIR [--gluon] L,H,T[,pad] ...
 """
 
 import argparse
@@ -23,6 +26,7 @@ import torch
 
 import bench_attention as ba
 from triton_kernels import mla_attention as mk
+from triton_kernels import mla_gluon
 
 STAMP = '''
 @triton.jit
@@ -39,7 +43,25 @@ def _stamp(times_ptr, slot: tl.constexpr, dep):
         tl.store(times_ptr + prog * 32 + 15, sm.to(tl.int64))
 '''
 
+GLUON_STAMP = '''
+@gluon.jit
+def _stamp(times_ptr, slot: gl.constexpr, dep):
+    """_stamp of the Triton kernels for a Gluon kernel (dep a scalar): one lane's stamps."""
+    prog = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+    lane: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    dep = dep.to(gl.int32, bitcast=True) if dep.dtype == gl.float32 else dep.to(gl.int32)
+    x = gl.full([1], 0, gl.int32, lane) + dep
+    ns = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=gl.int64, is_pure=False, pack=1)
+    clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [x], dtype=gl.int64, is_pure=False, pack=1)
+    gl.store(times_ptr + prog * 32 + slot + x * 0, ns)
+    gl.store(times_ptr + prog * 32 + 16 + slot + x * 0, clk)
+    if slot == 0:
+        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+        gl.store(times_ptr + prog * 32 + 15 + x * 0, sm.to(gl.int64))
+'''
+
 SPLIT_PHASES = ("entry", "waited", "query", "unmasked", "masked", "end")
+GLUON_PHASES = ("entry", "length", "query", "first_tile", "loop", "end")
 MERGE_PHASES = ("entry", "waited", "end")
 
 
@@ -72,6 +94,20 @@ def stamped_module():
     return load_source("stamped_attention", header + STAMP + "\n\n" + split + "\n\n" + merge)
 
 
+def stamped_gluon_module():
+    """A copy of mla_gluon whose _split_kernel takes times_ptr last and stamps GLUON_PHASES."""
+    src = inspect.getsource(mla_gluon)
+    src = src.replace("STAGES: gl.constexpr):\n", "STAGES: gl.constexpr, times_ptr=None):\n")
+    src = _insert(src, r"length = gl\.load\(lens_ptr", "_stamp(times_ptr, 0, pid_s)", after=False)
+    src = _insert(src, r"length = gl\.load\(lens_ptr", "_stamp(times_ptr, 1, length)")
+    src = _insert(src, r"mbarrier\.wait\(q_bar, 0\)", "_stamp(times_ptr, 2, n_full)")
+    src = _insert(src, r"s = _scores\(q_lat", "if i == 0:\n            _stamp(times_ptr, 3, gl.sum(gl.sum(s, 1), 0))")
+    src = _insert(src, r"l_safe = gl\.where", "_stamp(times_ptr, 4, gl.sum(l_i, 0))", after=False)
+    src = _insert(src, r"_store_partials\(o, k_lat", "_stamp(times_ptr, 5, gl.sum(lse, 0))")
+    head, tail = src.split("\n\n@gluon.jit\ndef _issue_tile", 1)
+    return load_source("stamped_gluon", head + "\n" + GLUON_STAMP + "\n\n@gluon.jit\ndef _issue_tile" + tail)
+
+
 def load_source(name, src):
     """Module `name` from the source text src, written to a file (Triton's jit reads a kernel's source from it)."""
     path = Path(tempfile.mkdtemp()) / f"{name}.py"
@@ -102,25 +138,29 @@ def phases(stamps, names):
     return out, ns[:, 0].min().item(), ns[:, -1].max().item()
 
 
-def run_case(L, H, T, pad, module):
+def run_case(L, H, T, pad, module, gluon_module=None):
     q, caches, lens, mask = ba.make_inputs(L, H, T, pad=pad)
     split_times = torch.zeros(1 << 16, 32, dtype=torch.int64, device="cuda")
     merge_times = torch.zeros(1 << 16, 32, dtype=torch.int64, device="cuda")
     split = Stamped(module._mla_split_kernel, split_times)
     merge = Stamped(module._merge_kernel, merge_times)
-    plain_us = ba.graph_time_us(lambda kv: mk.mla_attention(q, kv, lens, mask, ba.SCALE), caches)
-    saved = mk._mla_split_kernel, mk._merge_kernel
+    gluon = gluon_module is not None
+    call = lambda kv: mk.mla_attention(q, kv, lens, mask, ba.SCALE, gluon=gluon)  # noqa: E731
+    plain_us = ba.graph_time_us(call, caches)
+    saved = mk._mla_split_kernel, mk._merge_kernel, mla_gluon._split_kernel
     mk._mla_split_kernel, mk._merge_kernel = split, merge
+    if gluon:
+        split = mla_gluon._split_kernel = Stamped(gluon_module._split_kernel, split_times)
     try:
-        stamped_us = ba.graph_time_us(lambda kv: mk.mla_attention(q, kv, lens, mask, ba.SCALE), caches)
+        stamped_us = ba.graph_time_us(call, caches)
     finally:
-        mk._mla_split_kernel, mk._merge_kernel = saved
+        mk._mla_split_kernel, mk._merge_kernel, mla_gluon._split_kernel = saved
     torch.cuda.synchronize()
     n_split = split.grid[0] * split.grid[1] * split.grid[2]
     s = split_times[:n_split].cpu()
-    row = dict(L=L, H=H, T=T, pad=pad, grid=list(split.grid), plain_us=round(plain_us, 2),
+    row = dict(L=L, H=H, T=T, pad=pad, gluon=gluon, grid=list(split.grid), plain_us=round(plain_us, 2),
                stamped_us=round(stamped_us, 2))
-    row["split"], s_first, s_last = phases(s, SPLIT_PHASES)
+    row["split"], s_first, s_last = phases(s, GLUON_PHASES if gluon else SPLIT_PHASES)
     clk_us = (s[:, 16 + 5] - s[:, 16]).double() * 1e-3 / ghz(s)
     row["split_program_us_by_clock"] = (round(clk_us.median().item(), 2), round(clk_us.max().item(), 2))
     row["split_entry_spread_us"] = round((s[:, 0].max() - s[:, 0].min()).item() / 1e3, 2)
@@ -148,15 +188,17 @@ def ghz(stamps):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--gluon", action="store_true", help="stamp the Gluon split kernel (sm_90)")
     parser.add_argument("cases", nargs="+", help="L,H,T[,pad]")
     args = parser.parse_args()
     module = stamped_module()
+    gluon_module = stamped_gluon_module() if args.gluon else None
     rows = []
     for case in args.cases:
-        row = run_case(*ba.parse_case(case), module)
+        row = run_case(*ba.parse_case(case), module, gluon_module)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    ba.write_probe_json(args.out, "attention_timeline.json", rows)
+    ba.write_probe_json(args.out, "attention_timeline_gluon.json" if args.gluon else "attention_timeline.json", rows)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,14 @@ each length NaN), Gluon against Triton; then times at issue #6's 32k cases over 
 and the 4k verify shapes, each kernel at the op's default split count and tail rule, a random tree mask, the
 cache cold in L2 (one CUDA graph over rotated copies).
 
-    python bench/probe_gluon_mla.py --out DIR      # GPU (Hopper)
+--sweep times the Gluon op instead at SWEEP's split counts (fp32 and bf16 partials), and its split kernel alone
+(no merge) at the default count.
+
+    python bench/probe_gluon_mla.py --out DIR [--sweep]      # GPU (Hopper)
 """
 
 import argparse
+import itertools
 import json
 import math
 import time
@@ -20,7 +24,8 @@ import triton
 
 from bench_tree import graph_of  # bench/ is on sys.path when this file runs as a script
 from ops.attention import pack_tree_mask
-from triton_kernels.mla_attention import mla_attention
+from triton_kernels import mla_gluon
+from triton_kernels.mla_attention import mla_attention, tail_split_default
 
 ENTRY = 576
 SCALE = 1.0 / math.sqrt(192)
@@ -73,6 +78,37 @@ def timing(L, H, T, copies=6, seed=0):
     return row
 
 
+def sweep(L, H, T, counts, copies=6, seed=0):
+    """us of the Gluon op at each split count (fp32 / bf16 partials) and of its split kernel alone (op's count)."""
+    q, kvs, cache_lens, mask = case([L], L, H, T, True, seed, copies)
+    row = dict(L=L, H=H, T=T)
+    for splits, (name, dtype) in itertools.product(counts, (("fp32", torch.float32), ("bf16", torch.bfloat16))):
+        run = lambda c, s=splits, d=dtype: mla_attention(q, kvs[c], cache_lens, mask, SCALE, num_splits=s,  # noqa
+                                                         partials=d, gluon=True)
+        row[f"{splits}_{name}_us"] = round(_time_us(run, copies), 2)
+    rows, splits = T * H, row_splits(q, kvs[0], cache_lens, mask)
+    o_part = torch.empty(1, splits, rows, 512, dtype=torch.float32, device="cuda")
+    lse_part = torch.empty(1, splits, rows, dtype=torch.float32, device="cuda")
+    alone = lambda c: mla_gluon.split(q, kvs[c], cache_lens, mask, o_part, lse_part, splits, SCALE * 1.4427,  # noqa
+                                      False, tail_split_default(T, 64, 90))
+    row.update(default_splits=splits, split_kernel_alone_us=round(_time_us(alone, copies), 2))
+    return row
+
+
+def row_splits(q, kv, cache_lens, mask):
+    """The op's default split count for this call (the partials' second dimension, read off a traced launch)."""
+    seen = {}
+    launch = mla_gluon.split
+    mla_gluon.split = lambda *a: seen.setdefault("splits", a[6]) and launch(*a)
+    try:
+        mla_attention(q, kv, cache_lens, mask, SCALE, gluon=True)
+    finally:
+        mla_gluon.split = launch
+    return seen["splits"]
+
+
+SWEEP = [(32768, 64, 1, (66, 88, 129)), (32768, 8, 8, (66, 88, 129)), (32768, 8, 32, (33,)), (32768, 64, 8, (17,)),
+         (131072, 64, 1, (132,)), (4105, 8, 9, (33, 66)), (4129, 8, 33, (17, 27))]
 CHECKS = [  # (lens, L_max, H, T, splits, tree, tail): ragged lengths, batches, trees, causal, tail split, 1 split
     ([4129], 4200, 8, 33, 27, True, True), ([1000, 777], 1100, 16, 7, 8, True, False),
     ([300], 333, 8, 5, 4, False, False), ([4105, 901], 4400, 8, 9, 20, True, True), ([130], 130, 64, 1, 2, True, False),
@@ -85,11 +121,18 @@ TIMES = [  # (L, H, T): issue #6's 32k cases over 2x, compute-bound and 128k one
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--sweep", action="store_true", help="split counts and the split kernel alone")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = dict(meta=dict(gpu=torch.cuda.get_device_name(0), triton=triton.__version__,
                             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())), checks=[], times=[])
+    if args.sweep:
+        for args_ in SWEEP:
+            report["times"].append(sweep(*args_))
+            print(json.dumps(report["times"][-1]), flush=True)
+            (out / "gluon_mla_sweep.json").write_text(json.dumps(report, indent=1))
+        return
     for args_ in CHECKS:
         report["checks"].append(check(*args_, seed=len(report["checks"])))
         print(json.dumps(report["checks"][-1]), flush=True)

@@ -383,7 +383,7 @@ GLUON_CASES = [  # B, T, H, lens, tree kind, num_splits (None: the launcher's), 
                          ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-{c[4]}-S{c[5]}-tail{c[6]}" for c in GLUON_CASES])
 def test_gluon_split_kernel_matches_reference(B, T, H, lens, kind, splits, tail):
     """The split kernel hand-scheduled in Gluon (`mla_gluon`, Hopper): ragged batches, trees and causal rows, the
-    tail split, one split (output written directly) and several, the cache past each length NaN (never read)."""
+    tail split, one split and several, the cache past each length NaN (never read)."""
     from triton_kernels.mla_attention import mla_attention
 
     if torch.cuda.get_device_capability()[0] != 9:
@@ -417,6 +417,6 @@ print(json.dumps([[causal, tail, *vars(compile_report(causal=causal, tail_split=
 
 def test_gluon_split_kernel_fits_sm90():
     """The Gluon kernel compiled for sm_90 without a GPU (tree with and without the tail split, causal): Q and two
-    cache stages fit 227 KB, and it hardly spills (Triton 3.6: 8 bytes in the tree form; 3.9: none)."""
+    cache stages fit 227 KB, and it hardly spills (Triton 3.6: 8 bytes; 3.9: none)."""
     for causal, tail, shared, registers, spills in compiled_in_child(GLUON_AOT):
         assert shared <= SM90_SHARED_LIMIT and spills <= 64, (causal, tail, shared, registers, spills)

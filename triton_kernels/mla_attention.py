@@ -74,11 +74,10 @@ TAIL_STAGES = {90: 1, 120: None}  # None: the config's stages
 # sm_120 follows sm_90, untimed.
 TAIL_SPLIT = {90: 2, 120: 2}
 # The split kernel hand-scheduled in Gluon (`mla_gluon.py`, Hopper, bf16, the 64x64 config) instead of Triton's, by
-# default per arch. Off until the whole GPU suite and the step have run with it (issue #6's note, session 12):
-# H200, at the op's defaults with a tree, same call (bench/results/attention_gluon_h200_s12_tree.json): 32k
-# H 64 T 8 96.4 against 109.1 us, H 8 T 32 57.2 / 66.0, H 64 T 128 1327 / 1388; 128k H 64 T 1 63.1 / 68.0; 32k
-# H 64 T 1 and H 8 T 8 equal (30.3 / 30.3, 31.1 / 30.2); the 4k verify's T 33 / 9 21.4 / 22.6 and 16.6 / 16.7.
-GLUON = {90: False, 120: False}
+# default per arch (sm_120 has no wgmma). H200, at the op's defaults with a tree, bf16 partials stored through shared
+# memory (bench/results/attention_h200.md, session 13): 32k H 64 T 1 24.7 against Triton's 30.3 us, H 8 T 32
+# 54.2 / 66.0, H 64 T 8 95.2 / 109.1; 128k H 64 T 1 56.4 / 68.0; the 4k verify's T 9 16.2 / 16.7.
+GLUON = {90: True, 120: False}
 TAIL_TILE_COST = 2.0
 # The merge combines up to MERGE_MAX_SPLITS_BLOCK splits a step (BLOCK_S, the splits' next power of two), BLOCK_D
 # values of a row a program, on `warps`: MERGE_BLOCKS[BLOCK_S] = (BLOCK_D, warps), the fastest measured on the H200
@@ -467,8 +466,8 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     direct = num_splits == 1 and not use_gluon  # the Gluon kernel always writes partials
     if direct:
         o_part = lse_part = out
-    else:  # the Gluon kernel stores fp32 partials faster than 16-bit ones (H200, attention_gluon_h200_s12_variants)
-        o_part = torch.empty(B, num_splits, rows, D_LAT, dtype=torch.float32 if use_gluon and not asked else partials,
+    else:  # the Gluon kernel stores 16-bit partials (bf16: 2-22% faster than fp32, attention_h200.md session 13)
+        o_part = torch.empty(B, num_splits, rows, D_LAT, dtype=q.dtype if use_gluon and not asked else partials,
                              device=q.device)
         lse_part = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q.device)
     mask = cache_lens if causal else tree_mask.contiguous()

@@ -25,6 +25,7 @@ from triton_kernels.mla_attention import program_range
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # Triton >= 3.7 / 3.6
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6 / newer
+_NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # Triton >= 3.7 / 3.6
 
 ENTRY, LAT, PE, ROWS, BLOCK_N, STAGES = 576, 512, 64, 64, 64, 2  # host ints: entry, its parts, the tiles, the ring
 D_LAT, D_PE, BM = gl.constexpr(LAT), gl.constexpr(PE), gl.constexpr(ROWS)  # the same, for the kernel
@@ -80,6 +81,28 @@ def _online_step(s, m_i, l_i, acc, p_smem, v, row_o: gl.constexpr):
     acc = warpgroup_mma_wait(0, deps=[acc])
     _cta_barrier()  # both warpgroups are done with P and with the tile's buffers
     return m_new, l_i, acc
+
+
+@gluon.jit
+def _store_partials(o, ring, o_part_ptr, o_rows, o_ok):
+    """o [BM, 512] (registers, the MMA's layout) -> o_part rows o_rows [BM] (where o_ok), through the cache ring's
+    shared memory (free by now): from the MMA's layout a thread group stores 8 bytes of a row (16-bit partials: half
+    a sector), from a row-major one each warp 512 contiguous bytes."""
+    dtype: gl.constexpr = o_part_ptr.dtype.element_ty
+    vec: gl.constexpr = 128 // dtype.primitive_bitwidth  # 16 bytes
+    # 16-byte units XOR-swizzled by row % 8: the MMA layout's stores (8 rows x 8 columns) take the fewest wavefronts
+    swizzled: gl.constexpr = gl.SwizzledSharedLayout(vec, 1, 8, [1, 0])
+    if _NEW_REINTERPRET:
+        stage = ring.reinterpret(dtype, [BM, D_LAT], swizzled)
+    else:
+        stage = ring._reinterpret(dtype, [BM, D_LAT], swizzled)
+    stage.store(o.to(dtype))
+    _cta_barrier()
+    rowwise: gl.constexpr = gl.BlockedLayout([1, vec], [1, 32], [gl.num_warps(), 1], [1, 0])
+    rows = gl.convert_layout(o_rows.to(gl.int64), gl.SliceLayout(1, rowwise))
+    ok = gl.convert_layout(o_ok, gl.SliceLayout(1, rowwise))
+    cols = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, rowwise))
+    gl.store(o_part_ptr + (rows * D_LAT)[:, None] + cols[None, :], stage.load(rowwise), mask=ok[:, None])
 
 
 @gluon.jit
@@ -160,13 +183,9 @@ def _split_kernel(q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, kv_ptr, lens_ptr
     part_row = (b * num_splits + pid_s) * rows + offs_m  # [BM]
     lse = gl.where(l_i > 0, m_i + gl.log2(l_safe), float("-inf"))
     gl.store(lse_part_ptr + part_row, lse, mask=offs_m < rows)
-    offs_o = pid_m * BM + gl.arange(0, BM, layout=row_o)
-    cols = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, o_layout))
     o = acc / gl.convert_layout(l_safe, row_o)[:, None]
-    o_rows = (b * num_splits + pid_s) * rows + offs_o
-    o_ok = (offs_o < rows) & (start < end)  # an empty split stores no o, only lse = -inf
-    gl.store(o_part_ptr + (o_rows.to(gl.int64) * D_LAT)[:, None] + cols[None, :], o.to(o_part_ptr.dtype.element_ty),
-             mask=o_ok[:, None])
+    o_ok = (offs_m < rows) & (start < end)  # an empty split stores no o, only lse = -inf
+    _store_partials(o, k_lat, o_part_ptr, part_row, o_ok)
 
 
 def usable(q, kv_cache, config):
