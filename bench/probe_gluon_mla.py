@@ -79,7 +79,8 @@ def timing(L, H, T, copies=6, seed=0):
 
 
 def sweep(L, H, T, counts, copies=6, seed=0):
-    """us of the Gluon op at each split count (fp32 / bf16 partials) and of its split kernel alone (op's count)."""
+    """us of the Gluon op at each split count (fp32 and the op's bf16 partials) and of its split kernel alone (the
+    op's count)."""
     q, kvs, cache_lens, mask = case([L], L, H, T, True, seed, copies)
     row = dict(L=L, H=H, T=T)
     for splits, (name, dtype) in itertools.product(counts, (("fp32", torch.float32), ("bf16", torch.bfloat16))):
@@ -87,7 +88,7 @@ def sweep(L, H, T, counts, copies=6, seed=0):
                                                          partials=d, gluon=True)
         row[f"{splits}_{name}_us"] = round(_time_us(run, copies), 2)
     rows, splits = T * H, row_splits(q, kvs[0], cache_lens, mask)
-    o_part = torch.empty(1, splits, rows, 512, dtype=torch.float32, device="cuda")
+    o_part = torch.empty(1, splits, rows, 512, dtype=torch.bfloat16, device="cuda")
     lse_part = torch.empty(1, splits, rows, dtype=torch.float32, device="cuda")
     alone = lambda c: mla_gluon.split(q, kvs[c], cache_lens, mask, o_part, lse_part, splits, SCALE * 1.4427,  # noqa
                                       False, tail_split_default(T, 64, 90))
@@ -107,8 +108,9 @@ def row_splits(q, kv, cache_lens, mask):
     return seen["splits"]
 
 
-SWEEP = [(32768, 64, 1, (66, 88, 129)), (32768, 8, 8, (66, 88, 129)), (32768, 8, 32, (33,)), (32768, 64, 8, (17,)),
-         (131072, 64, 1, (132,)), (4105, 8, 9, (33, 66)), (4129, 8, 33, (17, 27))]
+SWEEP = [(32768, 64, 1, (129,)), (32768, 8, 8, (129,)), (32768, 8, 32, (33,)), (32768, 64, 8, (17,)),
+         (32768, 64, 128, (17,)), (131072, 64, 1, (132,)), (4105, 8, 9, (33,)), (4129, 8, 33, (17, 27)),
+         (4225, 8, 129, (7,))]
 CHECKS = [  # (lens, L_max, H, T, splits, tree, tail): ragged lengths, batches, trees, causal, tail split, 1 split
     ([4129], 4200, 8, 33, 27, True, True), ([1000, 777], 1100, 16, 7, 8, True, False),
     ([300], 333, 8, 5, 4, False, False), ([4105, 901], 4400, 8, 9, 20, True, True), ([130], 130, 64, 1, 2, True, False),

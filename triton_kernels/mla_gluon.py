@@ -84,6 +84,37 @@ def _online_step(s, m_i, l_i, acc, p_smem, v, row_o: gl.constexpr):
 
 
 @gluon.jit
+def _ready(i, n_full, bars, kv_ptr, row0, count, k_lat, k_pe, BN: gl.constexpr, STAGES: gl.constexpr):
+    """Tile i in its ring slot: a prefix tile waited for (TMA), one of the last few (ragged edge, tree) loaded with
+    masks from cache rows [row0, row0 + count); every load the ring was given has been waited for by then."""
+    slot = i % STAGES
+    if i < n_full:
+        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+    else:
+        _fill_tile(kv_ptr, row0, count, k_lat.index(slot), k_pe.index(slot), BN)
+
+
+@gluon.jit
+def _visible(s, j0, end, tree_start, offs_m, rows, b, T, mask_ptr, H: gl.constexpr, CAUSAL: gl.constexpr,
+             s_layout: gl.constexpr, BN: gl.constexpr):
+    """s [BM, BN] of the tile of entries [j0, j0 + BN) with -inf where invisible: past end, or a tree entry that is
+    not the row's node or its ancestor (tree bits), or (causal) a later token's."""
+    t_row = offs_m // H  # [BM] the new token of each row (row = t*H + h)
+    offs_n = j0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))  # [BN]
+    n_ok = offs_n < end
+    node = offs_n - tree_start  # new-token index of each entry (< 0: prefix)
+    in_tree = node >= 0
+    if CAUSAL:
+        seen = node[None, :] <= t_row[:, None]
+    else:
+        node_c = gl.maximum(node, 0)
+        words = gl.load(mask_ptr + (b * T + t_row)[:, None] * ((T + 31) // 32) + (node_c // 32)[None, :],
+                        mask=(offs_m < rows)[:, None] & (in_tree & n_ok)[None, :], other=0)
+        seen = ((words >> (node_c % 32)[None, :]) & 1) != 0
+    return gl.where(n_ok[None, :] & (~in_tree[None, :] | seen), s, float("-inf"))
+
+
+@gluon.jit
 def _store_partials(o, ring, o_part_ptr, o_rows, o_ok):
     """o [BM, 512] (registers, the MMA's layout) -> o_part rows o_rows [BM] (where o_ok), through the cache ring's
     shared memory (free by now): from the MMA's layout a thread group stores 8 bytes of a row (16-bit partials: half
@@ -153,28 +184,13 @@ def _split_kernel(q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, kv_ptr, lens_ptr
     l_i = gl.zeros([BM], gl.float32, row_s)
     acc = gl.zeros([BM, D_LAT], gl.float32, o_layout)
     offs_m = pid_m * BM + gl.arange(0, BM, layout=row_s)  # [BM] row = t*H + h
-    t_row = offs_m // H
-    for i in range(gl.cdiv(gl.maximum(end - start, 0), BN)):
-        slot = i % STAGES
-        j0 = start + i * BN
-        if i < n_full:  # a prefix tile, through the TMA ring
-            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-        else:  # the last few tiles (ragged edge and tree): every load the ring was given has been waited for
-            _fill_tile(kv_ptr, base + j0, end - j0, k_lat.index(slot), k_pe.index(slot), BN)
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BN)
+    for i in range(n_tiles):
+        slot, j0 = i % STAGES, start + i * BN
+        _ready(i, n_full, bars, kv_ptr, base + j0, end - j0, k_lat, k_pe, BN, STAGES)
         s = _scores(q_lat, q_pe, k_lat.index(slot), k_pe.index(slot), s_layout, BN) * sm_scale_log2
         if i >= n_full:
-            offs_n = j0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))  # [BN]
-            n_ok = offs_n < end
-            node = offs_n - tree_start  # new-token index of each entry (< 0: prefix)
-            in_tree = node >= 0
-            if CAUSAL:
-                seen = node[None, :] <= t_row[:, None]
-            else:
-                node_c = gl.maximum(node, 0)
-                words = gl.load(mask_ptr + (b * T + t_row)[:, None] * ((T + 31) // 32) + (node_c // 32)[None, :],
-                                mask=(offs_m < rows)[:, None] & (in_tree & n_ok)[None, :], other=0)
-                seen = ((words >> (node_c % 32)[None, :]) & 1) != 0
-            s = gl.where(n_ok[None, :] & (~in_tree[None, :] | seen), s, float("-inf"))
+            s = _visible(s, j0, end, tree_start, offs_m, rows, b, T, mask_ptr, H, CAUSAL, s_layout, BN)
         m_i, l_i, acc = _online_step(s, m_i, l_i, acc, p_smem, k_lat.index(slot), row_o)
         if i + STAGES < n_full:
             _issue_tile(k_lat_desc, k_pe_desc, k_lat, k_pe, bars, base + start + (i + STAGES) * BN, slot)
