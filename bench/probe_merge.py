@@ -15,13 +15,13 @@ import triton
 import bench_attention as ba
 from triton_kernels import mla_attention as mk
 
-# (rows, splits, partials): 32k / 128k H 8 T 1 (tail split), T*H = 64 at 32k / 128k, the 4k step's T 1, 9, 33, 65,
-# 32k H 8 T 32
-CASES = [(8, 257, torch.bfloat16), (8, 264, torch.bfloat16), (8, 258, torch.bfloat16), (64, 129, torch.bfloat16),
-         (64, 132, torch.bfloat16), (72, 66, torch.float32), (264, 27, torch.float32), (520, 15, torch.float32),
-         (256, 33, torch.float32)]
-BLOCKS_S = (32, 64, 128, 256, 512)
-BLOCKS_D = (16, 32, 64, 128, 256)
+# (rows, splits, partials) the defaults run: 32k / 128k H 8 T 1 (tail split; Triton's 16-row kernel), T*H = 64 at
+# 32k / 128k, 32k H 8 T 32 and H 64 T 8, the 4k step's T 9, 33, 65, 129 (the Gluon kernel's bf16 partials)
+CASES = [(8, 257, torch.bfloat16), (8, 264, torch.bfloat16), (64, 129, torch.bfloat16), (64, 132, torch.bfloat16),
+         (256, 33, torch.bfloat16), (512, 17, torch.bfloat16), (72, 66, torch.bfloat16), (264, 27, torch.bfloat16),
+         (520, 15, torch.bfloat16), (1032, 7, torch.bfloat16)]
+BLOCKS_S = (8, 16, 32, 64, 128, 256, 512)
+BLOCKS_D = (16, 32, 64, 128, 256, 512)
 WARPS = (2, 4, 8)
 
 

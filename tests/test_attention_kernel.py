@@ -135,7 +135,7 @@ def test_tail_split_takes_the_tree_tiles(splits):
 @requires_triton
 @pytest.mark.parametrize("splits", [40, 300])
 def test_merge_of_many_splits(splits):
-    """The merge's wide blocks (MERGE_BLOCKS: 64 and 512 splits a step), most splits empty on a short cache."""
+    """The merge's blocks (MERGE_BLOCKS: 40 splits 16 a step, 300 at once), most splits empty on a short cache."""
     from triton_kernels.mla_attention import mla_attention
 
     dtype = kernel_dtypes()[0]

@@ -79,15 +79,14 @@ TAIL_SPLIT = {90: 2, 120: 2}
 # 54.2 / 66.0, H 64 T 8 95.2 / 109.1; 128k H 64 T 1 56.4 / 68.0; the 4k verify's T 9 16.2 / 16.7.
 GLUON = {90: True, 120: False}
 TAIL_TILE_COST = 2.0
-# The merge combines up to MERGE_MAX_SPLITS_BLOCK splits a step (BLOCK_S, the splits' next power of two), BLOCK_D
-# values of a row a program, on `warps`: MERGE_BLOCKS[BLOCK_S] = (BLOCK_D, warps), the fastest measured on the H200
-# (bench/results/attention_merge_h200_s10.md, the merge alone at the defaults' split counts; e.g. 64 rows x 132
-# splits 4.6 us against 7.4 with 256 x 32 values on 4 warps, 8 rows x 257 splits 3.4 against 4.1 in two steps);
-# BLOCK_S <= 16 keeps the earlier rule's 512 values on 4 warps (best measured at 15 splits). With fp32 partials the
-# 16,384-value blocks spill 300-550 bytes on 2 warps (ptxas, Triton 3.6 and 3.9) and were still the fastest measured
-# (64 x 256 at 33 splits: 5.7 against 7.7 us). sm_120 follows, untimed.
+# The merge's blocks by the splits' next power of two (up to MERGE_MAX_SPLITS_BLOCK): MERGE_BLOCKS[that] = (BLOCK_S
+# splits a step, BLOCK_D values of a row a program, warps), the fastest measured on the H200 with 16-bit partials, the
+# Gluon kernel's and the 16-row config's (bench/results/attention_merge_h200_s13.md, the merge alone at the defaults'
+# split counts: e.g. 256 rows x 33 splits 4.26 us against 5.44 with the earlier 64 x 256, 1,032 x 7 3.05 against
+# 7.75). At most 64 splits a whole row a program on 2 warps, a few splits a step. sm_120 follows, untimed.
 MERGE_MAX_SPLITS_BLOCK = 512
-MERGE_BLOCKS = {512: (32, 2), 256: (64, 2), 128: (64, 2), 64: (256, 2), 32: (256, 2)}
+MERGE_BLOCKS = {512: (512, 32, 2), 256: (256, 64, 2), 128: (128, 64, 2), 64: (16, 512, 2), 32: (32, 512, 2),
+                16: (16, 512, 2), 8: (8, 512, 2)}
 MIN_TILES_PER_SPLIT = 4  # a split reads at least this many KV tiles
 
 
@@ -411,8 +410,8 @@ def tail_split_default(T, block_n, arch):
 
 def merge_blocks(num_splits):
     """(BLOCK_S, BLOCK_D, warps) of the merge for `num_splits` splits."""
-    block_s = min(triton.next_power_of_2(num_splits), MERGE_MAX_SPLITS_BLOCK)
-    return (block_s, *MERGE_BLOCKS.get(block_s, (D_LAT, 4)))
+    splits_block = min(triton.next_power_of_2(num_splits), MERGE_MAX_SPLITS_BLOCK)
+    return MERGE_BLOCKS.get(splits_block, (splits_block, D_LAT, 4))
 
 
 def _check(q, kv_cache, value_dim):
