@@ -97,15 +97,19 @@ def sweep(L, H, T, counts, copies=6, seed=0):
 
 
 def row_splits(q, kv, cache_lens, mask):
-    """The op's default split count for this call (the partials' second dimension, read off a traced launch)."""
-    seen = {}
-    launch = mla_gluon.split
-    mla_gluon.split = lambda *a: seen.setdefault("splits", a[6]) and launch(*a)
+    """The op's default split count for this call, read off its launch of the Gluon kernel."""
+    counts, launch = [], mla_gluon.split
+
+    def traced(*args):
+        counts.append(args[6])  # num_splits
+        return launch(*args)
+
+    mla_gluon.split = traced
     try:
         mla_attention(q, kv, cache_lens, mask, SCALE, gluon=True)
     finally:
         mla_gluon.split = launch
-    return seen["splits"]
+    return counts[0]
 
 
 SWEEP = [(32768, 64, 1, (129,)), (32768, 8, 8, (129,)), (32768, 8, 32, (33,)), (32768, 64, 8, (17,)),
