@@ -2,6 +2,7 @@
 
 import json
 import random
+import sys
 
 import pytest
 import torch
@@ -405,6 +406,17 @@ def test_gluon_split_kernel_is_refused_where_it_cannot_run():
     q, kv, cache_lens, mask = make_case(1, 2, 8, [40], "chain", torch.float16, device(), seed=3)
     with pytest.raises(ValueError, match="gluon"):
         mla_attention(q, kv, cache_lens, mask, SCALE, config=UNCHAINED, gluon=True)
+
+
+def test_gluon_default_falls_back_where_triton_lacks_gluon(monkeypatch):
+    """With a Triton whose Gluon cannot be imported the sm_90 default runs the Triton kernel; gluon=True says why."""
+    from triton_kernels.mla_attention import _use_gluon
+
+    monkeypatch.setitem(sys.modules, "triton_kernels.mla_gluon", None)  # its import raises ImportError
+    q, kv = torch.zeros(1, 1, 8, 576), torch.zeros(1, 4, 576)
+    assert not _use_gluon(None, 90, q, kv, UNCHAINED)
+    with pytest.raises(ValueError, match="Gluon"):
+        _use_gluon(True, 90, q, kv, UNCHAINED)
 
 
 GLUON_AOT = """

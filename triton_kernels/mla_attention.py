@@ -492,8 +492,12 @@ def _use_gluon(gluon, arch, q, kv_cache, config):
     GLUON[arch] (gluon None) where it can."""
     if gluon is False or (gluon is None and not GLUON.get(arch, False)):
         return False
-    from triton_kernels import mla_gluon
-
+    try:
+        from triton_kernels import mla_gluon
+    except (ImportError, AttributeError) as err:  # a Triton without Gluon's Hopper API (it has it from 3.6)
+        if gluon:
+            raise ValueError(f"mla_attention (triton): gluon=True needs Triton's Gluon for Hopper: {err}") from err
+        return False
     if mla_gluon.usable(q, kv_cache, config):
         return True
     if gluon:
