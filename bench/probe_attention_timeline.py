@@ -90,7 +90,8 @@ def stamped_module():
     merge = _insert(merge, r"pdl\.enter\(PDL\)", "_stamp(times_ptr, 1, tl.program_id(0))")
     merge = _insert(merge, r"out = acc / w_sum", "_stamp(times_ptr, 2, tl.sum(acc, 0))")
     header = ("import triton\nimport triton.language as tl\nfrom triton_kernels import pdl\n"
-              "from triton_kernels.mla_attention import _scores, _tma_scores, _sum_scores, _probs, _softmax_step\n")
+              "from triton_kernels.mla_attention import _scores, _tma_scores, _sum_scores, _probs, _softmax_step, "
+              "program_range\n")
     return load_source("stamped_attention", header + STAMP + "\n\n" + split + "\n\n" + merge)
 
 
