@@ -412,6 +412,9 @@ def test_gluon_default_falls_back_where_triton_lacks_gluon(monkeypatch):
     """With a Triton whose Gluon cannot be imported the sm_90 default runs the Triton kernel; gluon=True says why."""
     from triton_kernels.mla_attention import _use_gluon
 
+    import triton_kernels
+
+    monkeypatch.delattr(triton_kernels, "mla_gluon", raising=False)  # imported by an earlier test
     monkeypatch.setitem(sys.modules, "triton_kernels.mla_gluon", None)  # its import raises ImportError
     q, kv = torch.zeros(1, 1, 8, 576), torch.zeros(1, 4, 576)
     assert not _use_gluon(None, 90, q, kv, UNCHAINED)
