@@ -233,7 +233,8 @@ def split(q, kv_cache, cache_lens, mask, o_part, lse_part, num_splits, scale_log
 
 
 def compile_report(H=8, causal=False, tail_split=True):
-    """Compile the split kernel for sm_90 on this machine (no GPU needed): (shared bytes, registers, spill bytes)."""
+    """Compile the split kernel (bf16 partials, the op's) for sm_90 on this machine (no GPU needed): (shared bytes,
+    registers, spill bytes)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -245,7 +246,7 @@ def compile_report(H=8, causal=False, tail_split=True):
     descs = dict(q_lat_desc=(q[:, :LAT], [ROWS, LAT]), q_pe_desc=(q[:, LAT:], [ROWS, PE]),
                  k_lat_desc=(kv[:, :LAT], [BLOCK_N, LAT]), k_pe_desc=(kv[:, LAT:], [BLOCK_N, PE]))
     signature = {name: mangle_type(_desc(*args)) for name, args in descs.items()}
-    signature.update(kv_ptr="*bf16", lens_ptr="*i32", mask_ptr="*i32", o_part_ptr="*fp32",
+    signature.update(kv_ptr="*bf16", lens_ptr="*i32", mask_ptr="*i32", o_part_ptr="*bf16",
                      lse_part_ptr="*fp32", T="i32", rows_kb="i32", sm_scale_log2="fp32")
     constexprs = dict(H=H, CAUSAL=causal, TAIL_SPLIT=tail_split, BN=BLOCK_N, STAGES=STAGES)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
