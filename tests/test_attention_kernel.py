@@ -351,10 +351,10 @@ def test_sm90_configs_fit_shared_memory():
 
 @requires_triton
 def test_timeline_probe_stamps_the_committed_kernels(monkeypatch):
-    """bench/probe_attention_timeline.py patches the kernels' source at anchor lines: they still match, and both
-    stamped kernels take times_ptr (the patched module is written and imported, not compiled)."""
+    """bench/probe_attention_timeline.py patches the kernels' source at anchor lines: they still match, and the
+    stamped kernels (Triton's split and merge, Gluon's split) take times_ptr (the patched modules are written and
+    imported, not compiled)."""
     import inspect
-    import sys
     from pathlib import Path
 
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
@@ -365,6 +365,11 @@ def test_timeline_probe_stamps_the_committed_kernels(monkeypatch):
     source = inspect.getsource(module._mla_split_kernel.fn)
     assert sum(line.strip().startswith("_stamp(") for line in source.split("\n")) == 6
     sys.modules.pop("stamped_attention", None)
+    gluon_module = probe_attention_timeline.stamped_gluon_module()
+    assert "times_ptr" in gluon_module._split_kernel.arg_names
+    source = inspect.getsource(gluon_module._split_kernel.fn)
+    assert sum(line.strip().startswith("_stamp(") for line in source.split("\n")) == 6
+    sys.modules.pop("stamped_gluon", None)
 
 
 GLUON_CASES = [  # B, T, H, lens, tree kind, num_splits (None: the launcher's), tail split
@@ -410,16 +415,15 @@ def test_gluon_split_kernel_is_refused_where_it_cannot_run():
 
 def test_gluon_default_falls_back_where_triton_lacks_gluon(monkeypatch):
     """With a Triton whose Gluon cannot be imported the sm_90 default runs the Triton kernel; gluon=True says why."""
-    from triton_kernels.mla_attention import _use_gluon
-
     import triton_kernels
+    from triton_kernels.mla_attention import _gluon_split
 
     monkeypatch.delattr(triton_kernels, "mla_gluon", raising=False)  # imported by an earlier test
     monkeypatch.setitem(sys.modules, "triton_kernels.mla_gluon", None)  # its import raises ImportError
     q, kv = torch.zeros(1, 1, 8, 576), torch.zeros(1, 4, 576)
-    assert not _use_gluon(None, 90, q, kv, UNCHAINED)
+    assert _gluon_split(None, 90, q, kv, UNCHAINED) is None
     with pytest.raises(ValueError, match="Gluon"):
-        _use_gluon(True, 90, q, kv, UNCHAINED)
+        _gluon_split(True, 90, q, kv, UNCHAINED)
 
 
 GLUON_AOT = """

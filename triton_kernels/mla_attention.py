@@ -461,20 +461,18 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
                                     tree=0 if causal else T, tail=tail)
     grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
     out = torch.empty(B, T, H, D_LAT, dtype=q.dtype, device=q.device)
-    use_gluon = _use_gluon(gluon, arch, q, kv_cache, entry.config)
-    direct = num_splits == 1 and not use_gluon  # the Gluon kernel always writes partials
+    gluon_split = _gluon_split(gluon, arch, q, kv_cache, entry.config)
+    direct = num_splits == 1 and gluon_split is None  # the Gluon kernel always writes partials
     if direct:
         o_part = lse_part = out
     else:  # the Gluon kernel stores 16-bit partials (bf16: 2-22% faster than fp32, attention_h200.md session 13)
-        o_part = torch.empty(B, num_splits, rows, D_LAT, dtype=q.dtype if use_gluon and not asked else partials,
+        o_part = torch.empty(B, num_splits, rows, D_LAT, dtype=q.dtype if gluon_split and not asked else partials,
                              device=q.device)
         lse_part = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q.device)
     mask = cache_lens if causal else tree_mask.contiguous()
-    if use_gluon:
-        from triton_kernels import mla_gluon
-
-        mla_gluon.split(q, kv_cache, cache_lens, mask, o_part, lse_part, num_splits, scale * 1.4426950408889634,
-                        causal, tail)
+    if gluon_split:
+        gluon_split(q, kv_cache, cache_lens, mask, o_part, lse_part, num_splits, scale * 1.4426950408889634, causal,
+                    tail)
         return _merged(o_part, lse_part, out, rows, num_splits, B, direct, q)
     lat_desc, pe_desc = _descriptors(kv_cache, block_n) if tma and kv_cache.data_ptr() % 16 == 0 else (None, None)
     _mla_split_kernel[(grid_m, num_splits, B)](
@@ -487,23 +485,23 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     return _merged(o_part, lse_part, out, rows, num_splits, B, direct, q)
 
 
-def _use_gluon(gluon, arch, q, kv_cache, config):
-    """Whether this call runs the Gluon split kernel: asked for (gluon True; an error where it cannot run) or by
-    GLUON[arch] (gluon None) where it can."""
+def _gluon_split(gluon, arch, q, kv_cache, config):
+    """The Gluon split kernel's launcher (`mla_gluon.split`) where this call runs it, else None: asked for (gluon
+    True; an error where it cannot run) or by GLUON[arch] (gluon None) where it can."""
     if gluon is False or (gluon is None and not GLUON.get(arch, False)):
-        return False
+        return None
     try:
         from triton_kernels import mla_gluon
     except (ImportError, AttributeError) as err:  # a Triton without Gluon's Hopper API (it has it from 3.6)
         if gluon:
             raise ValueError(f"mla_attention (triton): gluon=True needs Triton's Gluon for Hopper: {err}") from err
-        return False
+        return None
     if mla_gluon.usable(q, kv_cache, config):
-        return True
+        return mla_gluon.split
     if gluon:
         raise ValueError(f"mla_attention (triton): gluon=True needs a Hopper GPU, bf16 q and the 64x64 config with "
                          f"BLOCK_DV 512, got {q.device} {q.dtype} {tuple(config)}")
-    return False
+    return None
 
 
 def _merged(o_part, lse_part, out, rows, num_splits, B, direct, q):

@@ -11,7 +11,7 @@ part of K). What Triton decides for itself is written out here, and it hardly sp
 registers, 8 bytes in the tree form; the Triton kernel spills 556 bytes).
 
 Gluon has no interpreter: the CPU suite compiles it for sm_90 (tests/test_attention_kernel.py) and the GPU
-tests run it. Where it is measured: triton_kernels/README.md (attention, session 12).
+tests run it. Where it is measured: triton_kernels/README.md (attention, sessions 12 and 13).
 """
 
 import torch

@@ -120,7 +120,6 @@ VARIANTS = {
     "bm16": dict(BM=16, gate_up=dict(maxnreg=None)),
     # plain launches (no programmatic dependent launch)
     "plain": dict(pdl=False),
-
 }
 
 
