@@ -7,8 +7,8 @@ early. The stamped call runs as the last of a CUDA graph over rotated caches (ca
 bench_attention times it); its stamps give per-phase times (median and max over programs) and the span from
 the split kernel's first program to the merge's last.
 
---gluon stamps the Gluon split kernel (`mla_gluon`, sm_90) instead: entry, after the length, after its query's
-TMA, after the first tile's scores, after the loop, at its end.
+--gluon stamps the Gluon split kernel (`mla_gluon`, sm_90) instead: entry, after the length, then in its first
+warpgroup: after the query's TMA, after the first tile's scores, after the loop, at its end.
 
 Usage (device): python bench/probe_attention_timeline.py --out DIR [--gluon] L,H,T[,pad] ...
 """
@@ -96,15 +96,20 @@ def stamped_module():
 
 
 def stamped_gluon_module():
-    """A copy of mla_gluon whose _split_kernel takes times_ptr last and stamps GLUON_PHASES."""
+    """A copy of mla_gluon whose _split_kernel takes times_ptr last (passed to the partitions in `work`) and stamps
+    GLUON_PHASES, those in the partitions from warpgroup 0's."""
     src = inspect.getsource(mla_gluon)
     src = src.replace("STAGES: gl.constexpr):\n", "STAGES: gl.constexpr, times_ptr=None):\n")
+    src = src.replace("n_tiles, sm_scale_log2, mask_ptr)", "n_tiles, sm_scale_log2, mask_ptr, times_ptr)")
+    src = src.replace("n_tiles, sm_scale_log2, mask_ptr = work", "n_tiles, sm_scale_log2, mask_ptr, times_ptr = work")
     src = _insert(src, r"length = gl\.load\(lens_ptr", "_stamp(times_ptr, 0, pid_s)", after=False)
     src = _insert(src, r"length = gl\.load\(lens_ptr", "_stamp(times_ptr, 1, length)")
-    src = _insert(src, r"mbarrier\.wait\(q_bar, 0\)", "_stamp(times_ptr, 2, n_full)")
-    src = _insert(src, r"s = _scores\(q_lat", "if i == 0:\n            _stamp(times_ptr, 3, gl.sum(gl.sum(s, 1), 0))")
-    src = _insert(src, r"l_safe = gl\.where", "_stamp(times_ptr, 4, gl.sum(l_i, 0))", after=False)
-    src = _insert(src, r"_store_partials\(o, k_lat", "_stamp(times_ptr, 5, gl.sum(lse, 0))")
+    src = _insert(src, r"mbarrier\.wait\(q_bar, 0\)", "_stamp(times_ptr, 2, n_full)")  # _left's
+    first = "if i == 0:\n            _stamp(times_ptr, 3, gl.sum(gl.sum(s, 1), 0))"
+    src = _insert(src, r"s = _tile_scores\(i, q_lat", first)
+    src = _insert(src, r"l_smem\[wg\]\.store\(l_i\)", "if wg == 0:\n        _stamp(times_ptr, 4, gl.sum(l_i, 0))",
+                  after=False)
+    src = _insert(src, r"_store_partials\(o, k_lat", "if wg == 0:\n        _stamp(times_ptr, 5, gl.sum(l_safe, 0))")
     head, tail = src.split("\n\n@gluon.jit\ndef _issue_tile", 1)
     return load_source("stamped_gluon", head + "\n" + GLUON_STAMP + "\n\n@gluon.jit\ndef _issue_tile" + tail)
 

@@ -7,9 +7,10 @@ and the 4k verify shapes, each kernel at the op's default split count and tail r
 cache cold in L2 (one CUDA graph over rotated copies).
 
 --sweep times the Gluon op instead at SWEEP's split counts (fp32 and bf16 partials), and its split kernel alone
-(no merge) at the default count.
+(no merge) at the default count. --rings checks and times it with each of RINGS's cache rings (entries a tile,
+tiles in the ring) at the default split count, and at RING_SPLITS's counts where given.
 
-    python bench/probe_gluon_mla.py --out DIR [--sweep]      # GPU (Hopper)
+    python bench/probe_gluon_mla.py --out DIR [--sweep | --rings]      # GPU (Hopper)
 """
 
 import argparse
@@ -96,6 +97,26 @@ def sweep(L, H, T, counts, copies=6, seed=0):
     return row
 
 
+def with_ring(ring, fn):
+    """fn() with the op's Gluon launches on cache ring `ring` (entries a tile, tiles in the ring)."""
+    launch = mla_gluon.split
+    mla_gluon.split = lambda *args: launch(*args, ring=ring)
+    try:
+        return fn()
+    finally:
+        mla_gluon.split = launch
+
+
+def rings(L, H, T, counts, copies=6, seed=0):
+    """us of the Gluon op with each of RINGS at the default split count (and at `counts`)."""
+    q, kvs, cache_lens, mask = case([L], L, H, T, True, seed, copies)
+    row = dict(L=L, H=H, T=T, default_splits=row_splits(q, kvs[0], cache_lens, mask))
+    for ring, splits in itertools.product(RINGS, (None, *counts)):
+        run = lambda c, s=splits: mla_attention(q, kvs[c], cache_lens, mask, SCALE, num_splits=s, gluon=True)  # noqa
+        row[f"{ring[0]}x{ring[1]}_{splits or 'default'}_us"] = round(with_ring(ring, lambda: _time_us(run, copies)), 2)
+    return row
+
+
 def row_splits(q, kv, cache_lens, mask):
     """The op's default split count for this call, read off its launch of the Gluon kernel."""
     counts, launch = [], mla_gluon.split
@@ -118,7 +139,12 @@ SWEEP = [(32768, 64, 1, (129,)), (32768, 8, 8, (129,)), (32768, 8, 32, (33,)), (
 CHECKS = [  # (lens, L_max, H, T, splits, tree, tail): ragged lengths, batches, trees, causal, tail split, 1 split
     ([4129], 4200, 8, 33, 27, True, True), ([1000, 777], 1100, 16, 7, 8, True, False),
     ([300], 333, 8, 5, 4, False, False), ([4105, 901], 4400, 8, 9, 20, True, True), ([130], 130, 64, 1, 2, True, False),
-    ([2000], 2048, 8, 65, 6, True, True), ([519], 600, 8, 16, 1, True, False)]
+    ([2000], 2048, 8, 65, 6, True, True), ([519], 600, 8, 16, 1, True, False),
+    # odd and even tile counts a split (the kernel's pairs), a ragged last tile, several query tiles, batches
+    ([4100], 4200, 64, 1, 33, True, True), ([4100], 4200, 64, 1, 7, True, False),
+    ([3000, 190], 3100, 8, 16, 5, True, False), ([200], 256, 8, 30, 1, False, False)]
+RINGS = [(64, 2), (32, 4), (16, 8)]
+RING_SPLITS = {(32768, 64, 1): (88, 132, 176), (32768, 8, 8): (88, 132, 176)}
 TIMES = [  # (L, H, T): issue #6's 32k cases over 2x, compute-bound and 128k ones, the 4k verify shapes
     (32768, 64, 1), (32768, 8, 8), (32768, 8, 32), (32768, 64, 8), (32768, 64, 128), (131072, 64, 1), (4129, 8, 33),
     (4105, 8, 9), (4161, 8, 65), (4225, 8, 129)]
@@ -128,6 +154,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--sweep", action="store_true", help="split counts and the split kernel alone")
+    parser.add_argument("--rings", action="store_true", help="RINGS's cache rings: checks and times")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,6 +165,15 @@ def main():
             report["times"].append(sweep(*args_))
             print(json.dumps(report["times"][-1]), flush=True)
             (out / "gluon_mla_sweep.json").write_text(json.dumps(report, indent=1))
+        return
+    if args.rings:
+        for ring, args_ in itertools.product(RINGS, CHECKS):
+            report["checks"].append(dict(ring=ring, **with_ring(ring, lambda: check(*args_, seed=7))))
+            print(json.dumps(report["checks"][-1]), flush=True)
+        for args_ in TIMES:
+            report["times"].append(rings(*args_, RING_SPLITS.get(args_, ())))
+            print(json.dumps(report["times"][-1]), flush=True)
+            (out / "gluon_mla_rings.json").write_text(json.dumps(report, indent=1))
         return
     for args_ in CHECKS:
         report["checks"].append(check(*args_, seed=len(report["checks"])))

@@ -74,9 +74,10 @@ TAIL_STAGES = {90: 1, 120: None}  # None: the config's stages
 # sm_120 follows sm_90, untimed.
 TAIL_SPLIT = {90: 2, 120: 2}
 # The split kernel hand-scheduled in Gluon (`mla_gluon.py`, Hopper, bf16, the 64x64 config) instead of Triton's, by
-# default per arch (sm_120 has no wgmma). H200, at the op's defaults with a tree, bf16 partials stored through shared
-# memory (bench/results/attention_h200.md, session 13): 32k H 64 T 1 24.7 against Triton's 30.3 us, H 8 T 32
-# 54.2 / 66.0, H 64 T 8 95.2 / 109.1; 128k H 64 T 1 56.4 / 68.0; the 4k verify's T 9 16.2 / 16.7.
+# default per arch (sm_120 has no wgmma). H200, at the op's defaults with a tree, us: its warp-specialized "seesaw"
+# schedule (session 14, attention_gluon_h200_s14_seesaw.json) against session 13's Gluon kernel and (session 13,
+# attention_h200.md) Triton's: 32k H 64 T 1 23.9 / 23.9 / 30.3, H 8 T 32 44.4 / 53.7 / 66.0, H 64 T 8 72.3 / 93.5
+# / 109.1; 128k H 64 T 1 52.3 / 57.0 / 68.0; the 4k verify's T 9 15.8 / 16.2 / 16.7.
 GLUON = {90: True, 120: False}
 TAIL_TILE_COST = 2.0
 # The merge's blocks by the splits' next power of two (up to MERGE_MAX_SPLITS_BLOCK): MERGE_BLOCKS[that] = (BLOCK_S

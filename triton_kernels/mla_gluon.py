@@ -1,17 +1,18 @@
-"""The MLA split kernel hand-scheduled in Gluon for sm_90 (Hopper): `mla_attention(..., gluon=True)`.
+"""The MLA split kernel hand-scheduled in Gluon for sm_90 (Hopper), the default there (`mla_attention.GLUON`).
 
-The same work and outputs as `mla_attention._mla_split_kernel` with its 64x64 config (64-row query tiles, 64-entry
-cache tiles, all 512 values a program): split bounds from `cache_lens` on the device (the tail split too), the
-prefix's whole tiles streamed by TMA through a ring of STAGES buffers signalled by mbarriers, the last tiles
-(ragged edge and tree) loaded with masks (entries past the length read as 0: the cache there may hold anything)
-and masked by the tree's bits or causally. Two warpgroups each compute half of S = Q K^T's columns (wgmma, Q and
-K in shared memory: 229,904 bytes with two stages), the online softmax runs in registers (exp2 domain), P goes
-to shared memory, and each warpgroup takes 256 value columns of O += P V from the same cache tile (V is the latent
-part of K). What Triton decides for itself is written out here, and it hardly spills (Triton 3.6: 254-255
-registers, 8 bytes in the tree form; the Triton kernel spills 556 bytes).
+The same work and outputs as `mla_attention._mla_split_kernel` with its 64-row config (64-row query tiles, all 512
+values a program): split bounds from `cache_lens` on the device (the tail split too), partials o (bf16) and lse.
+Scheduled as FlashMLA's "seesaw": the cache tiles go in pairs to two warpgroups. Warpgroup 0 computes the scores
+S = Q K^T [64, BN] and the softmax of a pair's first tile while warpgroup 1 computes its second's; each takes half
+of the 512 value columns of O += P V for both tiles, the other's P and running max passed through shared memory
+(P over the tile's rope part, which the scores have read). So one warpgroup's softmax runs under the other's MMAs,
+and no reduction crosses warpgroups inside a tile. A loader partition streams Q and the tiles by TMA through a
+ring of STAGES slots (two pairs of 32-entry tiles where the query block has at most 64 rows, one pair of 64-entry
+tiles above: RINGS); tiles past a split's end have those rows zeroed, the tree's tiles their scores masked by the
+tree's bits (or causally).
 
-Gluon has no interpreter: the CPU suite compiles it for sm_90 (tests/test_attention_kernel.py) and the GPU
-tests run it. Where it is measured: triton_kernels/README.md (attention, sessions 12 and 13).
+Gluon has no interpreter: the CPU suite compiles it for sm_90 (tests/test_attention_kernel.py) and the GPU tests
+run it. Where it is measured: triton_kernels/README.md (attention, sessions 12-14).
 """
 
 import torch
@@ -27,8 +28,19 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared 
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6 / newer
 _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # Triton >= 3.7 / 3.6
 
-ENTRY, LAT, PE, ROWS, BLOCK_N, STAGES = 576, 512, 64, 64, 64, 2  # host ints: entry, its parts, the tiles, the ring
+ENTRY, LAT, PE, ROWS = 576, 512, 64, 64  # host ints: entry, its parts, query rows a program
 D_LAT, D_PE, BM = gl.constexpr(LAT), gl.constexpr(PE), gl.constexpr(ROWS)  # the same, for the kernel
+HALF = gl.constexpr(LAT // 2)  # value columns a warpgroup owns
+# The ring, (cache entries a tile, tiles in the ring), by query rows: the first whose rows (None: any) fit. H200,
+# 32k cache, us (bench/results/attention_gluon_h200_s14_seesaw.json): 64 rows (H 64 T 1 / H 8 T 8) 23.9 / 23.9 with
+# (32, 4) against 26.4 / 26.6 with (64, 2), 128k H 64 T 1 52.3 / 55.3; above 64 rows (64, 2): H 8 T 32 44.4 against
+# 47.7, H 64 T 128 949 / 1133, the 4k verify's T 9 / 33 / 65 / 129 15.8 / 19.0 / 21.4 / 29.8 against 16.6 / 20.2 /
+# 22.4 / 33.5.
+RINGS = ((ROWS, (32, 4)), (None, (64, 2)))
+# Registers a thread of each of the two compute warpgroups. With the loader's (the kernel's 4 warps, the default
+# partition, which gets what is left: 24) that is 12 warps, so the launch's maxnreg is MAXNREG = 65,536 / 384
+# rounded down to a multiple of 8.
+PARTITION_REGS, MAXNREG = gl.constexpr(240), 168
 
 
 @gluon.jit
@@ -41,57 +53,12 @@ def _issue_tile(k_lat_desc, k_pe_desc, k_lat, k_pe, bars, row, slot):
 
 
 @gluon.jit
-def _fill_tile(kv_ptr, row0, count, k_lat, k_pe, BN: gl.constexpr):
-    """Cache rows [row0, row0 + count) of kv_ptr ([.., 576] rows) into k_lat [BN, 512] and k_pe [BN, 64], rows
-    past count as 0 (masked loads: the cache past a sequence's length may hold anything)."""
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])  # 16-byte loads
-    r = gl.arange(0, BN, layout=gl.SliceLayout(1, ld))
-    c = gl.arange(0, D_PE, layout=gl.SliceLayout(0, ld))
-    ptrs = kv_ptr + (row0 + r).to(gl.int64)[:, None] * (D_LAT + D_PE) + c[None, :]
-    ok = (r < count)[:, None]
-    for chunk in gl.static_range(D_LAT // D_PE):  # 64 columns at a time (registers)
-        k_lat.slice(chunk * D_PE, D_PE, dim=1).store(gl.load(ptrs + chunk * D_PE, mask=ok, other=0.0))
-    k_pe.store(gl.load(ptrs + D_LAT, mask=ok, other=0.0))
-    fence_async_shared()
-    _cta_barrier()
-
-
-@gluon.jit
 def _scores(q_lat, q_pe, k_lat, k_pe, s_layout: gl.constexpr, BN: gl.constexpr):
     """S = Q_lat K_lat^T + Q_pe K_pe^T [BM, BN], fp32."""
     s = gl.zeros([BM, BN], gl.float32, s_layout)
     s = warpgroup_mma(q_lat, k_lat.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma(q_pe, k_pe.permute((1, 0)), s, is_async=True)
     return warpgroup_mma_wait(0, deps=[s])
-
-
-@gluon.jit
-def _online_step(s, m_i, l_i, acc, p_smem, v, row_o: gl.constexpr):
-    """One tile of the online softmax: s [BM, BN] scaled scores (log2 units, -inf where invisible), v the tile's
-    latent [BN, 512] in shared memory. Returns (m, l, acc)."""
-    m_new = gl.maximum(m_i, gl.max(s, 1))  # m_i starts finite (-1e30): a fully masked row gives p = 0, not NaN
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + gl.sum(p, 1)
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    p_smem.store(p.to(p_smem.dtype))
-    fence_async_shared()
-    _cta_barrier()  # all of P (both warpgroups' columns) is in shared memory
-    acc = warpgroup_mma(p_smem, v, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=[acc])
-    _cta_barrier()  # both warpgroups are done with P and with the tile's buffers
-    return m_new, l_i, acc
-
-
-@gluon.jit
-def _ready(i, n_full, bars, kv_ptr, row0, count, k_lat, k_pe, BN: gl.constexpr, STAGES: gl.constexpr):
-    """Tile i in its ring slot: a prefix tile waited for (TMA), one of the last few (ragged edge, tree) loaded with
-    masks from cache rows [row0, row0 + count); every load the ring was given has been waited for by then."""
-    slot = i % STAGES
-    if i < n_full:
-        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-    else:
-        _fill_tile(kv_ptr, row0, count, k_lat.index(slot), k_pe.index(slot), BN)
 
 
 @gluon.jit
@@ -115,100 +82,291 @@ def _visible(s, j0, end, tree_start, offs_m, rows, b, T, mask_ptr, H: gl.constex
 
 
 @gluon.jit
-def _store_partials(o, ring, o_part_ptr, o_rows, o_ok):
-    """o [BM, 512] (registers, the MMA's layout) -> o_part rows o_rows [BM] (where o_ok), through the cache ring's
-    shared memory (free by now): from the MMA's layout a thread group stores 8 bytes of a row (16-bit partials: half
-    a sector), from a row-major one each warp 512 contiguous bytes."""
+def _store_partials(o, ring, o_part_ptr, o_rows, o_ok, col0):
+    """o [BM, W] (registers, the MMA's layout) -> o_part rows o_rows [BM] (where o_ok), columns [col0, col0 + W),
+    through the cache ring's shared memory (free by now): from the MMA's layout a thread group stores 8 bytes of a row
+    (16-bit partials: half a sector), from a row-major one each warp 512 contiguous bytes."""
     dtype: gl.constexpr = o_part_ptr.dtype.element_ty
+    width: gl.constexpr = o.shape[1]
     vec: gl.constexpr = 128 // dtype.primitive_bitwidth  # 16 bytes
     # 16-byte units XOR-swizzled by row % 8: the MMA layout's stores (8 rows x 8 columns) take the fewest wavefronts
     swizzled: gl.constexpr = gl.SwizzledSharedLayout(vec, 1, 8, [1, 0])
     if _NEW_REINTERPRET:
-        stage = ring.reinterpret(dtype, [BM, D_LAT], swizzled)
+        stage = ring.reinterpret(dtype, [BM, width], swizzled)
     else:
-        stage = ring._reinterpret(dtype, [BM, D_LAT], swizzled)
+        stage = ring._reinterpret(dtype, [BM, width], swizzled)
     stage.store(o.to(dtype))
     _cta_barrier()
     rowwise: gl.constexpr = gl.BlockedLayout([1, vec], [1, 32], [gl.num_warps(), 1], [1, 0])
     rows = gl.convert_layout(o_rows.to(gl.int64), gl.SliceLayout(1, rowwise))
     ok = gl.convert_layout(o_ok, gl.SliceLayout(1, rowwise))
-    cols = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, rowwise))
+    cols = col0 + gl.arange(0, width, layout=gl.SliceLayout(0, rowwise))
     gl.store(o_part_ptr + (rows * D_LAT)[:, None] + cols[None, :], stage.load(rowwise), mask=ok[:, None])
 
 
 @gluon.jit
-def _split_kernel(q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, kv_ptr, lens_ptr, mask_ptr, o_part_ptr,
-                  lse_part_ptr, T, rows_kb, sm_scale_log2,
-                  H: gl.constexpr, CAUSAL: gl.constexpr, TAIL_SPLIT: gl.constexpr, BN: gl.constexpr,
-                  STAGES: gl.constexpr):
+def _zero_past(v, count, BN: gl.constexpr):
+    """Rows [count, BN) of v [BN, C] (shared memory) set to 0 where count < BN: cache entries past a split's end,
+    read by TMA, may hold anything (NaN), and P V would spread a NaN even where P is 0."""
+    if count < BN:
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        keep = (gl.arange(0, BN, layout=gl.SliceLayout(1, ld)) < count)[:, None]
+        for chunk in gl.static_range(v.shape[1] // D_PE):
+            part = v.slice(chunk * D_PE, D_PE, dim=1)
+            x = part.load(ld)
+            part.store(gl.where(keep, x, gl.zeros_like(x)))
+        fence_async_shared()
+        _cta_barrier()
+
+
+@gluon.jit
+def _opaque_zero(x):
+    """0, which the compiler cannot see through: a shared-memory view indexed by it (`buffer.index(slot + zero)`) is
+    addressed in the loop, where its MMA needs it, instead of the MMA's per-step descriptors being computed before the
+    loop and held in registers (Triton 3.6: 2,708 bytes spilled a thread without it, 0 with it)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _tile_scores(i, q_lat, q_pe, k_lat, k_pe, ready, work, offs_m, s_layout: gl.constexpr, H: gl.constexpr,
+                 CAUSAL: gl.constexpr, BN: gl.constexpr):
+    """Scaled, masked scores [BM, BN] of the split's tile i once it has landed in its ring slot."""
+    b, T, rows, tree_start, start, end, n_full, n_tiles, sm_scale_log2, mask_ptr = work
+    slot = i % k_lat.shape[0]
+    mbarrier.wait(ready.index(slot), (i // k_lat.shape[0]) & 1)
+    zero = _opaque_zero(i)
+    s = _scores(q_lat.index(zero), q_pe, k_lat.index(slot + zero), k_pe.index(slot + zero), s_layout, BN)
+    s = s * sm_scale_log2
+    if i >= n_full:
+        s = _visible(s, start + i * BN, end, tree_start, offs_m, rows, b, T, mask_ptr, H, CAUSAL, s_layout, BN)
+    return s
+
+
+@gluon.jit
+def _p_view(k_pe, slot):
+    """Ring slot `slot`'s rope part [BN, 64] (free once the tile's scores are computed) as P [BM, BN], bf16."""
+    BN: gl.constexpr = k_pe.shape[1]
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
+    if BN == D_PE:
+        view = k_pe.index(slot)
+    elif _NEW_REINTERPRET:
+        view = k_pe.index(slot).reinterpret(gl.bfloat16, [BM, BN], layout)
+    else:
+        view = k_pe.index(slot)._reinterpret(gl.bfloat16, [BM, BN], layout)
+    return view
+
+
+@gluon.jit
+def _publish(p, p_smem, m, m_smem, done):
+    """P (bf16) and its row max to shared memory for the other warpgroup, then arrive on `done`."""
+    p_smem.store(p.to(p_smem.dtype))
+    m_smem.store(m)
+    fence_async_shared()
+    _cta_barrier()  # every thread's part is written before the one arrive
+    mbarrier.arrive(done, count=1)
+
+
+@gluon.jit
+def _add_pv(acc, k_pe, k_lat, slot, col0, count, empty, BN: gl.constexpr):
+    """acc [BM, 256] += P V with P over ring slot `slot`'s rope part and V its value columns [col0, col0 + 256) (rows
+    past count zeroed first), then this warpgroup is done with the slot."""
+    zero = _opaque_zero(count)
+    v = k_lat.index(slot + zero).slice(col0, HALF, dim=1)
+    _zero_past(v, count, BN)
+    acc = warpgroup_mma(_p_view(k_pe, slot + zero), v, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    mbarrier.arrive(empty.index(slot), count=1)
+    return acc
+
+
+@gluon.jit
+def _finish(acc, m_i, l_i, wg: gl.constexpr, l_smem, fin, k_lat, work, part_row, o_part_ptr, lse_part_ptr,
+            offs_m, row_o: gl.constexpr):
+    """Both warpgroups' sums added (through shared memory), then this one's value half of o = acc / l stored to the
+    partials (staged in its ring slot, free by then), and warpgroup 0 stores lse."""
+    b, T, rows, tree_start, start, end, n_full, n_tiles, sm_scale_log2, mask_ptr = work
+    m_i, l_i = gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o)
+    l_smem[wg].store(l_i)
+    _cta_barrier()
+    mbarrier.arrive(fin, count=1)
+    mbarrier.wait(fin, 0)  # both sums written, both warpgroups' MMAs done: the ring is free
+    l_i = l_i + l_smem[1 - wg].load(l_i.type.layout)
+    l_safe = gl.where(l_i > 0, l_i, 1.0)
+    if wg == 0:
+        lse = gl.where(l_i > 0, m_i + gl.log2(l_safe), float("-inf"))
+        gl.store(lse_part_ptr + part_row, lse, mask=offs_m < rows)
+    o = acc / l_safe[:, None]
+    o_ok = (offs_m < rows) & (start < end)  # an empty split stores no o, only lse = -inf
+    _store_partials(o, k_lat.index(wg), o_part_ptr, part_row, o_ok, wg * HALF)
+
+
+@gluon.jit
+def _left(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H: gl.constexpr,
+          CAUSAL: gl.constexpr, BN: gl.constexpr):
+    """Warpgroup 0: the scores of the pair's first tile (slot 0) and value columns [0, 256)."""
+    q_lat, q_pe, k_lat, k_pe, m_smem, l_smem = smem
+    q_bar, ready, empty, a_done, b_done, fin = bars
+    b, T, rows, tree_start, start, end, n_full, n_tiles, sm_scale_log2, mask_ptr = work
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    offs_m = pid_m * BM + gl.arange(0, BM, layout=row_s)
+    m_i = gl.full([BM], -1.0e30, gl.float32, row_s)
+    l_i = gl.zeros([BM], gl.float32, row_s)
+    acc = gl.zeros([BM, HALF], gl.float32, o_layout)
+    STAGES: gl.constexpr = k_lat.shape[0]
+    mbarrier.wait(q_bar, 0)
+    for k in range(gl.cdiv(n_tiles, 2)):
+        i = 2 * k
+        slot_a, slot_b = i % STAGES, (i + 1) % STAGES
+        s = _tile_scores(i, q_lat, q_pe, k_lat, k_pe, ready, work, offs_m, s_layout, H, CAUSAL, BN)
+        m_a = gl.maximum(m_i, gl.max(s, 1))  # m_i: the previous pair's last max (finite: no NaN from -inf rows)
+        p = gl.exp2(s - m_a[:, None])
+        alpha = gl.exp2(m_i - m_a)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        _publish(p, _p_view(k_pe, slot_a), m_a, m_smem[0], a_done)  # over the tile's rope part: S has read it
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc = _add_pv(acc, k_pe, k_lat, slot_a, 0, end - start - i * BN, empty, BN)
+        m_i = m_a
+        if i + 1 < n_tiles:  # the pair's second tile: warpgroup 1's P at its max, which includes m_a
+            mbarrier.wait(b_done, k & 1)
+            mbarrier.wait(ready.index(slot_b), ((i + 1) // STAGES) & 1)
+            m_b = m_smem[1].load(row_s)
+            beta = gl.exp2(m_i - m_b)
+            l_i = l_i * beta
+            acc = acc * gl.convert_layout(beta, row_o)[:, None]
+            acc = _add_pv(acc, k_pe, k_lat, slot_b, 0, end - start - (i + 1) * BN, empty, BN)
+            m_i = m_b
+    part_row = part_row_base + gl.convert_layout(offs_m, row_o)
+    _finish(acc, m_i, l_i, 0, l_smem, fin, k_lat, work, part_row, o_part_ptr, lse_part_ptr,
+            gl.convert_layout(offs_m, row_o), row_o)
+
+
+@gluon.jit
+def _right(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H: gl.constexpr,
+           CAUSAL: gl.constexpr, BN: gl.constexpr):
+    """Warpgroup 1: the scores of the pair's second tile (slot 1) and value columns [256, 512)."""
+    q_lat, q_pe, k_lat, k_pe, m_smem, l_smem = smem
+    q_bar, ready, empty, a_done, b_done, fin = bars
+    b, T, rows, tree_start, start, end, n_full, n_tiles, sm_scale_log2, mask_ptr = work
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    offs_m = pid_m * BM + gl.arange(0, BM, layout=row_s)
+    m_i = gl.full([BM], -1.0e30, gl.float32, row_s)
+    l_i = gl.zeros([BM], gl.float32, row_s)
+    acc = gl.zeros([BM, HALF], gl.float32, o_layout)
+    STAGES: gl.constexpr = k_lat.shape[0]
+    mbarrier.wait(q_bar, 0)
+    for k in range(gl.cdiv(n_tiles, 2)):
+        i = 2 * k
+        slot_a, slot_b = i % STAGES, (i + 1) % STAGES
+        has_b = i + 1 < n_tiles
+        s = gl.full([BM, BN], float("-inf"), gl.float32, s_layout)
+        if has_b:  # overlaps warpgroup 0's softmax of the first tile
+            s = _tile_scores(i + 1, q_lat, q_pe, k_lat, k_pe, ready, work, offs_m, s_layout, H, CAUSAL, BN)
+        mbarrier.wait(a_done, k & 1)
+        m_a = m_smem[0].load(row_s)
+        m_b = gl.maximum(m_a, gl.max(s, 1))  # m_a where there is no second tile (s -inf)
+        p = gl.exp2(s - m_b[:, None])
+        if has_b:  # published before this warpgroup's P V, for warpgroup 0's
+            _publish(p, _p_view(k_pe, slot_b), m_b, m_smem[1], b_done)
+        alpha = gl.exp2(m_i - m_a)
+        beta = gl.exp2(m_a - m_b)
+        l_i = l_i * alpha * beta + gl.sum(p, 1)
+        mbarrier.wait(ready.index(slot_a), (i // STAGES) & 1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc = _add_pv(acc, k_pe, k_lat, slot_a, HALF, end - start - i * BN, empty, BN)
+        if has_b:
+            acc = acc * gl.convert_layout(beta, row_o)[:, None]
+            acc = _add_pv(acc, k_pe, k_lat, slot_b, HALF, end - start - (i + 1) * BN, empty, BN)
+        m_i = m_b
+    part_row = part_row_base + gl.convert_layout(offs_m, row_o)
+    _finish(acc, m_i, l_i, 1, l_smem, fin, k_lat, work, part_row, o_part_ptr, lse_part_ptr,
+            gl.convert_layout(offs_m, row_o), row_o)
+
+
+@gluon.jit
+def _loader(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H: gl.constexpr,
+            CAUSAL: gl.constexpr, BN: gl.constexpr):
+    """The loader (the default partition: its 4 warps wait, one thread issues): Q, then the split's tiles by TMA
+    into the ring as the warpgroups free the slots."""
+    q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, q_row, base = descs
+    q_lat, q_pe, k_lat, k_pe, m_smem, l_smem = smem
+    q_bar, ready, empty, a_done, b_done, fin = bars
+    b, T, rows, tree_start, start, end, n_full, n_tiles, sm_scale_log2, mask_ptr = work
+    mbarrier.expect(q_bar, q_lat_desc.block_type.nbytes + q_pe_desc.block_type.nbytes)
+    _tma_load(q_lat_desc, [q_row, 0], q_bar, q_lat.index(0))  # rows past this sequence's: never stored
+    _tma_load(q_pe_desc, [q_row, 0], q_bar, q_pe)
+    STAGES: gl.constexpr = k_lat.shape[0]
+    for i in range(n_tiles):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+        fence_async_shared()  # the warpgroups' generic writes (P, zeroed rows) before the TMA's
+        _issue_tile(k_lat_desc, k_pe_desc, k_lat, k_pe, ready, base + start + i * BN, slot)
+
+
+@gluon.jit
+def _split_kernel(q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, lens_ptr, mask_ptr, o_part_ptr, lse_part_ptr, T,
+                   rows_kb, sm_scale_log2, H: gl.constexpr, CAUSAL: gl.constexpr, TAIL_SPLIT: gl.constexpr,
+                   BN: gl.constexpr, STAGES: gl.constexpr):
     """Split pid 1 of query tile pid 0 of sequence pid 2 -> partials o [B, splits, rows, 512] (o / l) and lse
-    [B, splits, rows] (log2 domain, -inf for an empty split), as `_mla_split_kernel` writes them (one split too:
-    the merge then divides by 1)."""
-    gl.static_assert(gl.num_warps() == 8, "two warpgroups")
+    [B, splits, rows] (log2 domain, -inf for an empty split), as `_mla_split_kernel` writes them (one split too: the
+    merge then divides by 1). The partitions: the loader (the kernel's 4 warps), _left and _right (4 warps each)."""
     pid_m, pid_s, b = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     num_splits = gl.num_programs(1)
     rows = T * H
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BN // 2, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, D_LAT // 2, 16])
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
     length = gl.load(lens_ptr + b)
     tree_start, start, end, n_full = program_range(length, T, pid_m, pid_s, num_splits, H, CAUSAL, TAIL_SPLIT, BM, BN)
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BN)
 
-    q_lat = gl.allocate_shared_memory(gl.bfloat16, [BM, D_LAT], q_lat_desc.layout)
+    q_lat = gl.allocate_shared_memory(gl.bfloat16, [1, BM, D_LAT], q_lat_desc.layout)  # indexed by _opaque_zero
     q_pe = gl.allocate_shared_memory(gl.bfloat16, [BM, D_PE], q_pe_desc.layout)
     k_lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_LAT], k_lat_desc.layout)
     k_pe = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_PE], k_pe_desc.layout)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN],
-                                                                                                   gl.bfloat16))
+    row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # a value a row: the max and sum exchanges
+    m_smem = (gl.allocate_shared_memory(gl.float32, [BM], row_layout),
+              gl.allocate_shared_memory(gl.float32, [BM], row_layout))
+    l_smem = (gl.allocate_shared_memory(gl.float32, [BM], row_layout),
+              gl.allocate_shared_memory(gl.float32, [BM], row_layout))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    a_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    b_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for st in gl.static_range(STAGES):
-        mbarrier.init(bars.index(st), count=1)
+        mbarrier.init(ready.index(st), count=1)
+        mbarrier.init(empty.index(st), count=2)  # both warpgroups
+    mbarrier.init(a_done, count=1)
+    mbarrier.init(b_done, count=1)
+    mbarrier.init(fin, count=2)
     fence_async_shared()
 
-    mbarrier.expect(q_bar, q_lat_desc.block_type.nbytes + q_pe_desc.block_type.nbytes)
-    _tma_load(q_lat_desc, [b * rows + pid_m * BM, 0], q_bar, q_lat)  # rows past this sequence's: never stored
-    _tma_load(q_pe_desc, [b * rows + pid_m * BM, 0], q_bar, q_pe)
-    base = b * rows_kb  # the sequence's first cache row
-    for st in gl.static_range(STAGES):
-        if st < n_full:
-            _issue_tile(k_lat_desc, k_pe_desc, k_lat, k_pe, bars, base + start + st * BN, st)
-    mbarrier.wait(q_bar, 0)
-
-    m_i = gl.full([BM], -1.0e30, gl.float32, row_s)
-    l_i = gl.zeros([BM], gl.float32, row_s)
-    acc = gl.zeros([BM, D_LAT], gl.float32, o_layout)
-    offs_m = pid_m * BM + gl.arange(0, BM, layout=row_s)  # [BM] row = t*H + h
-    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BN)
-    for i in range(n_tiles):
-        slot, j0 = i % STAGES, start + i * BN
-        _ready(i, n_full, bars, kv_ptr, base + j0, end - j0, k_lat, k_pe, BN, STAGES)
-        s = _scores(q_lat, q_pe, k_lat.index(slot), k_pe.index(slot), s_layout, BN) * sm_scale_log2
-        if i >= n_full:
-            s = _visible(s, j0, end, tree_start, offs_m, rows, b, T, mask_ptr, H, CAUSAL, s_layout, BN)
-        m_i, l_i, acc = _online_step(s, m_i, l_i, acc, p_smem, k_lat.index(slot), row_o)
-        if i + STAGES < n_full:
-            _issue_tile(k_lat_desc, k_pe_desc, k_lat, k_pe, bars, base + start + (i + STAGES) * BN, slot)
-
-    l_safe = gl.where(l_i > 0, l_i, 1.0)
-    part_row = (b * num_splits + pid_s) * rows + offs_m  # [BM]
-    lse = gl.where(l_i > 0, m_i + gl.log2(l_safe), float("-inf"))
-    gl.store(lse_part_ptr + part_row, lse, mask=offs_m < rows)
-    o = acc / gl.convert_layout(l_safe, row_o)[:, None]
-    o_ok = (offs_m < rows) & (start < end)  # an empty split stores no o, only lse = -inf
-    _store_partials(o, k_lat, o_part_ptr, part_row, o_ok)
+    descs = (q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, b * rows + pid_m * BM, b * rows_kb)
+    smem = (q_lat, q_pe, k_lat, k_pe, m_smem, l_smem)
+    bars = (q_bar, ready, empty, a_done, b_done, fin)
+    work = (b, T, rows, tree_start, start, end, n_full, n_tiles, sm_scale_log2, mask_ptr)
+    part_row_base = (b * num_splits + pid_s) * rows
+    gl.warp_specialize([
+        (_loader, (descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H, CAUSAL, BN)),
+        (_left, (descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H, CAUSAL, BN)),
+        (_right, (descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H, CAUSAL, BN)),
+    ], [4, 4], [PARTITION_REGS, PARTITION_REGS])
 
 
 def usable(q, kv_cache, config):
-    """Whether the Gluon kernel can run this call: a Hopper GPU (not the interpreter), bf16, the 64x64 config with
-    all 512 values a program, 16-byte aligned q and cache rows."""
+    """Whether the Gluon kernel can run this call: a Hopper GPU (not the interpreter), bf16, the op's 64x64 config
+    with all 512 values a program, 16-byte aligned q and cache rows."""
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype == torch.bfloat16
-            and tuple(config[:2]) == (ROWS, BLOCK_N) and config[4] == LAT and q.data_ptr() % 16 == 0
+            and tuple(config[:2]) == (ROWS, 64) and config[4] == LAT and q.data_ptr() % 16 == 0
             and kv_cache.data_ptr() % 16 == 0 and kv_cache.is_contiguous())
 
 
@@ -218,23 +376,30 @@ def _desc(t, block):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
-def split(q, kv_cache, cache_lens, mask, o_part, lse_part, num_splits, scale_log2, causal, tail_split):
+def ring_for(rows):
+    """(cache entries a tile, tiles in the ring) for a query block of `rows` = T*H rows (RINGS)."""
+    return next(ring for max_rows, ring in RINGS if max_rows is None or rows <= max_rows)
+
+
+def split(q, kv_cache, cache_lens, mask, o_part, lse_part, num_splits, scale_log2, causal, tail_split, ring=None):
     """Launch the split kernel as `mla_attention` launches `_mla_split_kernel`: q [B, T, H, 576] bf16 contiguous,
     kv_cache [B, L_max, 576] contiguous, cache_lens [B] int32, mask the tree mask (or anything with causal) ->
-    the partials o_part [B, splits, T*H, 512] and lse_part [B, splits, T*H] for `_merge_kernel`."""
+    the partials o_part [B, splits, T*H, 512] and lse_part [B, splits, T*H] for `_merge_kernel`. ring: (cache
+    entries a tile, tiles in the ring; an even count), None: ring_for(T*H)."""
     B, T, H, _ = q.shape
     rows = T * H
+    block_n, stages = ring or ring_for(rows)
     q2, kv2 = q.view(B * rows, ENTRY), kv_cache.view(-1, ENTRY)
     _split_kernel[(triton.cdiv(rows, ROWS), num_splits, B)](
-        _desc(q2[:, :LAT], [ROWS, LAT]), _desc(q2[:, LAT:], [ROWS, PE]), _desc(kv2[:, :LAT], [BLOCK_N, LAT]),
-        _desc(kv2[:, LAT:], [BLOCK_N, PE]), kv_cache, cache_lens, mask, o_part, lse_part, T,
-        kv_cache.stride(0) // ENTRY, scale_log2, H=H, CAUSAL=causal, TAIL_SPLIT=tail_split and num_splits > 1,
-        BN=BLOCK_N, STAGES=STAGES, num_warps=8)
+        _desc(q2[:, :LAT], [ROWS, LAT]), _desc(q2[:, LAT:], [ROWS, PE]), _desc(kv2[:, :LAT], [block_n, LAT]),
+        _desc(kv2[:, LAT:], [block_n, PE]), cache_lens, mask, o_part, lse_part, T, kv_cache.stride(0) // ENTRY,
+        scale_log2, H=H, CAUSAL=causal, TAIL_SPLIT=tail_split and num_splits > 1, BN=block_n, STAGES=stages,
+        num_warps=4, maxnreg=MAXNREG)
 
 
-def compile_report(H=8, causal=False, tail_split=True):
-    """Compile the split kernel (bf16 partials, the op's) for sm_90 on this machine (no GPU needed): (shared bytes,
-    registers, spill bytes)."""
+def compile_report(H=8, causal=False, tail_split=True, ring=RINGS[-1][1]):
+    """Compile the split kernel (bf16 partials, the op's) with `ring` for sm_90 on this machine (no GPU needed):
+    (shared bytes, registers, spill bytes)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -242,16 +407,17 @@ def compile_report(H=8, causal=False, tail_split=True):
     from triton_kernels.aot import Resources, _ptxas_report
 
     q = torch.empty(ROWS, ENTRY, dtype=torch.bfloat16)
-    kv = torch.empty(4 * BLOCK_N, ENTRY, dtype=torch.bfloat16)
+    block_n, stages = ring
+    kv = torch.empty(4 * block_n, ENTRY, dtype=torch.bfloat16)
     descs = dict(q_lat_desc=(q[:, :LAT], [ROWS, LAT]), q_pe_desc=(q[:, LAT:], [ROWS, PE]),
-                 k_lat_desc=(kv[:, :LAT], [BLOCK_N, LAT]), k_pe_desc=(kv[:, LAT:], [BLOCK_N, PE]))
+                 k_lat_desc=(kv[:, :LAT], [block_n, LAT]), k_pe_desc=(kv[:, LAT:], [block_n, PE]))
     signature = {name: mangle_type(_desc(*args)) for name, args in descs.items()}
-    signature.update(kv_ptr="*bf16", lens_ptr="*i32", mask_ptr="*i32", o_part_ptr="*bf16",
-                     lse_part_ptr="*fp32", T="i32", rows_kb="i32", sm_scale_log2="fp32")
-    constexprs = dict(H=H, CAUSAL=causal, TAIL_SPLIT=tail_split, BN=BLOCK_N, STAGES=STAGES)
+    signature.update(lens_ptr="*i32", mask_ptr="*i32", o_part_ptr="*bf16", lse_part_ptr="*fp32", T="i32",
+                     rows_kb="i32", sm_scale_log2="fp32")
+    constexprs = dict(H=H, CAUSAL=causal, TAIL_SPLIT=tail_split, BN=block_n, STAGES=stages)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    attrs = {(list(signature).index(name),): [["tt.divisibility", 16]] for name in ("kv_ptr", "o_part_ptr")}
+    attrs = {(list(signature).index("o_part_ptr"),): [["tt.divisibility", 16]]}
     src = GluonASTSource(_split_kernel, signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAXNREG))
     registers, spills = _ptxas_report(compiled.asm["ptx"], 90)
     return Resources(shared=compiled.metadata.shared, registers=registers, spill_bytes=spills)
