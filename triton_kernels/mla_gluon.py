@@ -180,12 +180,25 @@ def _add_pv(acc, k_pe, k_lat, slot, col0, count, empty, BN: gl.constexpr):
 
 
 @gluon.jit
-def _finish(acc, m_i, l_i, wg: gl.constexpr, l_smem, fin, k_lat, work, part_row, o_part_ptr, lse_part_ptr,
-            offs_m, row_o: gl.constexpr):
+def _start(pid_m, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """A compute warpgroup's rows of this query tile (offs_m [BM], row = t*H + h), running max, sum and O half."""
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    offs_m = pid_m * BM + gl.arange(0, BM, layout=row_s)
+    m_i = gl.full([BM], -1.0e30, gl.float32, row_s)
+    l_i = gl.zeros([BM], gl.float32, row_s)
+    return offs_m, m_i, l_i, gl.zeros([BM, HALF], gl.float32, o_layout)
+
+
+@gluon.jit
+def _finish(acc, m_i, l_i, offs_m, wg: gl.constexpr, l_smem, fin, k_lat, work, part_row_base, o_part_ptr,
+            lse_part_ptr):
     """Both warpgroups' sums added (through shared memory), then this one's value half of o = acc / l stored to the
     partials (staged in its ring slot, free by then), and warpgroup 0 stores lse."""
     b, T, rows, tree_start, start, end, n_full, n_tiles, sm_scale_log2, mask_ptr = work
+    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     m_i, l_i = gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o)
+    offs_m = gl.convert_layout(offs_m, row_o)
+    part_row = part_row_base + offs_m
     l_smem[wg].store(l_i)
     _cta_barrier()
     mbarrier.arrive(fin, count=1)
@@ -203,7 +216,7 @@ def _finish(acc, m_i, l_i, wg: gl.constexpr, l_smem, fin, k_lat, work, part_row,
 @gluon.jit
 def _left(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H: gl.constexpr,
           CAUSAL: gl.constexpr, BN: gl.constexpr):
-    """Warpgroup 0: the scores of the pair's first tile (slot 0) and value columns [0, 256)."""
+    """Warpgroup 0: the scores of each pair's first tile, and value columns [0, 256) of both."""
     q_lat, q_pe, k_lat, k_pe, m_smem, l_smem = smem
     q_bar, ready, empty, a_done, b_done, fin = bars
     b, T, rows, tree_start, start, end, n_full, n_tiles, sm_scale_log2, mask_ptr = work
@@ -213,10 +226,7 @@ def _left(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_pt
                                                        instr_shape=[16, HALF, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    offs_m = pid_m * BM + gl.arange(0, BM, layout=row_s)
-    m_i = gl.full([BM], -1.0e30, gl.float32, row_s)
-    l_i = gl.zeros([BM], gl.float32, row_s)
-    acc = gl.zeros([BM, HALF], gl.float32, o_layout)
+    offs_m, m_i, l_i, acc = _start(pid_m, s_layout, o_layout)
     STAGES: gl.constexpr = k_lat.shape[0]
     mbarrier.wait(q_bar, 0)
     for k in range(gl.cdiv(n_tiles, 2)):
@@ -240,15 +250,13 @@ def _left(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_pt
             acc = acc * gl.convert_layout(beta, row_o)[:, None]
             acc = _add_pv(acc, k_pe, k_lat, slot_b, 0, end - start - (i + 1) * BN, empty, BN)
             m_i = m_b
-    part_row = part_row_base + gl.convert_layout(offs_m, row_o)
-    _finish(acc, m_i, l_i, 0, l_smem, fin, k_lat, work, part_row, o_part_ptr, lse_part_ptr,
-            gl.convert_layout(offs_m, row_o), row_o)
+    _finish(acc, m_i, l_i, offs_m, 0, l_smem, fin, k_lat, work, part_row_base, o_part_ptr, lse_part_ptr)
 
 
 @gluon.jit
 def _right(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H: gl.constexpr,
            CAUSAL: gl.constexpr, BN: gl.constexpr):
-    """Warpgroup 1: the scores of the pair's second tile (slot 1) and value columns [256, 512)."""
+    """Warpgroup 1: the scores of each pair's second tile, and value columns [256, 512) of both."""
     q_lat, q_pe, k_lat, k_pe, m_smem, l_smem = smem
     q_bar, ready, empty, a_done, b_done, fin = bars
     b, T, rows, tree_start, start, end, n_full, n_tiles, sm_scale_log2, mask_ptr = work
@@ -258,10 +266,7 @@ def _right(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_p
                                                        instr_shape=[16, HALF, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    offs_m = pid_m * BM + gl.arange(0, BM, layout=row_s)
-    m_i = gl.full([BM], -1.0e30, gl.float32, row_s)
-    l_i = gl.zeros([BM], gl.float32, row_s)
-    acc = gl.zeros([BM, HALF], gl.float32, o_layout)
+    offs_m, m_i, l_i, acc = _start(pid_m, s_layout, o_layout)
     STAGES: gl.constexpr = k_lat.shape[0]
     mbarrier.wait(q_bar, 0)
     for k in range(gl.cdiv(n_tiles, 2)):
@@ -287,9 +292,7 @@ def _right(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_p
             acc = acc * gl.convert_layout(beta, row_o)[:, None]
             acc = _add_pv(acc, k_pe, k_lat, slot_b, HALF, end - start - (i + 1) * BN, empty, BN)
         m_i = m_b
-    part_row = part_row_base + gl.convert_layout(offs_m, row_o)
-    _finish(acc, m_i, l_i, 1, l_smem, fin, k_lat, work, part_row, o_part_ptr, lse_part_ptr,
-            gl.convert_layout(offs_m, row_o), row_o)
+    _finish(acc, m_i, l_i, offs_m, 1, l_smem, fin, k_lat, work, part_row_base, o_part_ptr, lse_part_ptr)
 
 
 @gluon.jit
