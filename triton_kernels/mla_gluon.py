@@ -9,10 +9,11 @@ of the 512 value columns of O += P V for both tiles, the other's P and running m
 and no reduction crosses warpgroups inside a tile. A loader partition streams Q and the tiles by TMA through a
 ring of STAGES slots (two pairs of 32-entry tiles where the query block has at most 64 rows, one pair of 64-entry
 tiles above: RINGS); tiles past a split's end have those rows zeroed, the tree's tiles their scores masked by the
-tree's bits (or causally).
+tree's bits (or causally). Launched with programmatic dependent launch (`pdl.py`): the programs wait for the
+previous grid before their first load.
 
 Gluon has no interpreter: the CPU suite compiles it for sm_90 (tests/test_attention_kernel.py) and the GPU tests
-run it. Where it is measured: triton_kernels/README.md (attention, sessions 12-14).
+run it. Where it is measured: triton_kernels/README.md (attention, sessions 12-15).
 """
 
 import torch
@@ -22,6 +23,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
+from triton_kernels import pdl
 from triton_kernels.mla_attention import program_range
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # Triton >= 3.7 / 3.6
@@ -125,6 +127,14 @@ def _opaque_zero(x):
     addressed in the loop, where its MMA needs it, instead of the MMA's per-step descriptors being computed before the
     loop and held in registers (Triton 3.6: 2,708 bytes spilled a thread without it, 0 with it)."""
     return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _wait_previous_grid(x):
+    """griddepcontrol.wait (programmatic dependent launch, triton_kernels/pdl.py), returning 0 for an address to
+    depend on."""
+    return gl.inline_asm_elementwise("griddepcontrol.wait;\n\tmov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -318,13 +328,15 @@ def _loader(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_
 @gluon.jit
 def _split_kernel(q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, lens_ptr, mask_ptr, o_part_ptr, lse_part_ptr, T,
                    rows_kb, sm_scale_log2, H: gl.constexpr, CAUSAL: gl.constexpr, TAIL_SPLIT: gl.constexpr,
-                   BN: gl.constexpr, STAGES: gl.constexpr):
+                   BN: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False):
     """Split pid 1 of query tile pid 0 of sequence pid 2 -> partials o [B, splits, rows, 512] (o / l) and lse
     [B, splits, rows] (log2 domain, -inf for an empty split), as `_mla_split_kernel` writes them (one split too: the
     merge then divides by 1). The partitions: the loader (the kernel's 4 warps), _left and _right (4 warps each)."""
     pid_m, pid_s, b = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     num_splits = gl.num_programs(1)
     rows = T * H
+    if PDL:  # launched early: wait for the previous grid before the first load (the partitions start after this)
+        b = b + _wait_previous_grid(b)
     length = gl.load(lens_ptr + b)
     tree_start, start, end, n_full = program_range(length, T, pid_m, pid_s, num_splits, H, CAUSAL, TAIL_SPLIT, BM, BN)
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BN)
@@ -397,7 +409,7 @@ def split(q, kv_cache, cache_lens, mask, o_part, lse_part, num_splits, scale_log
         _desc(q2[:, :LAT], [ROWS, LAT]), _desc(q2[:, LAT:], [ROWS, PE]), _desc(kv2[:, :LAT], [block_n, LAT]),
         _desc(kv2[:, LAT:], [block_n, PE]), cache_lens, mask, o_part, lse_part, T, kv_cache.stride(0) // ENTRY,
         scale_log2, H=H, CAUSAL=causal, TAIL_SPLIT=tail_split and num_splits > 1, BN=block_n, STAGES=stages,
-        num_warps=4, maxnreg=MAXNREG)
+        num_warps=4, maxnreg=MAXNREG, **pdl.options(q))
 
 
 def compile_report(H=8, causal=False, tail_split=True, ring=RINGS[-1][1]):
@@ -417,7 +429,7 @@ def compile_report(H=8, causal=False, tail_split=True, ring=RINGS[-1][1]):
     signature = {name: mangle_type(_desc(*args)) for name, args in descs.items()}
     signature.update(lens_ptr="*i32", mask_ptr="*i32", o_part_ptr="*bf16", lse_part_ptr="*fp32", T="i32",
                      rows_kb="i32", sm_scale_log2="fp32")
-    constexprs = dict(H=H, CAUSAL=causal, TAIL_SPLIT=tail_split, BN=block_n, STAGES=stages)
+    constexprs = dict(H=H, CAUSAL=causal, TAIL_SPLIT=tail_split, BN=block_n, STAGES=stages, PDL=True)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(list(signature).index("o_part_ptr"),): [["tt.divisibility", 16]]}
     src = GluonASTSource(_split_kernel, signature, constexprs=constexprs, attrs=attrs)
