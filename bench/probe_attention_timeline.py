@@ -2,13 +2,14 @@
 
 The committed kernels' source is copied with stamps inserted at a few points (a program's entry, after its PDL
 wait and the length, after its query, after the unmasked and the masked loops, at its end; the merge's entry,
-after its wait, its end), each stamp made to depend on the value computed before it so that it is not issued
+after its wait, after its lse and its o loads, its end), each stamp made to depend on the value computed before it so that it is not issued
 early. The stamped call runs as the last of a CUDA graph over rotated caches (cache cold in L2, as
 bench_attention times it); its stamps give per-phase times (median and max over programs) and the span from
 the split kernel's first program to the merge's last.
 
 --gluon stamps the Gluon split kernel (`mla_gluon`, sm_90) instead: entry, after the length, then in its first
-warpgroup: after the query's TMA, after the first tile's scores, after the loop, at its end.
+warpgroup: after the query's TMA, after the first tile's scores, after the loop, after both warpgroups' final
+arrival (fin), at its end (its partials' stores issued).
 
 Usage (device): python bench/probe_attention_timeline.py --out DIR [--gluon] L,H,T[,pad] ...
 """
@@ -61,8 +62,8 @@ def _stamp(times_ptr, slot: gl.constexpr, dep):
 '''
 
 SPLIT_PHASES = ("entry", "waited", "query", "unmasked", "masked", "end")
-GLUON_PHASES = ("entry", "length", "query", "first_tile", "loop", "end")
-MERGE_PHASES = ("entry", "waited", "end")
+GLUON_PHASES = ("entry", "length", "query", "first_tile", "loop", "fin", "end")
+MERGE_PHASES = ("entry", "waited", "lse", "o", "end")
 
 
 def _insert(src, anchor, line, after=True):
@@ -88,18 +89,36 @@ def stamped_module():
     merge = merge.replace("PDL: tl.constexpr = False):", "PDL: tl.constexpr = False, times_ptr=None):")
     merge = _insert(merge, r"pdl\.enter\(PDL\)", "_stamp(times_ptr, 0, tl.program_id(0))", after=False)
     merge = _insert(merge, r"pdl\.enter\(PDL\)", "_stamp(times_ptr, 1, tl.program_id(0))")
-    merge = _insert(merge, r"out = acc / w_sum", "_stamp(times_ptr, 2, tl.sum(acc, 0))")
+    merge = _insert(merge, r"lse = tl\.load", "_stamp(times_ptr, 2, tl.sum(lse, 0))")
+    merge = _insert(merge, r"o = o\.to\(tl\.float32\)", "_stamp(times_ptr, 3, tl.sum(tl.sum(o, 1), 0))")
+    merge = _insert(merge, r"out = acc / w_sum", "_stamp(times_ptr, 4, tl.sum(acc, 0))")
     header = ("import triton\nimport triton.language as tl\nfrom triton_kernels import pdl\n"
               "from triton_kernels.mla_attention import _scores, _tma_scores, _sum_scores, _probs, _softmax_step, "
               "program_range\n")
     return load_source("stamped_attention", header + STAMP + "\n\n" + split + "\n\n" + merge)
 
 
-def stamped_gluon_module():
+RELEASE = '''
+@gluon.jit
+def _launch_dependents(dep):
+    """griddepcontrol.launch_dependents: the next kernel (PDL) may launch once every program has executed this."""
+    lane: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    x = gl.full([1], 0, gl.int32, lane) + dep
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                              is_pure=False, pack=1)
+'''
+
+
+def stamped_gluon_module(release_early=False):
     """A copy of mla_gluon whose _split_kernel takes times_ptr last (passed to the partitions in `work`) and stamps
-    GLUON_PHASES, those in the partitions from warpgroup 0's."""
+    GLUON_PHASES, those in the partitions from warpgroup 0's. release_early: its loader lets the merge (launched
+    with PDL) launch at once, so the merge's programs wait beside the split kernel's instead of launching after it."""
     src = inspect.getsource(mla_gluon)
-    src = src.replace("STAGES: gl.constexpr):\n", "STAGES: gl.constexpr, times_ptr=None):\n")
+    if release_early:
+        src = _insert(src, r"mbarrier\.expect\(q_bar", "_launch_dependents(n_tiles)", after=False)
+    signature_end = "PDL: gl.constexpr = False):\n"  # the split kernel's last parameter
+    assert src.count(signature_end) == 1, "mla_gluon._split_kernel's signature changed: update the probe"
+    src = src.replace(signature_end, "PDL: gl.constexpr = False, times_ptr=None):\n")
     src = src.replace("n_tiles, sm_scale_log2, mask_ptr)", "n_tiles, sm_scale_log2, mask_ptr, times_ptr)")
     src = src.replace("n_tiles, sm_scale_log2, mask_ptr = work", "n_tiles, sm_scale_log2, mask_ptr, times_ptr = work")
     src = _insert(src, r"length = gl\.load\(lens_ptr", "_stamp(times_ptr, 0, pid_s)", after=False)
@@ -109,9 +128,12 @@ def stamped_gluon_module():
     src = _insert(src, r"s = _tile_scores\(i, q_lat", first)
     src = _insert(src, r"l_smem\[wg\]\.store\(l_i\)", "if wg == 0:\n        _stamp(times_ptr, 4, gl.sum(l_i, 0))",
                   after=False)
-    src = _insert(src, r"_store_partials\(o, k_lat", "if wg == 0:\n        _stamp(times_ptr, 5, gl.sum(l_safe, 0))")
+    src = _insert(src, r"mbarrier\.wait\(fin, 0\)", "if wg == 0:\n        _stamp(times_ptr, 5, gl.sum(l_i, 0))")
+    src = _insert(src, r"_store_partials\(o, k_lat", "if wg == 0:\n        _stamp(times_ptr, 6, gl.sum(l_safe, 0))")
     head, tail = src.split("\n\n@gluon.jit\ndef _issue_tile", 1)
-    return load_source("stamped_gluon", head + "\n" + GLUON_STAMP + "\n\n@gluon.jit\ndef _issue_tile" + tail)
+    extra = GLUON_STAMP + (RELEASE if release_early else "")
+    return load_source("stamped_gluon_release" if release_early else "stamped_gluon",
+                       head + "\n" + extra + "\n\n@gluon.jit\ndef _issue_tile" + tail)
 
 
 def load_source(name, src):
@@ -166,8 +188,10 @@ def run_case(L, H, T, pad, module, gluon_module=None):
     s = split_times[:n_split].cpu()
     row = dict(L=L, H=H, T=T, pad=pad, gluon=gluon, grid=list(split.grid), plain_us=round(plain_us, 2),
                stamped_us=round(stamped_us, 2))
-    row["split"], s_first, s_last = phases(s, GLUON_PHASES if gluon else SPLIT_PHASES)
-    clk_us = (s[:, 16 + 5] - s[:, 16]).double() * 1e-3 / ghz(s)
+    names = GLUON_PHASES if gluon else SPLIT_PHASES
+    row["split"], s_first, s_last = phases(s, names)
+    end = len(names) - 1
+    clk_us = (s[:, 16 + end] - s[:, 16]).double() * 1e-3 / ghz(s, end)
     row["split_program_us_by_clock"] = (round(clk_us.median().item(), 2), round(clk_us.max().item(), 2))
     row["split_entry_spread_us"] = round((s[:, 0].max() - s[:, 0].min()).item() / 1e3, 2)
     row["split_waited_spread_us"] = round((s[:, 1].max() - s[:, 1].min()).item() / 1e3, 2)
@@ -184,10 +208,10 @@ def run_case(L, H, T, pad, module, gluon_module=None):
     return row
 
 
-def ghz(stamps):
-    """The SM clock (GHz) from the programs' own clock64 and globaltimer deltas, entry to end."""
-    ns = (stamps[:, 5] - stamps[:, 0]).double().sum()
-    clk = (stamps[:, 16 + 5] - stamps[:, 16]).double().sum()
+def ghz(stamps, end):
+    """The SM clock (GHz) from the programs' own clock64 and globaltimer deltas, entry to the end stamp (slot end)."""
+    ns = (stamps[:, end] - stamps[:, 0]).double().sum()
+    clk = (stamps[:, 16 + end] - stamps[:, 16]).double().sum()
     return (clk / ns).item()
 
 
@@ -195,15 +219,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--gluon", action="store_true", help="stamp the Gluon split kernel (sm_90)")
+    parser.add_argument("--release-early", action="store_true",
+                        help="with --gluon, also each case with the merge launched early (stamped_gluon_module)")
     parser.add_argument("cases", nargs="+", help="L,H,T[,pad]")
     args = parser.parse_args()
     module = stamped_module()
-    gluon_module = stamped_gluon_module() if args.gluon else None
+    gluon_modules = [stamped_gluon_module()] if args.gluon else [None]
+    if args.gluon and args.release_early:
+        gluon_modules.append(stamped_gluon_module(release_early=True))
     rows = []
     for case in args.cases:
-        row = run_case(*ba.parse_case(case), module, gluon_module)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for gluon_module in gluon_modules:
+            row = run_case(*ba.parse_case(case), module, gluon_module)
+            row["release_early"] = gluon_module is not None and "release" in gluon_module.__name__
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     ba.write_probe_json(args.out, "attention_timeline_gluon.json" if args.gluon else "attention_timeline.json", rows)
 
 

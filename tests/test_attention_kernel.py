@@ -369,7 +369,7 @@ def test_timeline_probe_stamps_the_committed_kernels(monkeypatch):
     gluon_module = probe_attention_timeline.stamped_gluon_module()
     assert "times_ptr" in gluon_module._split_kernel.arg_names
     source = inspect.getsource(gluon_module)  # the kernel's stamps and its partitions'
-    assert sum(line.strip().startswith("_stamp(") for line in source.split("\n")) == 6
+    assert sum(line.strip().startswith("_stamp(") for line in source.split("\n")) == 7
     sys.modules.pop("stamped_gluon", None)
 
 
