@@ -2,17 +2,24 @@
 merge_blocks rule (the committed one when run), at the split counts the defaults run (partials L2-warm, as the split
 kernel leaves them: bench_attention.merge_time_us's timing).
 
-Usage (device): python bench/probe_merge.py --out DIR
+--variants: instead, at the rule's blocks, the committed merge against a copy whose partials' load does not wait
+for the lse load (o loaded where the split exists, empty splits' o zeroed after), beside the L2 read ceiling
+measured in the same run: a plain kernel summing the same partials (16 KB a program).
+
+Usage (device): python bench/probe_merge.py --out DIR [--variants]
 """
 
 import argparse
+import inspect
 import json
 from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 import bench_attention as ba
+import probe_attention_timeline as pt
 from triton_kernels import mla_attention as mk
 
 # (rows, splits, partials) the defaults run: 32k / 128k H 8 T 1 (tail split; Triton's 16-row kernel), T*H = 64 at
@@ -31,10 +38,64 @@ def time_merge(o_part, lse_part, out, rows, splits, block_s, block_d, warps):
                                                              BLOCK_D=block_d, num_warps=warps), [None] * 8)
 
 
+@triton.jit
+def _read_kernel(x_ptr, sums_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(sums_ptr + tl.program_id(0), tl.sum(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32), 0))
+
+
+def unmasked_merge():
+    """_merge_kernel with the partials' load independent of the lse load (a module's copy)."""
+    src = inspect.getsource(mk._merge_kernel.fn)
+    old = ("o = tl.load(o_part_ptr + part[:, None] * 512 + offs_d[None, :], mask=o_ok[:, None], other=0.0)  # [BS, BD]\n"
+           "        o = o.to(tl.float32)")
+    new = ("o = tl.load(o_part_ptr + part[:, None] * 512 + offs_d[None, :], mask=s_ok[:, None], other=0.0)  # [BS, BD]\n"
+           "        o = tl.where(o_ok[:, None], o.to(tl.float32), 0.0)")
+    assert old in src
+    header = "import triton\nimport triton.language as tl\nfrom triton_kernels import pdl\n"
+    return pt.load_source("merge_unmasked", header + src.replace(old, new))._merge_kernel
+
+
+def variants(args):
+    """The committed merge, the unmasked-load copy and the L2 read ceiling at the rule's blocks, per case."""
+    unmasked = unmasked_merge()
+    rows_out = []
+    for rows, splits, dtype in CASES:
+        o_part = torch.randn(1, splits, rows, 512, device="cuda").to(dtype)
+        lse_part = torch.randn(1, splits, rows, device="cuda")
+        lse_part[0, splits // 3] = float("-inf")  # an empty split: its o never written (here NaN)
+        o_part[0, splits // 3] = float("nan")
+        bs, bd, warps = mk.merge_blocks(splits)
+        grid = (rows, 512 // bd, 1)
+        outs = {}
+
+        def timed(kernel, name):
+            outs[name] = torch.empty(1, rows, 512, dtype=torch.bfloat16, device="cuda")
+            return round(ba.graph_time_us(lambda _: kernel[grid](o_part, lse_part, outs[name], rows, splits,
+                                                                   BLOCK_S=bs, BLOCK_D=bd, num_warps=warps),
+                                          [None] * 8), 2)
+
+        row = dict(rows=rows, splits=splits, blocks=[bs, bd, warps], committed_us=timed(mk._merge_kernel, "c"),
+                   unmasked_us=timed(unmasked, "u"))
+        row["equal"] = bool(torch.equal(outs["c"], outs["u"])) and not outs["c"].isnan().any().item()
+        flat, block = o_part.view(-1), 8192
+        sums = torch.empty(triton.cdiv(flat.numel(), block), device="cuda")
+        row["read_ceiling_us"] = round(ba.graph_time_us(
+            lambda _: _read_kernel[(sums.numel(),)](flat, sums, flat.numel(), BLOCK=block, num_warps=4),
+            [None] * 8), 2)
+        row["partial_mb"] = round(flat.numel() * flat.element_size() / 1e6, 2)
+        print(json.dumps(row), flush=True)
+        rows_out.append(row)
+    ba.write_probe_json(args.out, "merge_variants.json", rows_out)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--variants", action="store_true", help="the unmasked-load merge and the read ceiling")
     args = parser.parse_args()
+    if args.variants:
+        return variants(args)
     rows_out = []
     for rows, splits, dtype in CASES:
         o_part = torch.randn(1, splits, rows, 512, device="cuda").to(dtype)
