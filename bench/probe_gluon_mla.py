@@ -8,9 +8,10 @@ cache cold in L2 (one CUDA graph over rotated copies).
 
 --sweep times the Gluon op instead at SWEEP's split counts (fp32 and bf16 partials), and its split kernel alone
 (no merge) at the default count. --rings checks and times it with each of RINGS's cache rings (entries a tile,
-tiles in the ring) at the default split count, and at RING_SPLITS's counts where given.
+tiles in the ring) at the default split count, and at RING_SPLITS's counts where given. --splits times it at split
+counts from half to twice the default.
 
-    python bench/probe_gluon_mla.py --out DIR [--sweep | --rings]      # GPU (Hopper)
+    python bench/probe_gluon_mla.py --out DIR [--sweep | --rings | --splits]      # GPU (Hopper)
 """
 
 import argparse
@@ -117,6 +118,18 @@ def rings(L, H, T, counts, copies=6, seed=0):
     return row
 
 
+def split_counts(L, H, T, copies=6, seed=0):
+    """us of the Gluon op at split counts from half to twice the default (SPLIT_FACTORS), for refitting the split
+    model (mla_attention.CONFIGS)."""
+    q, kvs, cache_lens, mask = case([L], L, H, T, True, seed, copies)
+    default = row_splits(q, kvs[0], cache_lens, mask)
+    row = dict(L=L, H=H, T=T, default_splits=default, us={})
+    for splits in sorted({max(1, round(default * f)) for f in SPLIT_FACTORS}):
+        run = lambda c, s=splits: mla_attention(q, kvs[c], cache_lens, mask, SCALE, num_splits=s, gluon=True)  # noqa
+        row["us"][splits] = round(_time_us(run, copies), 2)
+    return row
+
+
 def row_splits(q, kv, cache_lens, mask):
     """The op's default split count for this call, read off its launch of the Gluon kernel."""
     counts, launch = [], mla_gluon.split
@@ -144,7 +157,10 @@ CHECKS = [  # (lens, L_max, H, T, splits, tree, tail): ragged lengths, batches, 
     ([4100], 4200, 64, 1, 33, True, True), ([4100], 4200, 64, 1, 7, True, False),
     ([3000, 190], 3100, 8, 16, 5, True, False), ([200], 256, 8, 30, 1, False, False)]
 RINGS = [(64, 2), (32, 4), (16, 8)]
+SPLIT_FACTORS = (0.5, 0.67, 0.75, 0.85, 1, 1.15, 1.33, 1.5, 2)
 RING_SPLITS = {(32768, 64, 1): (88, 132, 176), (32768, 8, 8): (88, 132, 176)}
+SPLIT_TIMES = [(131072, 8, 8), (131072, 8, 32), (131072, 64, 8), (32768, 8, 64), (32768, 64, 32), (8192, 8, 33),
+               (32768, 8, 33)]  # beside TIMES: more of issue #6's sweep and the 8k / 32k verify shapes
 TIMES = [  # (L, H, T): issue #6's 32k cases over 2x, compute-bound and 128k ones, the 4k verify shapes
     (32768, 64, 1), (32768, 8, 8), (32768, 8, 32), (32768, 64, 8), (32768, 64, 128), (131072, 64, 1), (4129, 8, 33),
     (4105, 8, 9), (4161, 8, 65), (4225, 8, 129)]
@@ -155,6 +171,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--sweep", action="store_true", help="split counts and the split kernel alone")
     parser.add_argument("--rings", action="store_true", help="RINGS's cache rings: checks and times")
+    parser.add_argument("--splits", action="store_true", help="times at split counts around the default")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -174,6 +191,12 @@ def main():
             report["times"].append(rings(*args_, RING_SPLITS.get(args_, ())))
             print(json.dumps(report["times"][-1]), flush=True)
             (out / "gluon_mla_rings.json").write_text(json.dumps(report, indent=1))
+        return
+    if args.splits:
+        for args_ in TIMES + SPLIT_TIMES:
+            report["times"].append(split_counts(*args_))
+            print(json.dumps(report["times"][-1]), flush=True)
+            (out / "gluon_mla_splits.json").write_text(json.dumps(report, indent=1))
         return
     for args_ in CHECKS:
         report["checks"].append(check(*args_, seed=len(report["checks"])))
