@@ -14,6 +14,7 @@ launch finds its cache cold in L2, as the model's layers would) and reports grap
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -379,6 +380,17 @@ def checked_time_us(call, caches, ref):
     """(us, rel_err) of call(kv): graph_time_us over caches, the error of call(caches[0]) against ref (fp64)."""
     err = ((call(caches[0]).double() - ref).norm() / ref.norm()).item()
     return graph_time_us(call, caches), err
+
+
+def module_from_file(path, name=None):
+    """The Python module in file `path`, imported as `name` (default: the file's stem): for kernels' copies, e.g. the
+    Gluon split kernel of another commit (`git show REF:triton_kernels/mla_gluon.py > FILE`) in a same-call A/B."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_probe_json(out, name, rows, **meta):

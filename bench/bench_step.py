@@ -384,6 +384,9 @@ def main():
                         help="the attention's splits over the whole length (mla_attention.TAIL_SPLIT off)")
     parser.add_argument("--attention-gluon", choices=("on", "off"), default=None,
                         help="the attention's split kernel in Gluon on sm_90 (mla_attention.GLUON) on or off")
+    parser.add_argument("--attention-gluon-module", default=None, metavar="FILE",
+                        help="the Gluon split kernel's launcher (`split`) from FILE, a copy of mla_gluon.py (e.g. "
+                             "another commit's), for a same-call A/B")
     args = parser.parse_args()
     import triton
 
@@ -407,6 +410,10 @@ def main():
         mla_attention.TAIL_SPLIT = dict.fromkeys(mla_attention.TAIL_SPLIT, 0)
     if args.attention_gluon:
         mla_attention.GLUON[90] = args.attention_gluon == "on"
+    if args.attention_gluon_module:
+        from bench_attention import module_from_file  # bench/ is on sys.path when this file runs as a script
+        from triton_kernels import mla_gluon
+        mla_gluon.split = module_from_file(args.attention_gluon_module).split
     if args.moe_variant:
         moe_configs.CONFIGS["sm_90"] = [
             (max_m, moe_configs.with_variant(cfg, args.moe_variant)
@@ -428,7 +435,7 @@ def main():
                 router_many=router.MANY_ROWS and list(router.MANY_ROWS), linear_entries=args.linear_entry,
                 moe_variant=args.moe_variant and f"{args.moe_variant} up to M = {args.moe_variant_upto}",
                 attention_tail_split=not args.no_tail_split, absorb_output_tiles=absorb.OUTPUT_TILES,
-                attention_gluon=mla_attention.GLUON[90])
+                attention_gluon=mla_attention.GLUON[90], attention_gluon_module=args.attention_gluon_module)
     meta["read_GBps"] = bw = read_GBps()
     t0 = time.perf_counter()
     target = build_target()

@@ -15,11 +15,9 @@ Usage (device): python bench/probe_attention_timeline.py --out DIR [--gluon] L,H
 """
 
 import argparse
-import importlib.util
 import inspect
 import json
 import re
-import sys
 import tempfile
 from pathlib import Path
 
@@ -140,11 +138,7 @@ def load_source(name, src):
     """Module `name` from the source text src, written to a file (Triton's jit reads a kernel's source from it)."""
     path = Path(tempfile.mkdtemp()) / f"{name}.py"
     path.write_text(src)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return ba.module_from_file(path, name)
 
 
 class Stamped:

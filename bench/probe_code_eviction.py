@@ -8,7 +8,9 @@ mode: nothing; two kernels of 4,096 unrolled FMAs each on every SM (about 130 KB
 caches); those and a 128 MB memset (L2 too). The evicting work's own time, measured alone in the same graph
 shape, is subtracted.
 
-    python bench/probe_code_eviction.py --out DIR [L,H,T[,pad] ...]      # GPU
+--gluon-module FILE adds the Gluon split kernel of FILE (a copy of mla_gluon.py, e.g. another commit's).
+
+    python bench/probe_code_eviction.py --out DIR [--gluon-module FILE] [L,H,T[,pad] ...]      # GPU
 """
 
 import argparse
@@ -21,6 +23,7 @@ import triton.language as tl
 
 import bench_attention as ba
 from triton_kernels import mla_attention as mk
+from triton_kernels import mla_gluon
 
 CASES = ["4105,8,9,121", "4129,8,33,95", "32768,64,1"]  # the 4k verify's budgets 8 and 32, a 64-row 32k case
 
@@ -41,30 +44,40 @@ def evictors():
     return [("icache", code), ("icache_l2", lambda: (code(), flush.zero_()))]
 
 
-def run_case(L, H, T, pad, modes):
+def run_case(L, H, T, pad, modes, kernels):
+    """us of the op with each of `kernels` ((name, gluon, the Gluon launcher or None: the committed one)), plain and
+    after each of `modes`."""
     q, caches, lens, mask = ba.make_inputs(L, H, T, pad=pad)
     row = dict(L=L, H=H, T=T, pad=pad)
-    for gluon in (True, False):
-        name = "gluon" if gluon else "triton"
-        attn = lambda kv, g=gluon: mk.mla_attention(q, kv, lens, mask, ba.SCALE, gluon=g)  # noqa: E731
-        row[f"{name}_us"] = round(ba.graph_time_us(attn, caches), 2)
-        for mode, before in modes:
-            both = ba.graph_time_us(lambda kv: (before(), attn(kv)), caches)
-            alone = ba.graph_time_us(lambda kv: before(), caches)
-            row[f"{name}_after_{mode}_us"] = round(both - alone, 2)
+    committed = mla_gluon.split
+    for name, gluon, launcher in kernels:
+        mla_gluon.split = launcher or committed
+        try:
+            attn = lambda kv, g=gluon: mk.mla_attention(q, kv, lens, mask, ba.SCALE, gluon=g)  # noqa: E731
+            row[f"{name}_us"] = round(ba.graph_time_us(attn, caches), 2)
+            for mode, before in modes:
+                both = ba.graph_time_us(lambda kv: (before(), attn(kv)), caches)
+                alone = ba.graph_time_us(lambda kv: before(), caches)
+                row[f"{name}_after_{mode}_us"] = round(both - alone, 2)
+        finally:
+            mla_gluon.split = committed
     return row
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--gluon-module", metavar="FILE", help="also the Gluon split kernel of FILE")
     parser.add_argument("cases", nargs="*", default=CASES, help="L,H,T[,pad]")
     args = parser.parse_args()
+    kernels = [("gluon", True, None), ("triton", False, None)]
+    if args.gluon_module:
+        kernels.append(("module", True, ba.module_from_file(args.gluon_module).split))
     modes, rows = evictors(), []
     for case in args.cases:
-        rows.append(run_case(*ba.parse_case(case), modes))
+        rows.append(run_case(*ba.parse_case(case), modes, kernels))
         print(json.dumps(rows[-1]), flush=True)
-    ba.write_probe_json(args.out, "code_eviction.json", rows)
+    ba.write_probe_json(args.out, "code_eviction.json", rows, gluon_module=args.gluon_module)
 
 
 if __name__ == "__main__":
