@@ -2,8 +2,8 @@
 
 The committed kernels' source is copied with stamps inserted at a few points (a program's entry, after its PDL
 wait and the length, after its query, after the unmasked and the masked loops, at its end; the merge's entry,
-after its wait, after its lse and its o loads, its end), each stamp made to depend on the value computed before it so that it is not issued
-early. The stamped call runs as the last of a CUDA graph over rotated caches (cache cold in L2, as
+after its wait, after its lse and its o loads, its end), each stamp made to depend on the value computed before it
+so that it is not issued early. The stamped call runs as the last of a CUDA graph over rotated caches (cache cold in L2, as
 bench_attention times it); its stamps give per-phase times (median and max over programs) and the span from
 the split kernel's first program to the merge's last.
 
@@ -218,14 +218,14 @@ def main():
     parser.add_argument("cases", nargs="+", help="L,H,T[,pad]")
     args = parser.parse_args()
     module = stamped_module()
-    gluon_modules = [stamped_gluon_module()] if args.gluon else [None]
+    variants = [(stamped_gluon_module(), False)] if args.gluon else [(None, False)]
     if args.gluon and args.release_early:
-        gluon_modules.append(stamped_gluon_module(release_early=True))
+        variants.append((stamped_gluon_module(release_early=True), True))
     rows = []
     for case in args.cases:
-        for gluon_module in gluon_modules:
+        for gluon_module, release_early in variants:
             row = run_case(*ba.parse_case(case), module, gluon_module)
-            row["release_early"] = gluon_module is not None and "release" in gluon_module.__name__
+            row["release_early"] = release_early
             rows.append(row)
             print(json.dumps(row), flush=True)
     ba.write_probe_json(args.out, "attention_timeline_gluon.json" if args.gluon else "attention_timeline.json", rows)

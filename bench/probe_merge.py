@@ -32,10 +32,10 @@ BLOCKS_D = (16, 32, 64, 128, 256, 512)
 WARPS = (2, 4, 8)
 
 
-def time_merge(o_part, lse_part, out, rows, splits, block_s, block_d, warps):
+def time_merge(o_part, lse_part, out, rows, splits, block_s, block_d, warps, kernel=mk._merge_kernel):
     grid = (rows, 512 // block_d, 1)
-    return ba.graph_time_us(lambda _: mk._merge_kernel[grid](o_part, lse_part, out, rows, splits, BLOCK_S=block_s,
-                                                             BLOCK_D=block_d, num_warps=warps), [None] * 8)
+    return ba.graph_time_us(lambda _: kernel[grid](o_part, lse_part, out, rows, splits, BLOCK_S=block_s,
+                                                   BLOCK_D=block_d, num_warps=warps), [None] * 8)
 
 
 @triton.jit
@@ -47,13 +47,12 @@ def _read_kernel(x_ptr, sums_ptr, n, BLOCK: tl.constexpr):
 def unmasked_merge():
     """_merge_kernel with the partials' load independent of the lse load (a module's copy)."""
     src = inspect.getsource(mk._merge_kernel.fn)
-    old = ("o = tl.load(o_part_ptr + part[:, None] * 512 + offs_d[None, :], mask=o_ok[:, None], other=0.0)  # [BS, BD]\n"
-           "        o = o.to(tl.float32)")
-    new = ("o = tl.load(o_part_ptr + part[:, None] * 512 + offs_d[None, :], mask=s_ok[:, None], other=0.0)  # [BS, BD]\n"
-           "        o = tl.where(o_ok[:, None], o.to(tl.float32), 0.0)")
-    assert old in src
+    for old, new in (("mask=o_ok[:, None], other=0.0)", "mask=s_ok[:, None], other=0.0)"),
+                     ("o = o.to(tl.float32)", "o = tl.where(o_ok[:, None], o.to(tl.float32), 0.0)")):
+        assert src.count(old) == 1, f"_merge_kernel changed: update the probe ({old})"
+        src = src.replace(old, new)
     header = "import triton\nimport triton.language as tl\nfrom triton_kernels import pdl\n"
-    return pt.load_source("merge_unmasked", header + src.replace(old, new))._merge_kernel
+    return pt.load_source("merge_unmasked", header + src)._merge_kernel
 
 
 def variants(args):
@@ -65,19 +64,12 @@ def variants(args):
         lse_part = torch.randn(1, splits, rows, device="cuda")
         lse_part[0, splits // 3] = float("-inf")  # an empty split: its o never written (here NaN)
         o_part[0, splits // 3] = float("nan")
-        bs, bd, warps = mk.merge_blocks(splits)
-        grid = (rows, 512 // bd, 1)
-        outs = {}
-
-        def timed(kernel, name):
-            outs[name] = torch.empty(1, rows, 512, dtype=torch.bfloat16, device="cuda")
-            return round(ba.graph_time_us(lambda _: kernel[grid](o_part, lse_part, outs[name], rows, splits,
-                                                                   BLOCK_S=bs, BLOCK_D=bd, num_warps=warps),
-                                          [None] * 8), 2)
-
-        row = dict(rows=rows, splits=splits, blocks=[bs, bd, warps], committed_us=timed(mk._merge_kernel, "c"),
-                   unmasked_us=timed(unmasked, "u"))
-        row["equal"] = bool(torch.equal(outs["c"], outs["u"])) and not outs["c"].isnan().any().item()
+        blocks = mk.merge_blocks(splits)
+        outs = [torch.empty(1, rows, 512, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+        row = dict(rows=rows, splits=splits, blocks=list(blocks),
+                   committed_us=round(time_merge(o_part, lse_part, outs[0], rows, splits, *blocks), 2),
+                   unmasked_us=round(time_merge(o_part, lse_part, outs[1], rows, splits, *blocks, unmasked), 2))
+        row["equal"] = bool(torch.equal(outs[0], outs[1])) and not outs[0].isnan().any().item()
         flat, block = o_part.view(-1), 8192
         sums = torch.empty(triton.cdiv(flat.numel(), block), device="cuda")
         row["read_ceiling_us"] = round(ba.graph_time_us(
