@@ -3,9 +3,9 @@
 The committed kernels' source is copied with stamps inserted at a few points (a program's entry, after its PDL
 wait and the length, after its query, after the unmasked and the masked loops, at its end; the merge's entry,
 after its wait, after its lse and its o loads, its end), each stamp made to depend on the value computed before it
-so that it is not issued early. The stamped call runs as the last of a CUDA graph over rotated caches (cache cold in L2, as
-bench_attention times it); its stamps give per-phase times (median and max over programs) and the span from
-the split kernel's first program to the merge's last.
+so that it is not issued early. The stamped call runs as the last of a CUDA graph over rotated caches (cache
+cold in L2, as bench_attention times it); its stamps give per-phase times (median and max over programs) and the
+span from the split kernel's first program to the merge's last.
 
 --gluon stamps the Gluon split kernel (`mla_gluon`, sm_90) instead: entry, after the length, then in its first
 warpgroup: after the query's TMA, after the first tile's scores, after the loop, after both warpgroups' final
