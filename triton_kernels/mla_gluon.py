@@ -8,8 +8,9 @@ of the 512 value columns of O += P V for both tiles, the other's P and running m
 (P over the tile's rope part, which the scores have read). So one warpgroup's softmax runs under the other's MMAs,
 and no reduction crosses warpgroups inside a tile. A loader partition streams Q and the tiles by TMA through a
 ring of STAGES slots (two pairs of 32-entry tiles where the query block has at most 64 rows, one pair of 64-entry
-tiles above: RINGS); tiles past a split's end have those rows zeroed, the tree's tiles their scores masked by the
-tree's bits (or causally). Launched with programmatic dependent launch (`pdl.py`): the programs wait for the
+tiles above: RINGS); a split's ragged last tile is loaded right-aligned at the split's end (no entry past the
+sequence, where the cache may hold NaN, is ever loaded; the tile's entries before its own are masked), the tree's
+tiles have their scores masked by the tree's bits (or causally). Launched with programmatic dependent launch (`pdl.py`): the programs wait for the
 previous grid before their first load.
 
 Gluon has no interpreter: the CPU suite compiles it for sm_90 (tests/test_attention_kernel.py) and the GPU tests
@@ -46,12 +47,31 @@ PARTITION_REGS, MAXNREG = gl.constexpr(240), 168
 
 
 @gluon.jit
-def _issue_tile(k_lat_desc, k_pe_desc, k_lat, k_pe, bars, row, slot):
-    """TMA of cache rows [row, row + BN) into ring slot `slot`, signalled on its barrier."""
+def _issue_tile(k_lat_desc, k_pe_desc, k_lat, k_pe, bars, b, entry, slot):
+    """TMA of sequence b's cache entries [entry, entry + BN) into ring slot `slot`, signalled on its barrier (entries
+    outside [0, L_max) arrive as zeros: the descriptors are [B, L_max, C])."""
     bar = bars.index(slot)
     mbarrier.expect(bar, k_lat_desc.block_type.nbytes + k_pe_desc.block_type.nbytes)
-    _tma_load(k_lat_desc, [row, 0], bar, k_lat.index(slot))
-    _tma_load(k_pe_desc, [row, 0], bar, k_pe.index(slot))
+    _tma_load(k_lat_desc, [b, entry, 0], bar, _as_box(k_lat.index(slot), k_lat_desc))
+    _tma_load(k_pe_desc, [b, entry, 0], bar, _as_box(k_pe.index(slot), k_pe_desc))
+
+
+@gluon.jit
+def _as_box(tile, desc):
+    """A ring slot [BN, C] viewed as the descriptor's [1, BN, C] box (the same bytes)."""
+    if _NEW_REINTERPRET:
+        view = tile.reinterpret(tile.dtype, desc.block_type.shape, desc.layout)
+    else:
+        view = tile._reinterpret(tile.dtype, desc.block_type.shape, desc.layout)
+    return view
+
+
+@gluon.jit
+def _tile_start(i, start, end, BN: gl.constexpr):
+    """The first entry loaded for a split's tile i: start + i * BN, except that a ragged last tile is loaded
+    right-aligned at the split's end, so that every entry it holds is inside the sequence (the cache past its length
+    may hold NaN, which P V would spread even where P is 0); the entries before the tile's own are masked."""
+    return gl.minimum(start + i * BN, end - BN)
 
 
 @gluon.jit
@@ -64,13 +84,13 @@ def _scores(q_lat, q_pe, k_lat, k_pe, s_layout: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
-def _visible(s, j0, end, tree_start, offs_m, rows, b, T, mask_ptr, H: gl.constexpr, CAUSAL: gl.constexpr,
+def _visible(s, j0, lo, end, tree_start, offs_m, rows, b, T, mask_ptr, H: gl.constexpr, CAUSAL: gl.constexpr,
              s_layout: gl.constexpr, BN: gl.constexpr):
-    """s [BM, BN] of the tile of entries [j0, j0 + BN) with -inf where invisible: past end, or a tree entry that is
-    not the row's node or its ancestor (tree bits), or (causal) a later token's."""
+    """s [BM, BN] of the tile of entries [j0, j0 + BN) with -inf where invisible: outside [lo, end), or a tree entry
+    that is not the row's node or its ancestor (tree bits), or (causal) a later token's."""
     t_row = offs_m // H  # [BM] the new token of each row (row = t*H + h)
     offs_n = j0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))  # [BN]
-    n_ok = offs_n < end
+    n_ok = (offs_n >= lo) & (offs_n < end)
     node = offs_n - tree_start  # new-token index of each entry (< 0: prefix)
     in_tree = node >= 0
     if CAUSAL:
@@ -107,21 +127,6 @@ def _store_partials(o, ring, o_part_ptr, o_rows, o_ok, col0):
 
 
 @gluon.jit
-def _zero_past(v, count, BN: gl.constexpr):
-    """Rows [count, BN) of v [BN, C] (shared memory) set to 0 where count < BN: cache entries past a split's end,
-    read by TMA, may hold anything (NaN), and P V would spread a NaN even where P is 0."""
-    if count < BN:
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-        keep = (gl.arange(0, BN, layout=gl.SliceLayout(1, ld)) < count)[:, None]
-        for chunk in gl.static_range(v.shape[1] // D_PE):
-            part = v.slice(chunk * D_PE, D_PE, dim=1)
-            x = part.load(ld)
-            part.store(gl.where(keep, x, gl.zeros_like(x)))
-        fence_async_shared()
-        _cta_barrier()
-
-
-@gluon.jit
 def _opaque_zero(x):
     """0, which the compiler cannot see through: a shared-memory view indexed by it (`buffer.index(slot + zero)`) is
     addressed in the loop, where its MMA needs it, instead of the MMA's per-step descriptors being computed before the
@@ -148,7 +153,8 @@ def _tile_scores(i, q_lat, q_pe, k_lat, k_pe, ready, work, offs_m, s_layout: gl.
     s = _scores(q_lat.index(zero), q_pe, k_lat.index(slot + zero), k_pe.index(slot + zero), s_layout, BN)
     s = s * sm_scale_log2
     if i >= n_full:
-        s = _visible(s, start + i * BN, end, tree_start, offs_m, rows, b, T, mask_ptr, H, CAUSAL, s_layout, BN)
+        s = _visible(s, _tile_start(i, start, end, BN), start + i * BN, end, tree_start, offs_m, rows, b, T, mask_ptr,
+                     H, CAUSAL, s_layout, BN)
     return s
 
 
@@ -177,12 +183,11 @@ def _publish(p, p_smem, m, m_smem, done):
 
 
 @gluon.jit
-def _add_pv(acc, k_pe, k_lat, slot, col0, count, empty, BN: gl.constexpr):
-    """acc [BM, 256] += P V with P over ring slot `slot`'s rope part and V its value columns [col0, col0 + 256) (rows
-    past count zeroed first), then this warpgroup is done with the slot."""
-    zero = _opaque_zero(count)
+def _add_pv(acc, k_pe, k_lat, slot, col0, empty):
+    """acc [BM, 256] += P V with P over ring slot `slot`'s rope part and V its value columns [col0, col0 + 256), then
+    this warpgroup is done with the slot."""
+    zero = _opaque_zero(slot)
     v = k_lat.index(slot + zero).slice(col0, HALF, dim=1)
-    _zero_past(v, count, BN)
     acc = warpgroup_mma(_p_view(k_pe, slot + zero), v, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=[acc])
     mbarrier.arrive(empty.index(slot), count=1)
@@ -249,7 +254,7 @@ def _left(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_pt
         l_i = l_i * alpha + gl.sum(p, 1)
         _publish(p, _p_view(k_pe, slot_a), m_a, m_smem[0], a_done)  # over the tile's rope part: S has read it
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc = _add_pv(acc, k_pe, k_lat, slot_a, 0, end - start - i * BN, empty, BN)
+        acc = _add_pv(acc, k_pe, k_lat, slot_a, 0, empty)
         m_i = m_a
         if i + 1 < n_tiles:  # the pair's second tile: warpgroup 1's P at its max, which includes m_a
             mbarrier.wait(b_done, k & 1)
@@ -258,7 +263,7 @@ def _left(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_pt
             beta = gl.exp2(m_i - m_b)
             l_i = l_i * beta
             acc = acc * gl.convert_layout(beta, row_o)[:, None]
-            acc = _add_pv(acc, k_pe, k_lat, slot_b, 0, end - start - (i + 1) * BN, empty, BN)
+            acc = _add_pv(acc, k_pe, k_lat, slot_b, 0, empty)
             m_i = m_b
     _finish(acc, m_i, l_i, offs_m, 0, l_smem, fin, k_lat, work, part_row_base, o_part_ptr, lse_part_ptr)
 
@@ -297,10 +302,10 @@ def _right(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_p
         l_i = l_i * alpha * beta + gl.sum(p, 1)
         mbarrier.wait(ready.index(slot_a), (i // STAGES) & 1)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc = _add_pv(acc, k_pe, k_lat, slot_a, HALF, end - start - i * BN, empty, BN)
+        acc = _add_pv(acc, k_pe, k_lat, slot_a, HALF, empty)
         if has_b:
             acc = acc * gl.convert_layout(beta, row_o)[:, None]
-            acc = _add_pv(acc, k_pe, k_lat, slot_b, HALF, end - start - (i + 1) * BN, empty, BN)
+            acc = _add_pv(acc, k_pe, k_lat, slot_b, HALF, empty)
         m_i = m_b
     _finish(acc, m_i, l_i, offs_m, 1, l_smem, fin, k_lat, work, part_row_base, o_part_ptr, lse_part_ptr)
 
@@ -310,7 +315,7 @@ def _loader(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_
             CAUSAL: gl.constexpr, BN: gl.constexpr):
     """The loader (the default partition: its 4 warps wait, one thread issues): Q, then the split's tiles by TMA
     into the ring as the warpgroups free the slots."""
-    q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, q_row, base = descs
+    q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, q_row = descs
     q_lat, q_pe, k_lat, k_pe, m_smem, l_smem = smem
     q_bar, ready, empty, a_done, b_done, fin = bars
     b, T, rows, tree_start, start, end, n_full, n_tiles, sm_scale_log2, mask_ptr = work
@@ -321,13 +326,13 @@ def _loader(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_
     for i in range(n_tiles):
         slot = i % STAGES
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
-        fence_async_shared()  # the warpgroups' generic writes (P, zeroed rows) before the TMA's
-        _issue_tile(k_lat_desc, k_pe_desc, k_lat, k_pe, ready, base + start + i * BN, slot)
+        fence_async_shared()  # the warpgroups' generic writes (P) before the TMA's
+        _issue_tile(k_lat_desc, k_pe_desc, k_lat, k_pe, ready, b, _tile_start(i, start, end, BN), slot)
 
 
 @gluon.jit
 def _split_kernel(q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, lens_ptr, mask_ptr, o_part_ptr, lse_part_ptr, T,
-                   rows_kb, sm_scale_log2, H: gl.constexpr, CAUSAL: gl.constexpr, TAIL_SPLIT: gl.constexpr,
+                   sm_scale_log2, H: gl.constexpr, CAUSAL: gl.constexpr, TAIL_SPLIT: gl.constexpr,
                    BN: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False):
     """Split pid 1 of query tile pid 0 of sequence pid 2 -> partials o [B, splits, rows, 512] (o / l) and lse
     [B, splits, rows] (log2 domain, -inf for an empty split), as `_mla_split_kernel` writes them (one split too: the
@@ -343,8 +348,10 @@ def _split_kernel(q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, lens_ptr, mask_p
 
     q_lat = gl.allocate_shared_memory(gl.bfloat16, [1, BM, D_LAT], q_lat_desc.layout)  # indexed by _opaque_zero
     q_pe = gl.allocate_shared_memory(gl.bfloat16, [BM, D_PE], q_pe_desc.layout)
-    k_lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_LAT], k_lat_desc.layout)
-    k_pe = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_PE], k_pe_desc.layout)
+    k_lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_LAT],
+                                      gl.NVMMASharedLayout.get_default_for([BN, D_LAT], gl.bfloat16))
+    k_pe = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_PE],
+                                     gl.NVMMASharedLayout.get_default_for([BN, D_PE], gl.bfloat16))
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # a value a row: the max and sum exchanges
     m_smem = (gl.allocate_shared_memory(gl.float32, [BM], row_layout),
               gl.allocate_shared_memory(gl.float32, [BM], row_layout))
@@ -365,7 +372,7 @@ def _split_kernel(q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, lens_ptr, mask_p
     mbarrier.init(fin, count=2)
     fence_async_shared()
 
-    descs = (q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, b * rows + pid_m * BM, b * rows_kb)
+    descs = (q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, b * rows + pid_m * BM)
     smem = (q_lat, q_pe, k_lat, k_pe, m_smem, l_smem)
     bars = (q_bar, ready, empty, a_done, b_done, fin)
     work = (b, T, rows, tree_start, start, end, n_full, n_tiles, sm_scale_log2, mask_ptr)
@@ -404,11 +411,10 @@ def split(q, kv_cache, cache_lens, mask, o_part, lse_part, num_splits, scale_log
     B, T, H, _ = q.shape
     rows = T * H
     block_n, stages = ring or ring_for(rows)
-    q2, kv2 = q.view(B * rows, ENTRY), kv_cache.view(-1, ENTRY)
+    q2 = q.view(B * rows, ENTRY)
     _split_kernel[(triton.cdiv(rows, ROWS), num_splits, B)](
-        _desc(q2[:, :LAT], [ROWS, LAT]), _desc(q2[:, LAT:], [ROWS, PE]), _desc(kv2[:, :LAT], [block_n, LAT]),
-        _desc(kv2[:, LAT:], [block_n, PE]), cache_lens, mask, o_part, lse_part, T, kv_cache.stride(0) // ENTRY,
-        scale_log2, H=H, CAUSAL=causal, TAIL_SPLIT=tail_split and num_splits > 1, BN=block_n, STAGES=stages,
+        _desc(q2[:, :LAT], [ROWS, LAT]), _desc(q2[:, LAT:], [ROWS, PE]), _desc(kv_cache[..., :LAT], [1, block_n, LAT]),
+        _desc(kv_cache[..., LAT:], [1, block_n, PE]), cache_lens, mask, o_part, lse_part, T, scale_log2, H=H, CAUSAL=causal, TAIL_SPLIT=tail_split and num_splits > 1, BN=block_n, STAGES=stages,
         num_warps=4, maxnreg=MAXNREG, **pdl.options(q))
 
 
@@ -423,12 +429,12 @@ def compile_report(H=8, causal=False, tail_split=True, ring=RINGS[-1][1]):
 
     q = torch.empty(ROWS, ENTRY, dtype=torch.bfloat16)
     block_n, stages = ring
-    kv = torch.empty(4 * block_n, ENTRY, dtype=torch.bfloat16)
+    kv = torch.empty(2, 4 * block_n, ENTRY, dtype=torch.bfloat16)
     descs = dict(q_lat_desc=(q[:, :LAT], [ROWS, LAT]), q_pe_desc=(q[:, LAT:], [ROWS, PE]),
-                 k_lat_desc=(kv[:, :LAT], [block_n, LAT]), k_pe_desc=(kv[:, LAT:], [block_n, PE]))
+                 k_lat_desc=(kv[..., :LAT], [1, block_n, LAT]), k_pe_desc=(kv[..., LAT:], [1, block_n, PE]))
     signature = {name: mangle_type(_desc(*args)) for name, args in descs.items()}
     signature.update(lens_ptr="*i32", mask_ptr="*i32", o_part_ptr="*bf16", lse_part_ptr="*fp32", T="i32",
-                     rows_kb="i32", sm_scale_log2="fp32")
+                     sm_scale_log2="fp32")
     constexprs = dict(H=H, CAUSAL=causal, TAIL_SPLIT=tail_split, BN=block_n, STAGES=stages, PDL=True)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(list(signature).index("o_part_ptr"),): [["tt.divisibility", 16]]}
