@@ -229,21 +229,33 @@ def _finish(acc, m_i, l_i, offs_m, wg: gl.constexpr, l_smem, fin, k_lat, work, p
 
 
 @gluon.jit
-def _left(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H: gl.constexpr,
-          CAUSAL: gl.constexpr, BN: gl.constexpr):
-    """Warpgroup 0: the scores of each pair's first tile, and value columns [0, 256) of both."""
-    q_lat, q_pe, k_lat, k_pe, m_smem, l_smem = smem
-    q_bar, ready, empty, a_done, b_done, fin = bars
-    b, T, rows, tree_start, start, end, n_full, n_tiles, sm_scale_log2, mask_ptr = work
+def _warpgroup(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H: gl.constexpr,
+               CAUSAL: gl.constexpr, BN: gl.constexpr, WG: gl.constexpr):
+    """Compute warpgroup WG (a partition of 4 warps): its rows' running max, sum and O half over the split's tile
+    pairs (WG 0: _left, 1: _right), then its part of the partials (_finish)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF, 16])
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_bar, ready, empty, a_done, b_done, fin = bars
+    rows: gl.constexpr = (gl.SliceLayout(1, s_layout), gl.SliceLayout(1, o_layout))  # a value a row of S, of O
     offs_m, m_i, l_i, acc = _start(pid_m, s_layout, o_layout)
-    STAGES: gl.constexpr = k_lat.shape[0]
     mbarrier.wait(q_bar, 0)
+    if WG == 0:
+        acc, m_i, l_i = _left(acc, m_i, l_i, offs_m, smem, bars, work, s_layout, rows[0], rows[1], H, CAUSAL, BN)
+    else:
+        acc, m_i, l_i = _right(acc, m_i, l_i, offs_m, smem, bars, work, s_layout, rows[0], rows[1], H, CAUSAL, BN)
+    _finish(acc, m_i, l_i, offs_m, WG, smem[5], fin, smem[2], work, part_row_base, o_part_ptr, lse_part_ptr)
+
+
+@gluon.jit
+def _left(acc, m_i, l_i, offs_m, smem, bars, work, s_layout: gl.constexpr, row_s: gl.constexpr, row_o: gl.constexpr,
+          H: gl.constexpr, CAUSAL: gl.constexpr, BN: gl.constexpr):
+    """Warpgroup 0's pairs: the scores of each pair's first tile, and value columns [0, 256) of both."""
+    q_lat, q_pe, k_lat, k_pe, m_smem, l_smem = smem
+    q_bar, ready, empty, a_done, b_done, fin = bars
+    b, T, rows, tree_start, start, end, n_full, n_tiles, sm_scale_log2, mask_ptr = work
+    STAGES: gl.constexpr = k_lat.shape[0]
     for k in range(gl.cdiv(n_tiles, 2)):
         i = 2 * k
         slot_a, slot_b = i % STAGES, (i + 1) % STAGES
@@ -265,25 +277,17 @@ def _left(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_pt
             acc = acc * gl.convert_layout(beta, row_o)[:, None]
             acc = _add_pv(acc, k_pe, k_lat, slot_b, 0, empty)
             m_i = m_b
-    _finish(acc, m_i, l_i, offs_m, 0, l_smem, fin, k_lat, work, part_row_base, o_part_ptr, lse_part_ptr)
+    return acc, m_i, l_i
 
 
 @gluon.jit
-def _right(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H: gl.constexpr,
-           CAUSAL: gl.constexpr, BN: gl.constexpr):
-    """Warpgroup 1: the scores of each pair's second tile, and value columns [256, 512) of both."""
+def _right(acc, m_i, l_i, offs_m, smem, bars, work, s_layout: gl.constexpr, row_s: gl.constexpr,
+           row_o: gl.constexpr, H: gl.constexpr, CAUSAL: gl.constexpr, BN: gl.constexpr):
+    """Warpgroup 1's pairs: the scores of each pair's second tile, and value columns [256, 512) of both."""
     q_lat, q_pe, k_lat, k_pe, m_smem, l_smem = smem
     q_bar, ready, empty, a_done, b_done, fin = bars
     b, T, rows, tree_start, start, end, n_full, n_tiles, sm_scale_log2, mask_ptr = work
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BN, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    offs_m, m_i, l_i, acc = _start(pid_m, s_layout, o_layout)
     STAGES: gl.constexpr = k_lat.shape[0]
-    mbarrier.wait(q_bar, 0)
     for k in range(gl.cdiv(n_tiles, 2)):
         i = 2 * k
         slot_a, slot_b = i % STAGES, (i + 1) % STAGES
@@ -307,7 +311,7 @@ def _right(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_p
             acc = acc * gl.convert_layout(beta, row_o)[:, None]
             acc = _add_pv(acc, k_pe, k_lat, slot_b, HALF, empty)
         m_i = m_b
-    _finish(acc, m_i, l_i, offs_m, 1, l_smem, fin, k_lat, work, part_row_base, o_part_ptr, lse_part_ptr)
+    return acc, m_i, l_i
 
 
 @gluon.jit
@@ -379,8 +383,8 @@ def _split_kernel(q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, lens_ptr, mask_p
     part_row_base = (b * num_splits + pid_s) * rows
     gl.warp_specialize([
         (_loader, (descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H, CAUSAL, BN)),
-        (_left, (descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H, CAUSAL, BN)),
-        (_right, (descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H, CAUSAL, BN)),
+        (_warpgroup, (descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H, CAUSAL, BN, 0)),
+        (_warpgroup, (descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H, CAUSAL, BN, 1)),
     ], [4, 4], [PARTITION_REGS, PARTITION_REGS])
 
 
