@@ -339,8 +339,9 @@ def _split_kernel(q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, lens_ptr, mask_p
                    sm_scale_log2, H: gl.constexpr, CAUSAL: gl.constexpr, TAIL_SPLIT: gl.constexpr,
                    BN: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False):
     """Split pid 1 of query tile pid 0 of sequence pid 2 -> partials o [B, splits, rows, 512] (o / l) and lse
-    [B, splits, rows] (log2 domain, -inf for an empty split), as `_mla_split_kernel` writes them (one split too: the
-    merge then divides by 1). The partitions: the loader (the kernel's 4 warps), _left and _right (4 warps each)."""
+    [B, splits, rows] (log2 domain, -inf for an empty split), as `_mla_split_kernel` writes them (with one split the
+    op passes its output as o: no merge). The partitions: the loader (the kernel's 4 warps) and two compute
+    warpgroups (_warpgroup: 4 warps each)."""
     pid_m, pid_s, b = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     num_splits = gl.num_programs(1)
     rows = T * H
