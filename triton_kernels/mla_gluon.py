@@ -10,11 +10,11 @@ and no reduction crosses warpgroups inside a tile. A loader partition streams Q 
 ring of STAGES slots (two pairs of 32-entry tiles where the query block has at most 64 rows, one pair of 64-entry
 tiles above: RINGS); a split's ragged last tile is loaded right-aligned at the split's end (no entry past the
 sequence, where the cache may hold NaN, is ever loaded; the tile's entries before its own are masked), the tree's
-tiles have their scores masked by the tree's bits (or causally). Launched with programmatic dependent launch (`pdl.py`): the programs wait for the
-previous grid before their first load.
+tiles have their scores masked by the tree's bits (or causally). Launched with programmatic dependent launch
+(`pdl.py`): the programs wait for the previous grid before their first load.
 
 Gluon has no interpreter: the CPU suite compiles it for sm_90 (tests/test_attention_kernel.py) and the GPU tests
-run it. Where it is measured: triton_kernels/README.md (attention, sessions 12-15).
+run it. Where it is measured: triton_kernels/README.md (attention, sessions 12-16).
 """
 
 import torch
@@ -419,8 +419,9 @@ def split(q, kv_cache, cache_lens, mask, o_part, lse_part, num_splits, scale_log
     q2 = q.view(B * rows, ENTRY)
     _split_kernel[(triton.cdiv(rows, ROWS), num_splits, B)](
         _desc(q2[:, :LAT], [ROWS, LAT]), _desc(q2[:, LAT:], [ROWS, PE]), _desc(kv_cache[..., :LAT], [1, block_n, LAT]),
-        _desc(kv_cache[..., LAT:], [1, block_n, PE]), cache_lens, mask, o_part, lse_part, T, scale_log2, H=H, CAUSAL=causal, TAIL_SPLIT=tail_split and num_splits > 1, BN=block_n, STAGES=stages,
-        num_warps=4, maxnreg=MAXNREG, **pdl.options(q))
+        _desc(kv_cache[..., LAT:], [1, block_n, PE]), cache_lens, mask, o_part, lse_part, T, scale_log2, H=H,
+        CAUSAL=causal, TAIL_SPLIT=tail_split and num_splits > 1, BN=block_n, STAGES=stages, num_warps=4,
+        maxnreg=MAXNREG, **pdl.options(q))
 
 
 def compile_report(H=8, causal=False, tail_split=True, ring=RINGS[-1][1]):
