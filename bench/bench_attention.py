@@ -7,7 +7,8 @@ configs and split counts per case; --focus a short tune at 32k/128k; --round2 th
 counts, bf16 partials, small configs, the whole-wave split rule) beside the default; --defaults the committed
 defaults alone at 32k/128k (the short re-measure); --step also split counts and the other tile load path at the 4k
 step shapes; --tma the other load path at 32k. Every mode also times the verify step's shapes (STEP_CASES: T =
-budget + 1 at 32k and 4k, the cache padded past the length as in bench_step.py). As a pytest-benchmark sweep: `pytest bench/bench_attention.py` (GPU only).
+budget + 1 at 32k and 4k, the cache padded past the length as in bench_step.py). As a pytest-benchmark sweep:
+`pytest bench/bench_attention.py` (GPU only).
 
 Each case captures one CUDA graph of R launches over R different caches (R * cache >= 256 MiB, so every
 launch finds its cache cold in L2, as the model's layers would) and reports graph time / R.
@@ -330,9 +331,9 @@ def markdown(report):
         torch_s = f"{r['torch_us']:.0f}" if "torch_us" in r else "-"
         kind = " (prefill)" if r.get("causal") else ""
         pad = f" (+{r['pad']})" if r.get("pad") else ""
-        lines.append(f"| {r['L']}{pad} | {r['H']} | {r['T']}{kind} | {r['us']:.1f} | {r['GBps']:.0f} | {r['frac_read_bw']:.2f} "
-                     f"| {r['TFLOPs']:.0f} | {r['roofline_us']:.1f} | {r['x_roofline']:.2f} | {best_s} | {best_x} | {torch_s} "
-                     f"| {r['rel_err']:.1e} |")
+        lines.append(f"| {r['L']}{pad} | {r['H']} | {r['T']}{kind} | {r['us']:.1f} | {r['GBps']:.0f} "
+                     f"| {r['frac_read_bw']:.2f} | {r['TFLOPs']:.0f} | {r['roofline_us']:.1f} | {r['x_roofline']:.2f} "
+                     f"| {best_s} | {best_x} | {torch_s} | {r['rel_err']:.1e} |")
     return "\n".join(lines + round2_table(report) + step_table(report) + tma_table(report)) + "\n"
 
 

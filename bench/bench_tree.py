@@ -23,7 +23,7 @@ import torch
 import triton
 
 import ops
-from ops.tree import accept_torch, build_tree_torch, compact_torch, draft_topk_torch, ordered
+from ops.tree import accept_torch, build_tree_torch, compact_torch, draft_topk_torch
 from spec.tree_ref import build_tree_heapq, walk
 from triton_kernels import ddtree as dd
 

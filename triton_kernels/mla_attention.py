@@ -205,7 +205,8 @@ def _mla_split_kernel(
     length = tl.load(lens_ptr + b)
     tree_start, start, end, n_full = program_range(length, T, pid_m, pid_s, num_splits, H, CAUSAL, TAIL_SPLIT,
                                                    BLOCK_M, BLOCK_N)
-    q_ok = m_ok & (start + 0 * offs_m < end)  # an empty split (no entry) loads no query and stores no o, only lse = -inf
+    # an empty split (no entry) loads no query and stores no o, only lse = -inf
+    q_ok = m_ok & (start + 0 * offs_m < end)
 
     q_rows = q_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 576
     q_own = tl.load(q_rows + offs_own[None, :], mask=q_ok[:, None], other=0.0)  # [BM, DV]
@@ -256,7 +257,8 @@ def _mla_split_kernel(
         part_row = (b.to(tl.int64) * num_splits + pid_s) * rows + offs_m  # [BM]
         tl.store(o_part_ptr + part_row[:, None] * 512 + offs_own[None, :], o.to(o_part_ptr.dtype.element_ty),
                  mask=q_ok[:, None])
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # [BM] log2-sum-exp of the split
+        # [BM] log2-sum-exp of the split
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(lse_part_ptr + part_row, lse, mask=m_ok & (pid_v + 0 * offs_m == 0))
     pdl.release(PDL)
 

@@ -101,8 +101,8 @@ LAYOUTS = {"sm_90": (1, 1), "sm_120": (0, 0)}
 # per (token, expert) pair, no routing pass, memset or cast), `device_split` (gate/up, with the routing pass: a
 # persistent grid whose K split is chosen on the device), `persistent` (down, with the routing pass: a persistent
 # grid over the filled blocks), `pdl` (top level: programmatic dependent launch of the GEMMs, and of the routing
-# pass before them), `panels` (top level: the weight layout the config expects). `python bench/bench_moe.py --variants` times
-# them (TP8 shape).
+# pass before them), `panels` (top level: the weight layout the config expects). `python bench/bench_moe.py
+# --variants` times them (TP8 shape).
 VARIANTS = {
     # the round 3 entry for 8 <= M <= 256 (routing pass, BM 8, K-major, prescaled), at M <= 4
     "k_swap8_pre": dict(decode=False, pdl=False, gate_up=dict(waves=4, prescale=True, maxnreg=None),

@@ -614,8 +614,8 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, counter_ptr, weights_ptr, 
     `_gate_up_kernel`). With DECODE, out is the zeroed fp32 sums [M, D] and the last program of a token's
     tiles writes y [M, D] (`_down_sums`). ONE_SLAB (K within one slab, one split): no K loop, so the tile loop
     is the innermost and Triton's pipeliner stages tile t + 1's words while tile t is computed; with AHEAD the
-    scales of tile t + 1 load during tile t. PDL: launched while the gate/up kernel runs, a program asks L2 for its first slab's
-    words (they do not depend on h), then waits for the gate/up kernel before reading h."""
+    scales of tile t + 1 load during tile t. PDL: launched while the gate/up kernel runs, a program asks L2 for its
+    first slab's words (they do not depend on h), then waits for the gate/up kernel before reading h."""
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
     e = tl.load(block_expert_ptr + pid_b)
@@ -766,7 +766,8 @@ def prepare_moe(gate_up_packed, gate_up_scale, down_packed, down_scale, panels=N
 
 
 def unprepare_moe(experts):
-    """The compressed-tensors tensors `prepare_moe` was given: (gate_up_packed, gate_up_scale, down_packed, down_scale)."""
+    """The compressed-tensors tensors `prepare_moe` was given: (gate_up_packed, gate_up_scale, down_packed,
+    down_scale)."""
     D, I = experts.hidden, experts.intermediate
     gate_up, gate_up_s, down, down_s = experts.gate_up, experts.gate_up_scale, experts.down, experts.down_scale
     if experts.panel_gate_up:
@@ -948,9 +949,9 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
     top_k, E, I = topk_ids.shape[1], experts.num_experts, experts.intermediate
     P = M * top_k
     cfg = config or config_for(x.device, M, intermediate=I)
-    if tuple(cfg.get("panels", (experts.panel_gate_up, experts.panel_down))) != (experts.panel_gate_up, experts.panel_down):
-        raise ValueError(f"moe (triton): config for panels {cfg['panels']}, experts laid out with "
-                         f"{(experts.panel_gate_up, experts.panel_down)}")
+    layout = (experts.panel_gate_up, experts.panel_down)
+    if tuple(cfg.get("panels", layout)) != layout:
+        raise ValueError(f"moe (triton): config for panels {cfg['panels']}, experts laid out with {layout}")
     BM, decode = cfg["BM"], cfg.get("decode", False)
     nb_max = P if decode else triton.cdiv(P, BM) + min(E, P)
     capacity = nb_max * BM
