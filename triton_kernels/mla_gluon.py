@@ -59,10 +59,16 @@ def _issue_tile(k_lat_desc, k_pe_desc, k_lat, k_pe, bars, b, entry, slot):
 @gluon.jit
 def _as_box(tile, desc):
     """A ring slot [BN, C] viewed as the descriptor's [1, BN, C] box (the same bytes)."""
+    return _reinterpret(tile, tile.dtype, gl.constexpr(desc.block_type.shape), gl.constexpr(desc.layout))
+
+
+@gluon.jit
+def _reinterpret(buffer, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """The same shared memory viewed as `shape` of `dtype` in `layout` (the method's name differs by Triton)."""
     if _NEW_REINTERPRET:
-        view = tile.reinterpret(tile.dtype, desc.block_type.shape, desc.layout)
+        view = buffer.reinterpret(dtype, shape, layout)
     else:
-        view = tile._reinterpret(tile.dtype, desc.block_type.shape, desc.layout)
+        view = buffer._reinterpret(dtype, shape, layout)
     return view
 
 
@@ -113,10 +119,7 @@ def _store_partials(o, ring, o_part_ptr, o_rows, o_ok, col0):
     vec: gl.constexpr = 128 // dtype.primitive_bitwidth  # 16 bytes
     # 16-byte units XOR-swizzled by row % 8: the MMA layout's stores (8 rows x 8 columns) take the fewest wavefronts
     swizzled: gl.constexpr = gl.SwizzledSharedLayout(vec, 1, 8, [1, 0])
-    if _NEW_REINTERPRET:
-        stage = ring.reinterpret(dtype, [BM, width], swizzled)
-    else:
-        stage = ring._reinterpret(dtype, [BM, width], swizzled)
+    stage = _reinterpret(ring, dtype, gl.constexpr([BM, width]), swizzled)
     stage.store(o.to(dtype))
     _cta_barrier()
     rowwise: gl.constexpr = gl.BlockedLayout([1, vec], [1, 32], [gl.num_warps(), 1], [1, 0])
@@ -165,10 +168,8 @@ def _p_view(k_pe, slot):
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
     if BN == D_PE:
         view = k_pe.index(slot)
-    elif _NEW_REINTERPRET:
-        view = k_pe.index(slot).reinterpret(gl.bfloat16, [BM, BN], layout)
     else:
-        view = k_pe.index(slot)._reinterpret(gl.bfloat16, [BM, BN], layout)
+        view = _reinterpret(k_pe.index(slot), gl.bfloat16, gl.constexpr([BM, BN]), layout)
     return view
 
 
