@@ -8,9 +8,9 @@ of the 512 value columns of O += P V for both tiles, the other's P and running m
 (P over the tile's rope part, which the scores have read). So one warpgroup's softmax runs under the other's MMAs,
 and no reduction crosses warpgroups inside a tile. A loader partition streams Q and the tiles by TMA through a
 ring of STAGES slots (two pairs of 32-entry tiles where the query block has at most 64 rows, one pair of 64-entry
-tiles above: RINGS); a split's ragged last tile is loaded right-aligned at the split's end (no entry past the
-sequence, where the cache may hold NaN, is ever loaded; the tile's entries before its own are masked), the tree's
-tiles have their scores masked by the tree's bits (or causally). Launched with programmatic dependent launch
+tiles above: RINGS), at most RING_IN_FLIGHT of them in flight; a split's ragged last tile is loaded right-aligned
+at the split's end (no entry past the sequence, where the cache may hold NaN, is ever loaded; the tile's entries
+before its own are masked), the tree's tiles have their scores masked by the tree's bits (or causally). Launched with programmatic dependent launch
 (`pdl.py`): the programs wait for the previous grid before their first load.
 
 Gluon has no interpreter: the CPU suite compiles it for sm_90 (tests/test_attention_kernel.py) and the GPU tests
@@ -40,6 +40,14 @@ HALF = gl.constexpr(LAT // 2)  # value columns a warpgroup owns
 # 47.7, H 64 T 128 949 / 1133, the 4k verify's T 9 / 33 / 65 / 129 15.8 / 19.0 / 21.4 / 29.8 against 16.6 / 20.2 /
 # 22.4 / 33.5.
 RINGS = ((ROWS, (32, 4)), (None, (64, 2)))
+# Tiles the loader keeps in flight, by ring (the ring's size where not listed): it issues tile i once tile i - n has
+# landed. All programs ask for their ring at once at the start, and a tile lands when its last bytes do, so with the
+# whole ring in flight the first tile lands about when the last does. H200, us, interleaved in one call, 2 of the
+# (32, 4) ring's against 4 (bench/results/attention_gluon_h200_s17_in_flight{,2}.json, 06:06 and 06:16 UTC): 32k H 8
+# T 8 20.9, 20.5 / 21.3, 21.3 against 21.4, 21.2 / 21.5, 21.6; H 64 T 1 20.2, 20.3 / 20.9, 21.4 against 21.5, 21.2
+# / 21.6, 21.3; 128k H 64 T 1 50.8, 51.5 against 51.2, 51.1; 3 in between, 1 slower. One of the (64, 2)
+# ring's: 3-10% slower at 32k H 8 T 32 / 64, H 64 T 8 and the 4k verify's T 33-129.
+RING_IN_FLIGHT = {(32, 4): 2}
 # Registers a thread of each of the two compute warpgroups. With the loader's (the kernel's 4 warps, the default
 # partition, which gets what is left: 24) that is 12 warps, so the launch's maxnreg is MAXNREG = 65,536 / 384
 # rounded down to a multiple of 8.
@@ -317,9 +325,9 @@ def _right(acc, m_i, l_i, offs_m, smem, bars, work, s_layout: gl.constexpr, row_
 
 @gluon.jit
 def _loader(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H: gl.constexpr,
-            CAUSAL: gl.constexpr, BN: gl.constexpr):
+            CAUSAL: gl.constexpr, BN: gl.constexpr, IN_FLIGHT: gl.constexpr):
     """The loader (the default partition: its 4 warps wait, one thread issues): Q, then the split's tiles by TMA
-    into the ring as the warpgroups free the slots."""
+    into the ring as the warpgroups free the slots, at most IN_FLIGHT of them not yet landed."""
     q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, q_row = descs
     q_lat, q_pe, k_lat, k_pe, m_smem, l_smem = smem
     q_bar, ready, empty, a_done, b_done, fin = bars
@@ -331,6 +339,9 @@ def _loader(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_
     for i in range(n_tiles):
         slot = i % STAGES
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+        if IN_FLIGHT < STAGES:
+            if i >= IN_FLIGHT:  # tile i - IN_FLIGHT has landed (its slot is refilled at tile i - IN_FLIGHT + STAGES)
+                mbarrier.wait(ready.index((i - IN_FLIGHT) % STAGES), ((i - IN_FLIGHT) // STAGES) & 1)
         fence_async_shared()  # the warpgroups' generic writes (P) before the TMA's
         _issue_tile(k_lat_desc, k_pe_desc, k_lat, k_pe, ready, b, _tile_start(i, start, end, BN), slot)
 
@@ -338,7 +349,7 @@ def _loader(descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_
 @gluon.jit
 def _split_kernel(q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, lens_ptr, mask_ptr, o_part_ptr, lse_part_ptr, T,
                    sm_scale_log2, H: gl.constexpr, CAUSAL: gl.constexpr, TAIL_SPLIT: gl.constexpr,
-                   BN: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False):
+                   BN: gl.constexpr, STAGES: gl.constexpr, IN_FLIGHT: gl.constexpr, PDL: gl.constexpr = False):
     """Split pid 1 of query tile pid 0 of sequence pid 2 -> partials o [B, splits, rows, 512] (o / l) and lse
     [B, splits, rows] (log2 domain, -inf for an empty split), as `_mla_split_kernel` writes them (with one split the
     op passes its output as o: no merge). The partitions: the loader (the kernel's 4 warps) and two compute
@@ -384,7 +395,8 @@ def _split_kernel(q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, lens_ptr, mask_p
     work = (b, T, rows, tree_start, start, end, n_full, n_tiles, sm_scale_log2, mask_ptr)
     part_row_base = (b * num_splits + pid_s) * rows
     gl.warp_specialize([
-        (_loader, (descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H, CAUSAL, BN)),
+        (_loader, (descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H, CAUSAL, BN,
+                   IN_FLIGHT)),
         (_warpgroup, (descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H, CAUSAL, BN, 0)),
         (_warpgroup, (descs, smem, bars, work, pid_m, part_row_base, o_part_ptr, lse_part_ptr, H, CAUSAL, BN, 1)),
     ], [4, 4], [PARTITION_REGS, PARTITION_REGS])
@@ -421,7 +433,8 @@ def split(q, kv_cache, cache_lens, mask, o_part, lse_part, num_splits, scale_log
     _split_kernel[(triton.cdiv(rows, ROWS), num_splits, B)](
         _desc(q2[:, :LAT], [ROWS, LAT]), _desc(q2[:, LAT:], [ROWS, PE]), _desc(kv_cache[..., :LAT], [1, block_n, LAT]),
         _desc(kv_cache[..., LAT:], [1, block_n, PE]), cache_lens, mask, o_part, lse_part, T, scale_log2, H=H,
-        CAUSAL=causal, TAIL_SPLIT=tail_split and num_splits > 1, BN=block_n, STAGES=stages, num_warps=4,
+        CAUSAL=causal, TAIL_SPLIT=tail_split and num_splits > 1, BN=block_n, STAGES=stages,
+        IN_FLIGHT=RING_IN_FLIGHT.get((block_n, stages), stages), num_warps=4,
         maxnreg=MAXNREG, **pdl.options(q))
 
 
@@ -442,7 +455,8 @@ def compile_report(H=8, causal=False, tail_split=True, ring=RINGS[-1][1]):
     signature = {name: mangle_type(_desc(*args)) for name, args in descs.items()}
     signature.update(lens_ptr="*i32", mask_ptr="*i32", o_part_ptr="*bf16", lse_part_ptr="*fp32", T="i32",
                      sm_scale_log2="fp32")
-    constexprs = dict(H=H, CAUSAL=causal, TAIL_SPLIT=tail_split, BN=block_n, STAGES=stages, PDL=True)
+    constexprs = dict(H=H, CAUSAL=causal, TAIL_SPLIT=tail_split, BN=block_n, STAGES=stages,
+                      IN_FLIGHT=RING_IN_FLIGHT.get(ring, stages), PDL=True)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(list(signature).index("o_part_ptr"),): [["tt.divisibility", 16]]}
     src = GluonASTSource(_split_kernel, signature, constexprs=constexprs, attrs=attrs)
