@@ -10,8 +10,8 @@ and no reduction crosses warpgroups inside a tile. A loader partition streams Q 
 ring of STAGES slots (two pairs of 32-entry tiles where the query block has at most 64 rows, one pair of 64-entry
 tiles above: RINGS), at most RING_IN_FLIGHT of them in flight; a split's ragged last tile is loaded right-aligned
 at the split's end (no entry past the sequence, where the cache may hold NaN, is ever loaded; the tile's entries
-before its own are masked), the tree's tiles have their scores masked by the tree's bits (or causally). Launched with programmatic dependent launch
-(`pdl.py`): the programs wait for the previous grid before their first load.
+before its own are masked), the tree's tiles have their scores masked by the tree's bits (or causally). Launched
+with programmatic dependent launch (`pdl.py`): the programs wait for the previous grid before their first load.
 
 Gluon has no interpreter: the CPU suite compiles it for sm_90 (tests/test_attention_kernel.py) and the GPU tests
 run it. Where it is measured: triton_kernels/README.md (attention, sessions 12-16).
