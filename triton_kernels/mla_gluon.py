@@ -42,11 +42,11 @@ HALF = gl.constexpr(LAT // 2)  # value columns a warpgroup owns
 RINGS = ((ROWS, (32, 4)), (None, (64, 2)))
 # Tiles the loader keeps in flight, by ring (the ring's size where not listed): it issues tile i once tile i - n has
 # landed. All programs ask for their ring at once at the start, and a tile lands when its last bytes do, so with the
-# whole ring in flight the first tile lands about when the last does. H200, us, interleaved in one call, 2 of the
-# (32, 4) ring's against 4 (bench/results/attention_gluon_h200_s17_in_flight{,2}.json, 06:06 and 06:16 UTC): 32k H 8
-# T 8 20.9, 20.5 / 21.3, 21.3 against 21.4, 21.2 / 21.5, 21.6; H 64 T 1 20.2, 20.3 / 20.9, 21.4 against 21.5, 21.2
-# / 21.6, 21.3; 128k H 64 T 1 50.8, 51.5 against 51.2, 51.1; 3 in between, 1 slower. One of the (64, 2)
-# ring's: 3-10% slower at 32k H 8 T 32 / 64, H 64 T 8 and the 4k verify's T 33-129.
+# whole ring in flight the first tile lands about when the last does. H200, us, interleaved in each of two calls,
+# 2 of the (32, 4) ring's against 4 (bench/results/attention_gluon_h200_s17_in_flight{,2}.json, 06:06 and 06:16
+# UTC): 32k H 8 T 8 20.9, 20.5 / 21.3, 21.3 against 21.4, 21.2 / 21.5, 21.6; H 64 T 1 20.2, 20.3 / 20.9, 21.4
+# against 21.5, 21.2 / 21.6, 21.3; 128k H 64 T 1 50.8, 51.5 against 51.2, 51.1; 3 in between, 1 slower. One of the
+# (64, 2) ring's: 3-10% slower at 32k H 8 T 32 / 64, H 64 T 8 and the 4k verify's T 33-129.
 RING_IN_FLIGHT = {(32, 4): 2}
 # Registers a thread of each of the two compute warpgroups. With the loader's (the kernel's 4 warps, the default
 # partition, which gets what is left: 24) that is 12 warps, so the launch's maxnreg is MAXNREG = 65,536 / 384
@@ -421,6 +421,11 @@ def ring_for(rows):
     return next(ring for max_rows, ring in RINGS if max_rows is None or rows <= max_rows)
 
 
+def in_flight(ring):
+    """Tiles the loader keeps in flight with `ring` (entries a tile, tiles in the ring): RING_IN_FLIGHT."""
+    return RING_IN_FLIGHT.get(tuple(ring), ring[1])
+
+
 def split(q, kv_cache, cache_lens, mask, o_part, lse_part, num_splits, scale_log2, causal, tail_split, ring=None):
     """Launch the split kernel as `mla_attention` launches `_mla_split_kernel`: q [B, T, H, 576] bf16 contiguous,
     kv_cache [B, L_max, 576] contiguous, cache_lens [B] int32, mask the tree mask (or anything with causal) ->
@@ -434,7 +439,7 @@ def split(q, kv_cache, cache_lens, mask, o_part, lse_part, num_splits, scale_log
         _desc(q2[:, :LAT], [ROWS, LAT]), _desc(q2[:, LAT:], [ROWS, PE]), _desc(kv_cache[..., :LAT], [1, block_n, LAT]),
         _desc(kv_cache[..., LAT:], [1, block_n, PE]), cache_lens, mask, o_part, lse_part, T, scale_log2, H=H,
         CAUSAL=causal, TAIL_SPLIT=tail_split and num_splits > 1, BN=block_n, STAGES=stages,
-        IN_FLIGHT=RING_IN_FLIGHT.get((block_n, stages), stages), num_warps=4,
+        IN_FLIGHT=in_flight((block_n, stages)), num_warps=4,
         maxnreg=MAXNREG, **pdl.options(q))
 
 
@@ -456,7 +461,7 @@ def compile_report(H=8, causal=False, tail_split=True, ring=RINGS[-1][1]):
     signature.update(lens_ptr="*i32", mask_ptr="*i32", o_part_ptr="*bf16", lse_part_ptr="*fp32", T="i32",
                      sm_scale_log2="fp32")
     constexprs = dict(H=H, CAUSAL=causal, TAIL_SPLIT=tail_split, BN=block_n, STAGES=stages,
-                      IN_FLIGHT=RING_IN_FLIGHT.get(ring, stages), PDL=True)
+                      IN_FLIGHT=in_flight(ring), PDL=True)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(list(signature).index("o_part_ptr"),): [["tt.divisibility", 16]]}
     src = GluonASTSource(_split_kernel, signature, constexprs=constexprs, attrs=attrs)
