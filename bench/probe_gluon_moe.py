@@ -168,6 +168,18 @@ def _x_group(x_smem, slot, g: gl.constexpr):
 
 
 @gluon.jit
+def _load_slab(w_tile, s_tile, w_offs, s_offs, w_step, s_step, slab, TILES: gl.constexpr):
+    """A slab's words and scales of the first tile and (TILES 2) the next one (else the first's again)."""
+    words0 = gl.load(w_tile + slab * 2048 + w_offs)
+    scales0 = gl.load(s_tile + slab * 512 + s_offs)
+    words1, scales1 = words0, scales0
+    if TILES == 2:
+        words1 = gl.load(w_tile + w_step + slab * 2048 + w_offs)
+        scales1 = gl.load(s_tile + s_step + slab * 512 + s_offs)
+    return words0, scales0, words1, scales1
+
+
+@gluon.jit
 def _w4_gemm_kernel(x_desc, w_ptr, s_ptr, out_ptr, N, n_slabs, slabs_per_split,
                     BM: gl.constexpr, STAGES: gl.constexpr, TILES: gl.constexpr, PRESCALE: gl.constexpr):
     """out[b BM + t, n] += sum over split pid 2's slabs of x[b BM + t, k] (q[b, n, k]) scale[b, n, k // 32], for
@@ -197,21 +209,12 @@ def _w4_gemm_kernel(x_desc, w_ptr, s_ptr, out_ptr, N, n_slabs, slabs_per_split,
 
     acc0 = gl.zeros([_ROWS, BM], gl.float32, mma)
     acc1 = gl.zeros([_ROWS, BM], gl.float32, mma)
-    words0 = gl.load(w_tile + first * 2048 + w_offs)
-    scales0 = gl.load(s_tile + first * 512 + s_offs)
-    words1, scales1 = words0, scales0
-    if TILES == 2:
-        words1 = gl.load(w_tile + w_step + first * 2048 + w_offs)
-        scales1 = gl.load(s_tile + s_step + first * 512 + s_offs)
+    words0, scales0, words1, scales1 = _load_slab(w_tile, s_tile, w_offs, s_offs, w_step, s_step, first, TILES)
     for slab in range(first, end):
         i = slab - first
         nxt = gl.minimum(slab + 1, end - 1)  # the next slab's words and scales, in flight during this one
-        words0_next = gl.load(w_tile + nxt * 2048 + w_offs)
-        scales0_next = gl.load(s_tile + nxt * 512 + s_offs)
-        words1_next, scales1_next = words0_next, scales0_next
-        if TILES == 2:
-            words1_next = gl.load(w_tile + w_step + nxt * 2048 + w_offs)
-            scales1_next = gl.load(s_tile + s_step + nxt * 512 + s_offs)
+        words0_next, scales0_next, words1_next, scales1_next = _load_slab(w_tile, s_tile, w_offs, s_offs, w_step,
+                                                                          s_step, nxt, TILES)
         _cta_barrier()  # every warp's MMAs on the slot refilled below are done (each waited for its own)
         if slab + STAGES - 1 < end:
             _issue_x(x_desc, x_smem, bars, pid_b * BM, slab + STAGES - 1, (i + STAGES - 1) % STAGES, BM)
