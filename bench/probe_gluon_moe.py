@@ -15,8 +15,10 @@ expert of the same count exactly BM tokens (its gate/up kernel's time, from the 
 
     python bench/probe_gluon_moe.py --sass               # CPU: compile for sm_90, SASS opcodes of the K loop
     python bench/probe_gluon_moe.py --out DIR            # H200: correctness, then us against the Triton kernel
+    python bench/probe_gluon_moe.py --out DIR --gather-ab  # H200: the activations by TMA against plain loads
 
-H200 results: bench/results/moe_gluon_probe_h200_s20.json, read in triton_kernels/README.md (MoE, sessions 19-20).
+H200 results: bench/results/moe_gluon_probe_h200_s20.json and moe_gluon_gather_ab_h200_s20.json, read in
+triton_kernels/README.md (MoE, sessions 19-20).
 """
 
 import argparse
@@ -31,7 +33,8 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # Triton >= 3.7 / 3.6
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6 / newer
@@ -180,8 +183,16 @@ def _load_slab(w_tile, s_tile, w_offs, s_offs, w_step, s_step, slab, TILES: gl.c
 
 
 @gluon.jit
-def _w4_gemm_kernel(x_desc, w_ptr, s_ptr, out_ptr, N, n_slabs, slabs_per_split,
-                    BM: gl.constexpr, STAGES: gl.constexpr, TILES: gl.constexpr, PRESCALE: gl.constexpr):
+def _gather_x(x_rows, slab, x_layout: gl.constexpr):
+    """A slab's activations [BM, 256] by plain loads, as 4 chunks [BM, 64] (the Gluon MoE's gathered rows)."""
+    ptrs = x_rows[:, None] + (slab * _SLAB + gl.arange(0, 64, layout=gl.SliceLayout(0, x_layout)))[None, :]
+    return gl.load(ptrs), gl.load(ptrs + 64), gl.load(ptrs + 128), gl.load(ptrs + 192)
+
+
+@gluon.jit
+def _w4_gemm_kernel(x_desc, x_ptr, w_ptr, s_ptr, out_ptr, N, n_slabs, slabs_per_split,
+                    BM: gl.constexpr, STAGES: gl.constexpr, TILES: gl.constexpr, PRESCALE: gl.constexpr,
+                    GATHER: gl.constexpr):
     """out[b BM + t, n] += sum over split pid 2's slabs of x[b BM + t, k] (q[b, n, k]) scale[b, n, k // 32], for
     rows n of the TILES 64-row tiles from TILES pid 1 on and block pid 0 (TILES 2: two accumulators share each
     slab of activations, as gate and up do). Words [E, N/64, K/64, 128, 4] int32, scales [E, N/64, K/256, 32, 2,
@@ -203,9 +214,14 @@ def _w4_gemm_kernel(x_desc, w_ptr, s_ptr, out_ptr, N, n_slabs, slabs_per_split,
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(STAGES):
         mbarrier.init(bars.index(st), count=1)
-    for st in gl.static_range(STAGES - 1):
-        if first + st < end:
-            _issue_x(x_desc, x_smem, bars, pid_b * BM, first + st, st, BM)
+    x_layout: gl.constexpr = gl.BlockedLayout([1, BM // 2], [BM // 4, 128 // BM], [4, 1], [1, 0])
+    x_rows = x_ptr + (pid_b * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, x_layout))).to(gl.int64) * (n_slabs * _SLAB)
+    if GATHER:  # the activations by plain loads one slab ahead, through ring slot 0 (as a gathered MoE block's)
+        x_next = _gather_x(x_rows, first, x_layout)
+    else:
+        for st in gl.static_range(STAGES - 1):
+            if first + st < end:
+                _issue_x(x_desc, x_smem, bars, pid_b * BM, first + st, st, BM)
 
     acc0 = gl.zeros([_ROWS, BM], gl.float32, mma)
     acc1 = gl.zeros([_ROWS, BM], gl.float32, mma)
@@ -216,10 +232,18 @@ def _w4_gemm_kernel(x_desc, w_ptr, s_ptr, out_ptr, N, n_slabs, slabs_per_split,
         words0_next, scales0_next, words1_next, scales1_next = _load_slab(w_tile, s_tile, w_offs, s_offs, w_step,
                                                                           s_step, nxt, TILES)
         _cta_barrier()  # every warp's MMAs on the slot refilled below are done (each waited for its own)
-        if slab + STAGES - 1 < end:
-            _issue_x(x_desc, x_smem, bars, pid_b * BM, slab + STAGES - 1, (i + STAGES - 1) % STAGES, BM)
-        slot = i % STAGES
-        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        if GATHER:
+            for c in gl.static_range(4):
+                x_smem.index(c).store(x_next[c])
+            fence_async_shared()
+            _cta_barrier()
+            x_next = _gather_x(x_rows, nxt, x_layout)
+            slot = 0
+        else:
+            if slab + STAGES - 1 < end:
+                _issue_x(x_desc, x_smem, bars, pid_b * BM, slab + STAGES - 1, (i + STAGES - 1) % STAGES, BM)
+            slot = i % STAGES
+            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
         acc0 = _slab_product(acc0, words0, scales0, x_smem, slot, a_layout, PRESCALE)
         if TILES == 2:
             acc1 = _slab_product(acc1, words1, scales1, x_smem, slot, a_layout, PRESCALE)
@@ -264,8 +288,8 @@ def reference(x, u, scale, BM):
     return torch.einsum("ebk,enk->ebn", x.float().view(E, BM, K), w).reshape(E * BM, N)
 
 
-def launch(x, words, scales, out, BM, splits, stages=3, tiles=2, prescale=False):
-    """out [E BM, N] fp32 (zeroed) += the probe's GEMM of x [E BM, K] bf16."""
+def launch(x, words, scales, out, BM, splits, stages=3, tiles=2, prescale=False, gather=False):
+    """out [E BM, N] fp32 (zeroed) += the probe's GEMM of x [E BM, K] bf16 (gather: x by plain loads, not TMA)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     E, T, n_chunks = words.shape[:3]
@@ -273,12 +297,12 @@ def launch(x, words, scales, out, BM, splits, stages=3, tiles=2, prescale=False)
     per = triton.cdiv(n_slabs, splits)
     layout = gl.NVMMASharedLayout.get_default_for([BM, 64], gl.bfloat16)
     x_desc = TensorDescriptor.from_tensor(x, [BM, 64], layout)
-    _w4_gemm_kernel[(E, T // tiles, triton.cdiv(n_slabs, per))](x_desc, words, scales, out, T * ROWS, n_slabs, per,
-                                                                BM=BM, STAGES=stages, TILES=tiles, PRESCALE=prescale,
-                                                                num_warps=4)
+    _w4_gemm_kernel[(E, T // tiles, triton.cdiv(n_slabs, per))](x_desc, x, words, scales, out, T * ROWS, n_slabs,
+                                                                per, BM=BM, STAGES=stages, TILES=tiles,
+                                                                PRESCALE=prescale, GATHER=gather, num_warps=4)
 
 
-def compile_sass(BM=16, stages=3, tiles=2, prescale=False):
+def compile_sass(BM=16, stages=3, tiles=2, prescale=False, gather=False):
     """Compile for sm_90 on this machine: (SASS text, registers, spill bytes, shared bytes)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -289,12 +313,12 @@ def compile_sass(BM=16, stages=3, tiles=2, prescale=False):
 
     x = torch.empty(4 * BM, 7168, dtype=torch.bfloat16)
     desc = TensorDescriptor.from_tensor(x, [BM, 64], gl.NVMMASharedLayout.get_default_for([BM, 64], gl.bfloat16))
-    signature = dict(x_desc=mangle_type(desc), w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", N="i32",
+    signature = dict(x_desc=mangle_type(desc), x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", N="i32",
                      n_slabs="i32", slabs_per_split="i32", BM="constexpr", STAGES="constexpr", TILES="constexpr",
-                     PRESCALE="constexpr")
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (1, 2, 3)}
-    src = GluonASTSource(_w4_gemm_kernel, signature, constexprs=dict(BM=BM, STAGES=stages, TILES=tiles, PRESCALE=prescale),
-                          attrs=attrs)
+                     PRESCALE="constexpr", GATHER="constexpr")
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (1, 2, 3, 4)}
+    src = GluonASTSource(_w4_gemm_kernel, signature, attrs=attrs,
+                         constexprs=dict(BM=BM, STAGES=stages, TILES=tiles, PRESCALE=prescale, GATHER=gather))
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     registers, spills = _ptxas_report(compiled.asm["ptx"], 90)
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
@@ -364,7 +388,7 @@ def check(gen, BM, N, K, record):
             record(dict(check=True, BM=BM, N=N, K=K, tiles=tiles, prescale=prescale, splits=splits, rel_err=err))
 
 
-def triton_times(gen, E_used, BM, K, N):
+def triton_times(gen, E_used, BM, K, N, variant=None):
     """us of the Triton MoE's kernels (profiler) where E_used experts get BM tokens each (BM 8 and 16: the entries
     for 65 and 129+ tokens), or for one token on 8 experts (E_used 8: the decode path)."""
     sys.path.insert(0, os.path.dirname(__file__))
@@ -379,6 +403,10 @@ def triton_times(gen, E_used, BM, K, N):
     xm = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
     wts = torch.rand(M, 8, generator=gen, device="cuda")
     cfg = config_for(torch.device("cuda"), 1 if E_used == 8 else 286 if BM == 16 else 65)
+    if variant:  # a moe_configs.VARIANTS entry on top (the Gluon gate/up: `gluon`, ...)
+        from triton_kernels.moe_configs import with_variant
+
+        cfg = with_variant(cfg, variant)
     return M, cfg["BM"], profile_us(lambda: moe(xm, ids, wts, layer, config=cfg))
 
 
@@ -418,10 +446,59 @@ def gpu_run(out_dir):
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 
+def gather_ab(out_dir):
+    """The probe's activations by TMA against plain loads through shared memory (the MoE's gathered rows), and
+    the MoE on the same uniform routing: its Triton default and, where moe_configs has them (the session-20 patch,
+    bench/results/wip_s20_gluon_gate_up.patch), the Gluon gate/up variants."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+
+    def record(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    for BM in (8, 16):
+        E, N, K = 3, 512, 7168
+        u = torch.randint(0, 16, (E, N, K), generator=gen, device="cuda", dtype=torch.uint8)
+        sc = (torch.rand(E, N, K // GROUP, generator=gen, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
+        x = torch.randn(E * BM, K, generator=gen, device="cuda").to(torch.bfloat16)
+        words, scales = fragment_layout(u, sc)
+        ref = reference(x, u, sc, BM)
+        out = torch.zeros(E * BM, N, device="cuda")
+        launch(x, words, scales, out, BM, 3, tiles=2, prescale=False, gather=True)
+        record(dict(check=True, gather=True, BM=BM, rel_err=((out - ref).norm() / ref.norm()).item()))
+    for BM in (8, 16):
+        E, N, K = 143, 512, 7168
+        u = torch.randint(0, 16, (E, N, K), generator=gen, device="cuda", dtype=torch.uint8)
+        sc = (torch.rand(E, N, K // GROUP, generator=gen, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
+        words, scales = fragment_layout(u, sc)
+        del u
+        x = torch.randn(E * BM, K, generator=gen, device="cuda").to(torch.bfloat16)
+        out = torch.zeros(E * BM, N, device="cuda")
+        for prescale in (False, True):
+            for splits in (1, 2):
+                for gather in (False, True):
+                    us = profile_us(lambda: launch(x, words, scales, out, BM, splits, 2, 2, prescale, gather))
+                    record(dict(case="gate_up", kernel="probe", BM=BM, prescale=prescale, splits=splits,
+                                x="gather" if gather else "tma",
+                                us=round(sum(v for k, v in us.items() if "w4_gemm" in k), 1)))
+        from triton_kernels.moe_configs import VARIANTS
+
+        for variant in [None] + [v for v in ("gluon", "gluon_pre", "gluon_pre_r128") if v in VARIANTS]:
+            M, tBM, us = triton_times(gen, E, BM, K, N, variant)
+            record(dict(case="moe", variant=variant or "default", BM=tBM, M=M,
+                        us={k: round(v, 1) for k, v in us.items()}))
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=__import__("datetime").datetime.now(__import__("datetime").timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    with open(os.path.join(out_dir, "gluon_moe_gather_ab.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sass", action="store_true")
     parser.add_argument("--out")
+    parser.add_argument("--gather-ab", action="store_true", help="with --out: gather_ab only")
     args = parser.parse_args()
     if args.sass:
         for BM in (8, 16):
@@ -432,7 +509,7 @@ def main():
                     print("  ", json.dumps(r["opcodes"]))
     else:
         os.makedirs(args.out, exist_ok=True)
-        gpu_run(args.out)
+        (gather_ab if args.gather_ab else gpu_run)(args.out)
 
 
 if __name__ == "__main__":
