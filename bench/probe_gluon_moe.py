@@ -372,11 +372,34 @@ CASES = [("gate_up", 143, 512, 7168, 8, (1, 2, 4)), ("down", 143, 7168, 256, 8, 
          ("gate_up", 8, 512, 7168, 8, (4, 7, 14, 28)), ("down", 8, 7168, 256, 8, (1,))]
 
 
+def _recorder():
+    """(rows, record): record(row) appends the row and prints it as a JSON line."""
+    rows = []
+
+    def record(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    return rows, record
+
+
+def _write(out_dir, name, rows):
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=__import__("datetime").datetime.now(__import__("datetime").timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+def _random_experts(gen, E, N, K):
+    """Random nibbles (q + 8) [E, N, K] uint8 and group scales [E, N, K / 32] bf16 on the GPU."""
+    u = torch.randint(0, 16, (E, N, K), generator=gen, device="cuda", dtype=torch.uint8)
+    return u, (torch.rand(E, N, K // GROUP, generator=gen, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
+
+
 def check(gen, BM, N, K, record):
     """Every variant against the fp32 reference on 3 experts, with 1 and 3 K splits."""
     E = 3
-    u = torch.randint(0, 16, (E, N, K), generator=gen, device="cuda", dtype=torch.uint8)
-    sc = (torch.rand(E, N, K // GROUP, generator=gen, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
+    u, sc = _random_experts(gen, E, N, K)
     x = torch.randn(E * BM, K, generator=gen, device="cuda").to(torch.bfloat16)
     words, scales = fragment_layout(u, sc)
     ref = reference(x, u, sc, BM)
@@ -412,18 +435,13 @@ def triton_times(gen, E_used, BM, K, N, variant=None):
 
 def gpu_run(out_dir):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
-
-    def record(row):
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    rows, record = _recorder()
 
     for BM in (8, 16):
         check(gen, BM, 512, 7168, record)
         check(gen, BM, 256, 256, record)
     for name, E, N, K, BM, split_list in CASES:
-        u = torch.randint(0, 16, (E, N, K), generator=gen, device="cuda", dtype=torch.uint8)
-        sc = (torch.rand(E, N, K // GROUP, generator=gen, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
+        u, sc = _random_experts(gen, E, N, K)
         words, scales = fragment_layout(u, sc)
         del u
         x = torch.randn(E * BM, K, generator=gen, device="cuda").to(torch.bfloat16)
@@ -440,10 +458,7 @@ def gpu_run(out_dir):
             M, tBM, us = triton_times(gen, E, BM, K, N)
             record(dict(case="triton", E=E, BM=tBM, M=M, us={k: round(v, 1) for k, v in us.items()},
                         gate_up_MB=round(weight_mb, 1)))
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=__import__("datetime").datetime.now(__import__("datetime").timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
-    with open(os.path.join(out_dir, "gluon_moe_probe.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    _write(out_dir, "gluon_moe_probe.json", rows)
 
 
 def gather_ab(out_dir):
@@ -451,16 +466,11 @@ def gather_ab(out_dir):
     the MoE on the same uniform routing: its Triton default and, where moe_configs has them (the session-20 patch,
     bench/results/wip_s20_gluon_gate_up.patch), the Gluon gate/up variants."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
-
-    def record(row):
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    rows, record = _recorder()
 
     for BM in (8, 16):
         E, N, K = 3, 512, 7168
-        u = torch.randint(0, 16, (E, N, K), generator=gen, device="cuda", dtype=torch.uint8)
-        sc = (torch.rand(E, N, K // GROUP, generator=gen, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
+        u, sc = _random_experts(gen, E, N, K)
         x = torch.randn(E * BM, K, generator=gen, device="cuda").to(torch.bfloat16)
         words, scales = fragment_layout(u, sc)
         ref = reference(x, u, sc, BM)
@@ -469,8 +479,7 @@ def gather_ab(out_dir):
         record(dict(check=True, gather=True, BM=BM, rel_err=((out - ref).norm() / ref.norm()).item()))
     for BM in (8, 16):
         E, N, K = 143, 512, 7168
-        u = torch.randint(0, 16, (E, N, K), generator=gen, device="cuda", dtype=torch.uint8)
-        sc = (torch.rand(E, N, K // GROUP, generator=gen, device="cuda") * 0.01 + 0.001).to(torch.bfloat16)
+        u, sc = _random_experts(gen, E, N, K)
         words, scales = fragment_layout(u, sc)
         del u
         x = torch.randn(E * BM, K, generator=gen, device="cuda").to(torch.bfloat16)
@@ -488,10 +497,7 @@ def gather_ab(out_dir):
             M, tBM, us = triton_times(gen, E, BM, K, N, variant)
             record(dict(case="moe", variant=variant or "default", BM=tBM, M=M,
                         us={k: round(v, 1) for k, v in us.items()}))
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=__import__("datetime").datetime.now(__import__("datetime").timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
-    with open(os.path.join(out_dir, "gluon_moe_gather_ab.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    _write(out_dir, "gluon_moe_gather_ab.json", rows)
 
 
 def main():
