@@ -23,14 +23,15 @@ triton_kernels/README.md (MoE, sessions 19-20).
 
 import argparse
 import collections
+import datetime
 import json
 import os
 import subprocess
-import sys
 import tempfile
 
 import torch
 import triton
+from bench_moe import _loop_opcodes, random_triton_layer, rel_err
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -214,9 +215,10 @@ def _w4_gemm_kernel(x_desc, x_ptr, w_ptr, s_ptr, out_ptr, N, n_slabs, slabs_per_
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(STAGES):
         mbarrier.init(bars.index(st), count=1)
-    x_layout: gl.constexpr = gl.BlockedLayout([1, BM // 2], [BM // 4, 128 // BM], [4, 1], [1, 0])
-    x_rows = x_ptr + (pid_b * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, x_layout))).to(gl.int64) * (n_slabs * _SLAB)
     if GATHER:  # the activations by plain loads one slab ahead, through ring slot 0 (as a gathered MoE block's)
+        x_layout: gl.constexpr = gl.BlockedLayout([1, BM // 2], [BM // 4, 128 // BM], [4, 1], [1, 0])
+        rows = pid_b * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, x_layout))
+        x_rows = x_ptr + rows.to(gl.int64) * (n_slabs * _SLAB)
         x_next = _gather_x(x_rows, first, x_layout)
     else:
         for st in gl.static_range(STAGES - 1):
@@ -330,9 +332,6 @@ def compile_sass(BM=16, stages=3, tiles=2, prescale=False, gather=False):
 
 
 def sass_report(BM, tiles=2, prescale=False):
-    sys.path.insert(0, os.path.dirname(__file__))
-    from bench_moe import _loop_opcodes
-
     sass, registers, spills, shared = compile_sass(BM, tiles=tiles, prescale=prescale)
     ops = collections.Counter(_loop_opcodes(sass))
     weights = tiles * ROWS * SLAB / 128  # a thread's weights a trip
@@ -385,7 +384,7 @@ def _recorder():
 
 def _write(out_dir, name, rows):
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=__import__("datetime").datetime.now(__import__("datetime").timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     with open(os.path.join(out_dir, name), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
@@ -407,16 +406,13 @@ def check(gen, BM, N, K, record):
         for splits in (1, 3):
             out = torch.zeros(E * BM, N, device="cuda")
             launch(x, words, scales, out, BM, splits, tiles=tiles, prescale=prescale)
-            err = ((out - ref).norm() / ref.norm()).item()
-            record(dict(check=True, BM=BM, N=N, K=K, tiles=tiles, prescale=prescale, splits=splits, rel_err=err))
+            record(dict(check=True, BM=BM, N=N, K=K, tiles=tiles, prescale=prescale, splits=splits,
+                        rel_err=rel_err(out, ref)))
 
 
 def triton_times(gen, E_used, BM, K, N, variant=None):
     """us of the Triton MoE's kernels (profiler) where E_used experts get BM tokens each (BM 8 and 16: the entries
     for 65 and 129+ tokens), or for one token on 8 experts (E_used 8: the decode path)."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    from bench_moe import random_triton_layer
-
     from triton_kernels.moe_configs import config_for
     from triton_kernels.moe_w4a16 import moe
 
@@ -476,7 +472,7 @@ def gather_ab(out_dir):
         ref = reference(x, u, sc, BM)
         out = torch.zeros(E * BM, N, device="cuda")
         launch(x, words, scales, out, BM, 3, tiles=2, prescale=False, gather=True)
-        record(dict(check=True, gather=True, BM=BM, rel_err=((out - ref).norm() / ref.norm()).item()))
+        record(dict(check=True, gather=True, BM=BM, rel_err=rel_err(out, ref)))
     for BM in (8, 16):
         E, N, K = 143, 512, 7168
         u, sc = _random_experts(gen, E, N, K)
