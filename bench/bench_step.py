@@ -353,6 +353,21 @@ def linear_config(spec):
     return linear.Config(kind, *(int(v) for v in nums[:4]), float(nums[4]), tma="tma" in nums[5:])
 
 
+def skip_ops(names):
+    """Replace ops.mla_attention and/or ops.moe by zeros of their outputs' shapes (`--skip`): the verify without
+    them, so that the difference is what they cost on the replay's critical path (no correctness is left)."""
+    import ops
+
+    for name in filter(None, names.split(",")):
+        if name == "attention":
+            ops.mla_attention = lambda q, kv, *args: q.new_zeros(*q.shape[:-1], args[-1])
+        elif name == "moe":
+            ops.moe = lambda x, ids, weights, experts, keep_sums=False: x.new_zeros(
+                x.shape, dtype=torch.float32 if keep_sums else x.dtype)
+        else:
+            raise SystemExit(f"--skip: unknown op {name!r} (attention, moe)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
@@ -363,6 +378,9 @@ def main():
     parser.add_argument("--long-buckets", default=None,
                         help="buckets to time at contexts after the first (default: all of --buckets)")
     parser.add_argument("--no-overlap", action="store_true", help="the shared expert on the main stream")
+    parser.add_argument("--skip", default="", metavar="OPS",
+                        help="comma list of 'attention' (split and merge) and 'moe' (the routed experts' GEMMs): "
+                             "those ops return zeros (one memset) instead of running, to time what the rest costs")
     parser.add_argument("--no-pdl", action="store_true", help="plain launches (triton_kernels.pdl.ENABLED off)")
     parser.add_argument("--router-dot", action="store_true",
                         help="one token's router logits on the dot kernel (not router.ONE_ROW_GEMV)")
@@ -404,6 +422,7 @@ def main():
         else:
             table[int(bucket)] = linear_config(cfg)
     pdl.ENABLED = not args.no_pdl
+    skip_ops(args.skip)
     if args.absorb_output_tile:
         absorb.OUTPUT_TILES = ((None, *(int(v) for v in args.absorb_output_tile.split("x"))),)
     if args.no_tail_split:
@@ -430,7 +449,7 @@ def main():
                 python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 drafter_note="Kimi-K2.5-DFlash shape, TP8 rank 0 like the target (8 of 64 query heads, 1 of 8 "
                              "key/value heads, 1/8 of the MLP), scoring with the target's lm_head shard",
-                overlap_shared_expert=not args.no_overlap, pdl=not args.no_pdl,
+                overlap_shared_expert=not args.no_overlap, pdl=not args.no_pdl, skipped=args.skip,
                 sum_shared_in_norm=not args.moe_adds_shared, router_gemv=router.ONE_ROW_GEMV is not None,
                 router_many=router.MANY_ROWS and list(router.MANY_ROWS), linear_entries=args.linear_entry,
                 moe_variant=args.moe_variant and f"{args.moe_variant} up to M = {args.moe_variant_upto}",
