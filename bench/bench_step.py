@@ -356,8 +356,6 @@ def linear_config(spec):
 def skip_ops(names):
     """Replace ops.mla_attention and/or ops.moe by zeros of their outputs' shapes (`--skip`): the verify without
     them, so that the difference is what they cost on the replay's critical path (no correctness is left)."""
-    import ops
-
     for name in filter(None, names.split(",")):
         if name == "attention":
             ops.mla_attention = lambda q, kv, *args: q.new_zeros(*q.shape[:-1], args[-1])

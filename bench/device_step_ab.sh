@@ -3,7 +3,7 @@
 # interleaved, as the defaults and with FLAGS (base, flags, base2, flags2), each run's raw json to $OUT.
 # Usage (device): bash bench/device_step_ab.sh "FLAGS" [BUCKETS] [TEST FILES...]
 source bench/device_env.sh
-FLAGS=$1; BUCKETS=${2:-0,8,32,128}; shift 2
+FLAGS=$1; BUCKETS=${2:-0,8,32,128}; shift $(($# < 2 ? $# : 2))  # what is left: the test files
 if [ $# -gt 0 ]; then
   python -m pytest -q -rf --tb=short -p no:cacheprovider "$@" >"$OUT/gpu_tests.log" 2>&1
   echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -8

@@ -1,5 +1,5 @@
 """Does a stream's L2 access-policy window (hit and miss "streaming") keep a hot buffer in L2 across a large
-read, eagerly and under CUDA graph capture? Times one read of a 24 MB buffer right after a read of a buffer as
+read, eagerly and under CUDA graph capture? Times one read of a 25 MB buffer right after a read of a buffer as
 large as the largest window, with and without the window over the large one (session 21's hypothesis: the
 verify step's weight streams evict the next kernels' code and inputs; `wip_s21_l2_streaming.patch` put the
 window over every weight and cache read).
@@ -21,6 +21,7 @@ import triton.language as tl
 ACCESS_POLICY_WINDOW = 1  # CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW
 MAX_WINDOW_ATTR = 109  # CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE
 STREAMING = 1  # CU_ACCESS_PROPERTY_STREAMING
+READ_BLOCK = 8192  # elements a program of the read kernel sums
 
 
 class Window(ctypes.Structure):
@@ -70,8 +71,9 @@ def _read_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
     tl.store(out_ptr + p, tl.sum(x.to(tl.float32), 0))
 
 
-def read(x, out, block=8192):
-    _read_kernel[(x.numel() // block,)](x, out, BLOCK=block, num_warps=8)
+def read(x, out):
+    """out[p] = sum of x's block p; x.numel() a multiple of READ_BLOCK, out that many blocks long."""
+    _read_kernel[(x.numel() // READ_BLOCK,)](x, out, BLOCK=READ_BLOCK, num_warps=8)
 
 
 def tail_us(head, tail, iters, graphed):
@@ -114,7 +116,7 @@ def main():
     window = max_window(cuda, torch.cuda.current_device())
     hot = torch.randn(12 << 20, device="cuda", dtype=torch.bfloat16)
     big = torch.randn(window // 2, device="cuda", dtype=torch.bfloat16)
-    sink = torch.empty(big.numel() // 8192, device="cuda")
+    sink = torch.empty(big.numel() // READ_BLOCK, device="cuda")
 
     def read_hot():
         read(hot, sink)
