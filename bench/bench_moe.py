@@ -214,10 +214,11 @@ def _cubin_sass(kernel, signature, constexprs, num_warps, num_stages, maxnreg=No
     import triton
 
     from triton_kernels.aot import _ptxas_report, compile_kernel
-    from triton_kernels.moe_w4a16 import jit_specialisation
+    from triton_kernels.moe_w4a16 import _compiled_as, jit_specialisation
 
-    compiled = compile_kernel(kernel, signature, constexprs, arch, num_warps, num_stages, maxnreg,
-                              **jit_specialisation(kernel, signature, constexprs, I))
+    with _compiled_as({"mma_v2": constexprs.get("MMA_V2", False)}):  # as the launch compiles it
+        compiled = compile_kernel(kernel, signature, constexprs, arch, num_warps, num_stages, maxnreg,
+                                  **jit_specialisation(kernel, signature, constexprs, I))
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -227,14 +228,16 @@ def _cubin_sass(kernel, signature, constexprs, num_warps, num_stages, maxnreg=No
 
 
 def _loop_opcodes(sass):
-    """Opcodes of the largest backward-branch loop (the K loop) of a SASS listing."""
+    """Opcodes of the largest innermost backward-branch loop (the K loop; a persistent kernel's loop over its work
+    items holds it) of a SASS listing."""
     import re
 
     lines = sass.splitlines()
     labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", l.strip()))}
-    start, end = max(((labels[m.group(1)], i) for i, l in enumerate(lines)
-                      if (m := re.search(r"BRA `\((\.L_x_\d+)\)", l)) and labels.get(m.group(1), i) < i),
-                     key=lambda span: span[1] - span[0])
+    loops = [(labels[m.group(1)], i) for i, l in enumerate(lines)
+             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", l)) and labels.get(m.group(1), i) < i]
+    innermost = [(s, e) for s, e in loops if not any(s < s2 and e2 < e for s2, e2 in loops)]
+    start, end = max(innermost, key=lambda span: span[1] - span[0])
     ops = [m.group(1) for l in lines[start:end + 1] if (m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", l))]
     return ops
 

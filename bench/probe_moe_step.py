@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 import bench_step as bs
 from bench_tree import graph_of
@@ -130,7 +131,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                context=args.context, iters=args.iters)
+                triton=triton.__version__, context=args.context, iters=args.iters)
     (out / "moe_step.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
 
 
