@@ -1,5 +1,7 @@
 """The Triton W4A16 MoE (triton_kernels/moe_w4a16.py) against the fp32 reference ops.moe_torch."""
 
+import os
+
 import pytest
 import torch
 
@@ -212,12 +214,13 @@ def test_moe_panel_layout(panels, bn, extra):
                                              (16, (1, 1), {"prescale": True, "waves": 1, "D": 608}),
                                              (8, (1, 1), {"scales_ahead": True, "tiles": 2}),
                                              (16, (1, 1), {"scales_ahead": True, "tiles": 2, "I": 320}),
-                                             (8, (1, 1), {"scales_ahead": True, "decode": True})],
+                                             (8, (1, 1), {"scales_ahead": True, "decode": True}),
+                                             (8, (1, 1), {"scales_ahead": True, "mma_v2": True})],
                          ids=["bm8_slab", "bm16_panel_lean_tiles2", "bm8_panel_decode", "bm8_scales_ahead",
                               "unswapped_panel_scales_ahead", "panel_ahead_tiles2",
                               "tiles2_two_slabs_ahead", "prescaled", "bm8_prescaled_tiles2",
                               "unswapped_prescaled", "kmajor_prescaled", "kmajor_bm8_ahead_tiles2",
-                              "kmajor_two_slabs_ahead_tiles2", "kmajor_decode_ahead"])
+                              "kmajor_two_slabs_ahead_tiles2", "kmajor_decode_ahead", "kmajor_mma_v2"])
 def test_moe_swapped_tiles(BM, panels, extra):
     """`swap` (transposed tiles: weights as the MMA's M operand, tokens its N) on ragged shapes, split over K, a
     repeated expert; with BM 8 (fewer rows than tl.dot's usual 16), panels, lean pointers, two down tiles a
@@ -228,7 +231,7 @@ def test_moe_swapped_tiles(BM, panels, extra):
     E, D, I = 5, extra.get("D", 320), extra.get("I", 96)
     kernel = dict(BN=64, waves=extra.get("waves", 8), num_warps=4, num_stages=2, swap=extra.get("swap", True),
                   lop3=True, lean=extra.get("lean", False), scales_ahead=extra.get("scales_ahead", False),
-                  prescale=extra.get("prescale", False))
+                  prescale=extra.get("prescale", False), mma_v2=extra.get("mma_v2", False))
     cfg = {"BM": BM, "panels": panels, "decode": extra.get("decode", False), "gate_up": kernel,
            "down": dict(kernel, BN=64 // extra.get("tiles", 1), tiles=extra.get("tiles", 1))}  # tiles x BN | D
     assert_three_tokens_match(cfg, panels, E, D, I, seed=6)
@@ -247,6 +250,42 @@ def test_configs_by_intermediate_size():
     assert config_for(cpu, 4, intermediate=2048) == config_for(cpu, 4)
     for M in (1, 4, 33, 64, 129):
         assert config_for(cpu, M, intermediate=256) == config_for(cpu, M)
+
+
+def test_configs_on_a_newer_triton(monkeypatch):
+    """moe_configs.NEWER_TRITON: on a Triton newer than the one the table was tuned on, every sm_90 entry of the
+    TP8 shape compiles its dots to mma.sync (prescaled from 129 tokens on); on the tuned Triton and where
+    BY_INTERMEDIATE has an entry, nothing changes."""
+    from triton_kernels import moe_configs
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(moe_configs, "triton_version", lambda: moe_configs.TUNED_TRITON)
+    tuned = {M: moe_configs.config_for(cpu, M) for M in (1, 4, 9, 33, 65, 129, 600)}
+    ep8 = moe_configs.config_for(cpu, 1, intermediate=2048)
+    assert not any(cfg[k].get("mma_v2") for cfg in tuned.values() for k in ("gate_up", "down"))
+    monkeypatch.setattr(moe_configs, "triton_version", lambda: (3, 9))
+    for M, cfg in tuned.items():
+        newer = moe_configs.config_for(cpu, M)
+        assert newer["gate_up"]["mma_v2"] and newer["down"]["mma_v2"], M
+        assert newer["gate_up"].get("prescale", False) == (M >= 129 or cfg["gate_up"].get("prescale", False)), M
+        assert {k: v for k, v in newer.items() if k not in ("gate_up", "down")} == \
+            {k: v for k, v in cfg.items() if k not in ("gate_up", "down")}
+    assert moe_configs.config_for(cpu, 1, intermediate=2048) == ep8
+
+
+def test_mma_v2_is_set_while_a_launch_compiles(monkeypatch):
+    """`_compiled_as`: DISABLE_MMA_V3 (read by Triton while it compiles) is set around a launch of an `mma_v2`
+    config only, and put back as it was afterwards, also when the launch raises."""
+    monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
+    with moe_w4a16._compiled_as({"mma_v2": True}):
+        assert os.environ["DISABLE_MMA_V3"] == "1"
+    assert "DISABLE_MMA_V3" not in os.environ
+    with moe_w4a16._compiled_as({}):
+        assert "DISABLE_MMA_V3" not in os.environ
+    monkeypatch.setenv("DISABLE_MMA_V3", "0")
+    with pytest.raises(RuntimeError), moe_w4a16._compiled_as({"mma_v2": True}):
+        raise RuntimeError("launch failed")
+    assert os.environ["DISABLE_MMA_V3"] == "0"
 
 
 @requires_triton
@@ -327,7 +366,8 @@ def test_moe_k26_shapes_gpu(M, E, I):
 
 
 @requires_gpu
-@pytest.mark.parametrize("variant", ["default", "k_swap8_pre", "device_split", "prescale"])
+@pytest.mark.parametrize("variant", ["default", "k_swap8_pre", "device_split", "prescale", "mma_v2",
+                                     "mma_v2_prescale"])
 def test_moe_variants_in_a_graph_gpu(variant):
     """The entries (the two-launch decode path with programmatic dependent launch up to M = 4, the routing pass
     above) and the variants (the routing-pass entry at small M, the device-split gate/up with the persistent

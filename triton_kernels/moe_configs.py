@@ -120,6 +120,9 @@ VARIANTS = {
     "bm16": dict(BM=16, gate_up=dict(maxnreg=None)),
     # plain launches (no programmatic dependent launch)
     "plain": dict(pdl=False),
+    # the dots compiled to mma.sync, not wgmma (moe_w4a16._compiled_as), as Triton 3.6 compiles the BM 8 entries
+    "mma_v2": dict(gate_up=dict(mma_v2=True), down=dict(mma_v2=True)),
+    "mma_v2_prescale": dict(gate_up=dict(mma_v2=True, prescale=True), down=dict(mma_v2=True, prescale=True)),
 }
 
 
@@ -128,6 +131,24 @@ VARIANTS = {
 # H200 18:43 UTC, bench/results/moe_variants_h200_s9.md section 7): M = 1 prescaled 72.8 against 82.7 us, 16-row
 # blocks at M = 64 / 128 477.1 / 808.5 against 572.1 / 1037.8 us
 BY_INTERMEDIATE = {"sm_90": {2048: {1: "prescale", 128: "bm16"}}}
+
+
+# Entries for a Triton newer than the device's 3.6, where the table above was tuned: arch -> {bucket's max M: VARIANTS
+# name}. Triton 3.9 lowers the BM 8 entries' dots (the swapped tile's N is 8) to wgmma, where 3.6 kept mma.sync,
+# and waits for each group's product. The verify step's own MoE calls (bench/probe_moe_step.py, H200, 2026-12-02
+# 09:03-09:06 UTC, us a layer at M = 1 / 9 / 33 / 129; bench/results/moe_step_h200_s23_*.json): Triton 3.6's
+# entries 20.1 / 57.2 / 99.4 / 195.6; on 3.9 22.3 / 78.0 / 146.9 / 247.6, with `mma_v2` 19.9 / 57.5 / 100.3 / 240.8,
+# with `mma_v2_prescale` 19.7 / 60.7 / 106.6 / 206.8. M = 34-128 was not timed on 3.9; it takes `mma_v2` as the
+# BM 8 entries below it do. Not applied where BY_INTERMEDIATE has an entry (EP8: not timed on 3.9)
+NEWER_TRITON = {"sm_90": {1: "mma_v2", 4: "mma_v2", 33: "mma_v2", 128: "mma_v2", None: "mma_v2_prescale"}}
+TUNED_TRITON = (3, 6)
+
+
+def triton_version():
+    """(major, minor) of the Triton that compiles the kernels."""
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 
 def with_variant(cfg, name):
@@ -156,9 +177,12 @@ def arch_of(device):
 
 def config_for(device, M, table=None, intermediate=None):
     """The entry for M tokens on `device`'s architecture (sm_90's for an architecture without its own), with the
-    BY_INTERMEDIATE override of its bucket for experts of that intermediate size, if any."""
+    BY_INTERMEDIATE override of its bucket for experts of that intermediate size, if any, else on a Triton newer
+    than TUNED_TRITON the NEWER_TRITON one."""
     arch = arch_of(device)
     max_m, cfg = next((max_m, cfg) for max_m, cfg in (table or CONFIGS).get(arch, CONFIGS["sm_90"])
                       if max_m is None or M <= max_m)
     name = BY_INTERMEDIATE.get(arch, {}).get(intermediate, {}).get(max_m)
+    if name is None and triton_version() > TUNED_TRITON:
+        name = NEWER_TRITON.get(arch, {}).get(max_m)
     return with_variant(cfg, name) if name else cfg

@@ -13,7 +13,9 @@ between calls (`_decode_scratch`); the last program to arrive at a tile's counte
 in x's dtype: no cast) and zeroes the sums and the counter again.
 """
 
+import contextlib
 import itertools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +87,16 @@ def _unpack_group(words, m: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.c
         MASK: tl.constexpr = 0x000F000F
         SCALE: tl.constexpr = 1
     shifted = words >> SHIFT
+    if LOP3 and SWAP:  # one lop3 writes a word's two values as the packed pair the MMA operand holds (the form
+        # below costs Triton 3.9 two byte permutes a word to repack its halves; 3.6 compiles both alike). With
+        # pack=2 an asm instance takes two elements of each input ($1 $2: the word twice, $3 $4, $5 $6)
+        both = tl.reshape(tl.join(shifted, shifted), (words.shape[0], 2 * words.shape[1]))  # [BN, 32]
+        pairs = tl.inline_asm_elementwise("lop3.b32 $0, $1, $3, $5, 0xEA;", "=r,r,r,r,r,r,r",
+                                          [both, tl.full(both.shape, MASK, tl.int32),
+                                           tl.full(both.shape, MAGIC * 65537, tl.int32)],
+                                          dtype=tl.bfloat16 if MAGIC == 0x4300 else tl.float16, is_pure=True,
+                                          pack=2)
+        return pairs - (MAGIC_VALUE + 8.0 * SCALE)
     if LOP3:  # 0xEA: (a & b) | c
         pair = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
                                          [shifted, tl.full(words.shape, MASK, tl.int32),
@@ -318,7 +330,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
                     EVEN_N: tl.constexpr, DECODE: tl.constexpr, PANEL: tl.constexpr,
                     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
                     SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr = False,
-                    PRESCALE: tl.constexpr = False):
+                    PRESCALE: tl.constexpr = False, MMA_V2: tl.constexpr = False):
     """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate.
 
     With SPLIT, pid 2 of split_k sums a range of slabs into part; the last split to arrive finishes the tile:
@@ -432,7 +444,7 @@ def _planned_gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, s
                             S_PAD: tl.constexpr, COST: tl.constexpr, EVEN_N: tl.constexpr, PANEL: tl.constexpr,
                             MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
                             SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, PRESCALE: tl.constexpr,
-                            PDL: tl.constexpr = False):
+                            PDL: tl.constexpr = False, MMA_V2: tl.constexpr = False):
     """`_gate_up_kernel` after the routing pass with the K split decided on the device: G programs take the work
     items (block, N tile, split) g, g + G, ... of the nb blocks the routing pass filled (nb_ptr), the split
     from `_plan_split` (the real number of blocks, not a host estimate). A split stores its partial tiles
@@ -608,7 +620,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, counter_ptr, weights_ptr, 
                  DECODE: tl.constexpr, PANEL: tl.constexpr, TILES: tl.constexpr,
                  MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
                  SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, ONE_SLAB: tl.constexpr = False,
-                 PDL: tl.constexpr = False, PRESCALE: tl.constexpr = False):
+                 PDL: tl.constexpr = False, PRESCALE: tl.constexpr = False, MMA_V2: tl.constexpr = False):
     """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tiles TILES * pid 1 ..
     TILES * pid 1 + TILES - 1 (one after the other), K split pid 2 (layout arguments and SWAP as in
     `_gate_up_kernel`). With DECODE, out is the zeroed fp32 sums [M, D] and the last program of a token's
@@ -645,7 +657,7 @@ def _persistent_down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_pt
                             EVEN_N: tl.constexpr, PANEL: tl.constexpr, TILES: tl.constexpr, MAGIC: tl.constexpr,
                             MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
                             LOP3: tl.constexpr, AHEAD: tl.constexpr, ONE_SLAB: tl.constexpr,
-                            PRESCALE: tl.constexpr, PDL: tl.constexpr = False):
+                            PRESCALE: tl.constexpr, PDL: tl.constexpr = False, MMA_V2: tl.constexpr = False):
     """`_down_kernel` after the routing pass on a persistent grid: G programs take the work items (block, group of
     TILES N tiles, K split) g, g + G, ... of the nb blocks the routing pass filled (nb_ptr), so no program is
     launched for the empty blocks of the static grid (cdiv(M k, BM) + min(E, M k) blocks, most of them empty when
@@ -796,16 +808,41 @@ def _expected_experts(E, pairs):
 
 
 def _flags(kernel_cfg, N, ptx=True):
-    """LEAN / EVEN_N / SWAP / LOP3 / AHEAD / PRESCALE constexprs of a kernel config: `lean` carries the slab
+    """LEAN / EVEN_N / SWAP / LOP3 / AHEAD / PRESCALE / MMA_V2 constexprs of a kernel config: `lean` carries the slab
     pointers across the K loop, drops the column masks when BN divides N and loads a block's pair ids with its
     expert; `swap` computes the transposed tile, weights as the MMA's M
     operand (`_slab_dot`); `lop3` dequantises with one PTX lop3 for the mask and the magic exponent
     (`_unpack_group`), the same result as the plain form the interpreter runs (ptx=False); `scales_ahead` loads
-    each slab's group scales one slab early; `prescale` scales the weights before the MMA (`_slab_dot`)."""
+    each slab's group scales one slab early; `prescale` scales the weights before the MMA (`_slab_dot`); `mma_v2`
+    compiles the dots to mma.sync (`_compiled_as`; the constexpr itself only keys the compiled kernel)."""
     lean = kernel_cfg.get("lean", False)
     return dict(LEAN=lean, EVEN_N=lean and N % kernel_cfg["BN"] == 0,
                 SWAP=kernel_cfg.get("swap", False), LOP3=ptx and kernel_cfg.get("lop3", False),
-                AHEAD=kernel_cfg.get("scales_ahead", False), PRESCALE=kernel_cfg.get("prescale", False))
+                AHEAD=kernel_cfg.get("scales_ahead", False), PRESCALE=kernel_cfg.get("prescale", False),
+                MMA_V2=kernel_cfg.get("mma_v2", False))
+
+
+_PERSISTENT_FLAGS = ("SWAP", "LOP3", "AHEAD", "PRESCALE", "MMA_V2")  # the _flags the persistent kernels take
+
+
+@contextlib.contextmanager
+def _compiled_as(kernel_cfg):
+    """Around a launch of a kernel config: with `mma_v2`, DISABLE_MMA_V3 set, which Triton reads while it compiles
+    (and keys its disk cache on), so that the kernel's dots lower to mma.sync, not wgmma. Triton 3.9 lowers the
+    swapped BM 8 tile's dots (N = 8) to wgmma, where 3.6 kept mma.sync, and then waits for each group's product
+    (moe_configs.NEWER_TRITON has the H200 timings)."""
+    if not kernel_cfg.get("mma_v2", False):
+        yield
+        return
+    before = os.environ.get("DISABLE_MMA_V3")
+    os.environ["DISABLE_MMA_V3"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["DISABLE_MMA_V3"]
+        else:
+            os.environ["DISABLE_MMA_V3"] = before
 
 
 def _launch(kernel_cfg, use_pdl):
@@ -902,7 +939,7 @@ def _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g,
     BN, slabs = g["BN"], experts.gate_up.shape[-2] // SLAB_WORDS
     constexprs = dict(TOP_K=top_k, BM=BM, BN=BN, TILES_N=triton.cdiv(I, BN), S_PAD=triton.next_power_of_2(slabs),
                       COST=PLAN_COST, EVEN_N=I % BN == 0, EVEN_K=D % SLAB == 0, **UNPACK[x.dtype],
-                      **{k: v for k, v in _flags(g, I, ptx).items() if k in ("SWAP", "LOP3", "AHEAD", "PRESCALE")},
+                      **{k: v for k, v in _flags(g, I, ptx).items() if k in _PERSISTENT_FLAGS},
                       PDL=use_pdl, **_launch(g, use_pdl))
     cap = 4 * g["waves"] * sm_count(dev)  # work items with partials, at most (`_plan_split`)
     part = torch.empty(cap * 2 * BM * BN, dtype=torch.float32, device=dev)
@@ -911,8 +948,9 @@ def _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g,
     args = [x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert, nb, D, I, slabs,
             cap, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
             *(layout[k] for k in ("w_row", "s_row", "stride_wp", "stride_sp", "up_w", "up_s"))]
-    programs = _resident_programs(_planned_gate_up_kernel, args, constexprs, dev, x.dtype) if ptx else cap // 4
-    _planned_gate_up_kernel[(programs,)](*args, **constexprs)
+    with _compiled_as(g):
+        programs = _resident_programs(_planned_gate_up_kernel, args, constexprs, dev, x.dtype) if ptx else cap // 4
+        _planned_gate_up_kernel[(programs,)](*args, **constexprs)
 
 
 def _persistent_down(h, experts, out, topk_weights, sorted_pairs, block_expert, nb, d, BM, top_k, tiles, split,
@@ -925,13 +963,14 @@ def _persistent_down(h, experts, out, topk_weights, sorted_pairs, block_expert, 
     constexprs = dict(TOP_K=top_k, BM=BM, BN=BN, GROUPS=triton.cdiv(D, BN) // tiles, EVEN_N=D % BN == 0,
                       PANEL=layout.pop("PANEL"), TILES=tiles, EVEN_K=I % SLAB == 0,
                       ONE_SLAB=slabs == 1 and tiles > 1, **UNPACK[dtype],
-                      **{k: v for k, v in _flags(d, D, ptx).items() if k in ("SWAP", "LOP3", "AHEAD", "PRESCALE")},
+                      **{k: v for k, v in _flags(d, D, ptx).items() if k in _PERSISTENT_FLAGS},
                       PDL=use_pdl, **_launch(d, use_pdl))
     args = [h, experts.down, experts.down_scale, out, topk_weights, sorted_pairs, block_expert, nb, D, I, slabs,
             per_split, split, experts.down.stride(0), experts.down_scale.stride(0),
             *(layout[k] for k in ("w_row", "s_row", "stride_wp", "stride_sp"))]
-    programs = _resident_programs(_persistent_down_kernel, args, constexprs, dev, dtype) if ptx else d["waves"] * 4
-    _persistent_down_kernel[(programs,)](*args, **constexprs)
+    with _compiled_as(d):
+        programs = _resident_programs(_persistent_down_kernel, args, constexprs, dev, dtype) if ptx else d["waves"] * 4
+        _persistent_down_kernel[(programs,)](*args, **constexprs)
 
 
 def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
@@ -1001,22 +1040,24 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
     if not decode and planned:
         _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g, BM, top_k, ptx, use_pdl)
     else:
-        _gate_up_kernel[(nb_max, gu_tiles, gu_split)](
-            x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert,
-            D, I, gu_slabs, gu_per_split, gu_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
-            part.stride(0) if gu_split > 1 and not decode else 0, **gu_layout,
-            TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_flags(g, I, ptx), DECODE=decode,
-            PDL=use_pdl, **_launch(g, use_pdl), **magic)
+        with _compiled_as(g):
+            _gate_up_kernel[(nb_max, gu_tiles, gu_split)](
+                x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert,
+                D, I, gu_slabs, gu_per_split, gu_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
+                part.stride(0) if gu_split > 1 and not decode else 0, **gu_layout,
+                TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_flags(g, I, ptx),
+                DECODE=decode, PDL=use_pdl, **_launch(g, use_pdl), **magic)
     d = cfg["down"]
     if not decode and d.get("persistent", False):
         _persistent_down(h, experts, out, topk_weights, sorted_pairs, block_expert, nb, d, BM, top_k, dn_per_cta,
                          dn_split, dn_per_split, x.dtype, ptx, use_pdl)
         return out if keep_sums else out.to(x.dtype)
-    _down_kernel[(nb_max, dn_tiles, dn_split)](
-        h, experts.down, experts.down_scale, out, y, dn_counters, topk_weights, sorted_pairs, block_expert,
-        D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0), **dn_layout,
-        TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_flags(d, D, ptx), DECODE=decode, TILES=dn_per_cta,
-        ONE_SLAB=dn_slabs == 1 and dn_per_cta > 1, PDL=use_pdl, **_launch(d, use_pdl), **magic)
+    with _compiled_as(d):
+        _down_kernel[(nb_max, dn_tiles, dn_split)](
+            h, experts.down, experts.down_scale, out, y, dn_counters, topk_weights, sorted_pairs, block_expert,
+            D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0), **dn_layout,
+            TOP_K=top_k, BM=BM, BN=dn_bn, EVEN_K=I % SLAB == 0, **_flags(d, D, ptx), DECODE=decode, TILES=dn_per_cta,
+            ONE_SLAB=dn_slabs == 1 and dn_per_cta > 1, PDL=use_pdl, **_launch(d, use_pdl), **magic)
     return y if decode else out if keep_sums else out.to(x.dtype)
 
 
@@ -1052,7 +1093,7 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
                        counter_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32", nb_ptr="*i32", D="i32",
                        I="i32", n_slabs="i32", cap="i32", stride_we="i64", stride_se="i64", **layout, up_w="i32",
                        up_s="i32")
-        flags = {k: v for k, v in _flags(g, I).items() if k in ("SWAP", "LOP3", "AHEAD", "PRESCALE")}
+        flags = {k: v for k, v in _flags(g, I).items() if k in _PERSISTENT_FLAGS}
         gu_spec = (_planned_gate_up_kernel, (planned, dict(
             TOP_K=top_k, BM=cfg["BM"], BN=g["BN"], TILES_N=triton.cdiv(I, g["BN"]), S_PAD=32, COST=PLAN_COST,
             EVEN_N=I % g["BN"] == 0, PANEL=p_gu, EVEN_K=True, **flags, PDL=use_pdl, **magic), arch, g["num_warps"],
@@ -1067,7 +1108,7 @@ def compile_specs(cfg, dtype="bf16", top_k=8, arch=120, D=7168, I=256):
         persistent = dict(h_ptr=f"*{dtype}", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32", weights_ptr="*fp32",
                           sorted_ptr="*i32", block_expert_ptr="*i32", nb_ptr="*i32", D="i32", I="i32", n_slabs="i32",
                           n_slabs_per_split="i32", split="i32", stride_we="i64", stride_se="i64", **layout)
-        flags = {k: v for k, v in _flags(d, D).items() if k in ("SWAP", "LOP3", "AHEAD", "PRESCALE")}
+        flags = {k: v for k, v in _flags(d, D).items() if k in _PERSISTENT_FLAGS}
         return [gu_spec, (_persistent_down_kernel, (persistent, dict(
             TOP_K=top_k, BM=cfg["BM"], BN=d["BN"], GROUPS=D // (d["BN"] * tiles), EVEN_N=D % d["BN"] == 0,
             PANEL=p_dn, TILES=tiles, EVEN_K=True, ONE_SLAB=I <= SLAB and tiles > 1, **flags, PDL=use_pdl, **magic),
