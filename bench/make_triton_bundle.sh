@@ -2,7 +2,7 @@
 # Build .whl/triton-VERSION.tar.xz: Triton's wheel for the device's Python (3.12) without what a CUDA compile on
 # sm_90 does not load (the AMD backend's libraries, CUPTI, the profiler and ptxas: the device has its own) and
 # with libtriton.so's symbols stripped (500 MB -> 192 MB), so that it fits the device's 64 MiB transfer (about
-# 42 MB). Runs here, on the CPU machine (about 3 minutes on 2 cores).
+# 46 MB). Runs here, on the CPU machine (about 3 minutes on 2 cores).
 # Usage: bash bench/make_triton_bundle.sh [VERSION]   (then: run with carry [".whl"])
 set -euo pipefail
 VERSION=${1:-3.9.0}
