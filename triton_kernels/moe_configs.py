@@ -7,6 +7,8 @@ experts touched), num_warps and num_stages. sm_120 entries must fit 101,376 byte
 keeps BN=32 (sm_120 entries: unswapped, not re-timed). The sm_90 entries: see the comment above them.
 """
 
+import functools
+
 import torch
 
 CONFIGS = {
@@ -144,6 +146,7 @@ NEWER_TRITON = {"sm_90": {1: "mma_v2", 4: "mma_v2", 33: "mma_v2", 128: "mma_v2",
 TUNED_TRITON = (3, 6)
 
 
+@functools.cache
 def triton_version():
     """(major, minor) of the Triton that compiles the kernels."""
     import triton
