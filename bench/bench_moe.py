@@ -214,11 +214,10 @@ def _cubin_sass(kernel, signature, constexprs, num_warps, num_stages, maxnreg=No
     import triton
 
     from triton_kernels.aot import _ptxas_report, compile_kernel
-    from triton_kernels.moe_w4a16 import _compiled_as, jit_specialisation
+    from triton_kernels.moe_w4a16 import jit_specialisation
 
-    with _compiled_as({"mma_v2": constexprs.get("MMA_V2", False)}):  # as the launch compiles it
-        compiled = compile_kernel(kernel, signature, constexprs, arch, num_warps, num_stages, maxnreg,
-                                  **jit_specialisation(kernel, signature, constexprs, I))
+    compiled = compile_kernel(kernel, signature, constexprs, arch, num_warps, num_stages, maxnreg,
+                              **jit_specialisation(kernel, signature, constexprs, I))
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])

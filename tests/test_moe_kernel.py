@@ -273,19 +273,48 @@ def test_configs_on_a_newer_triton(monkeypatch):
     assert moe_configs.config_for(cpu, 1, intermediate=2048) == ep8
 
 
-def test_mma_v2_is_set_while_a_launch_compiles(monkeypatch):
-    """`_compiled_as`: DISABLE_MMA_V3 (read by Triton while it compiles) is set around a launch of an `mma_v2`
-    config only, and put back as it was afterwards, also when the launch raises."""
+def test_mma_v2_only_sets_and_restores_the_switch(monkeypatch):
+    """`aot.mma_v2_only`: DISABLE_MMA_V3 (read by Triton while it compiles) is set while enabled only, and put back
+    as it was afterwards, also when the launch raises."""
+    from triton_kernels.aot import mma_v2_only
+
     monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
-    with moe_w4a16._compiled_as({"mma_v2": True}):
+    with mma_v2_only():
         assert os.environ["DISABLE_MMA_V3"] == "1"
     assert "DISABLE_MMA_V3" not in os.environ
-    with moe_w4a16._compiled_as({}):
+    with mma_v2_only(False):
         assert "DISABLE_MMA_V3" not in os.environ
     monkeypatch.setenv("DISABLE_MMA_V3", "0")
-    with pytest.raises(RuntimeError), moe_w4a16._compiled_as({"mma_v2": True}):
+    with pytest.raises(RuntimeError), mma_v2_only():
         raise RuntimeError("launch failed")
     assert os.environ["DISABLE_MMA_V3"] == "0"
+
+
+MMA_OF_ENTRY = """
+import json
+import torch
+from triton_kernels.aot import compile_kernel
+from triton_kernels.moe_configs import CONFIGS, with_variant
+from triton_kernels.moe_w4a16 import compile_specs, jit_specialisation
+cfg = dict(CONFIGS["sm_90"])[1]
+out = {}
+for name, entry in (("tuned", cfg), ("mma_v2", with_variant(cfg, "mma_v2"))):
+    kernel, launch = compile_specs(entry, arch=90)[0]
+    ptx = compile_kernel(kernel, *launch, **jit_specialisation(kernel, *launch[:2])).asm["ptx"]
+    out[name] = dict(wgmma="wgmma.mma_async" in ptx, mma_sync="mma.sync.aligned" in ptx)
+print(json.dumps(out))
+"""
+
+
+def test_mma_v2_entries_compile_to_mma_sync():
+    """The M = 1 entry's gate/up for sm_90: with `mma_v2` its dots are mma.sync on any Triton; as tuned, they are
+    mma.sync on the Triton the table was tuned on (3.6) and wgmma on newer ones (3.9), which is why
+    moe_configs.NEWER_TRITON exists."""
+    from triton_kernels.moe_configs import TUNED_TRITON, triton_version
+
+    out = compiled_in_child(MMA_OF_ENTRY)
+    assert out["mma_v2"] == dict(wgmma=False, mma_sync=True), out
+    assert out["tuned"]["wgmma"] == (triton_version() > TUNED_TRITON), out
 
 
 @requires_triton

@@ -5,6 +5,8 @@ kernel for the given arch without a GPU and returns its shared memory, registers
 from ptxas's report; `compile_kernel` (same arguments) returns the compiled kernel itself.
 """
 
+import contextlib
+import os
 import re
 import subprocess
 import tempfile
@@ -50,6 +52,25 @@ def compile_for(kernel, *args, **options):
     return Resources(shared=compiled.metadata.shared, registers=registers, spill_bytes=spills)
 
 
+@contextlib.contextmanager
+def mma_v2_only(enabled=True):
+    """While enabled: DISABLE_MMA_V3 set, which Triton reads while it compiles a kernel (and keys its disk cache on), so
+    that the kernel's dots lower to mma.sync, not wgmma; put back as it was afterwards. Around a launch, it applies to
+    the kernels that launch compiles (a kernel taking it as a constexpr, MMA_V2, is cached apart)."""
+    if not enabled:
+        yield
+        return
+    before = os.environ.get("DISABLE_MMA_V3")
+    os.environ["DISABLE_MMA_V3"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["DISABLE_MMA_V3"]
+        else:
+            os.environ["DISABLE_MMA_V3"] = before
+
+
 def compile_kernel(kernel, signature, constexprs, arch=120, num_warps=4, num_stages=2, maxnreg=None, aligned=False,
                    divisible=(), ones=()):
     """The compiled `kernel` for sm_<arch> (its .asm holds the PTX and cubin).
@@ -58,7 +79,7 @@ def compile_kernel(kernel, signature, constexprs, arch=120, num_warps=4, num_sta
     (without it, loads are not vectorised, nor pipelined, and shared memory is under-counted); `divisible`
     names integer arguments that are multiples of 16 at run time, which the JIT marks the same way, and `ones`
     those equal to 1, which the JIT compiles as constants. maxnreg caps the registers a thread, as the launch
-    option does.
+    option does. A true MMA_V2 constexpr compiles the dots to mma.sync, as its launch does (`mma_v2_only`).
     """
     signature = {k: v for k, v in signature.items() if k not in ones}
     constexprs = {**constexprs, **{k: 1 for k in ones}}
@@ -66,7 +87,8 @@ def compile_kernel(kernel, signature, constexprs, arch=120, num_warps=4, num_sta
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
              for name, ty in full.items() if (aligned and ty.startswith("*")) or name in divisible}
     src = ASTSource(fn=kernel, signature=full, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages,
-                                       **({"maxnreg": maxnreg} if maxnreg else {})})
+    with mma_v2_only(constexprs.get("MMA_V2", False)):
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": num_warps, "num_stages": num_stages,
+                                           **({"maxnreg": maxnreg} if maxnreg else {})})
     return compiled

@@ -122,7 +122,7 @@ VARIANTS = {
     "bm16": dict(BM=16, gate_up=dict(maxnreg=None)),
     # plain launches (no programmatic dependent launch)
     "plain": dict(pdl=False),
-    # the dots compiled to mma.sync, not wgmma (moe_w4a16._compiled_as), as Triton 3.6 compiles the BM 8 entries
+    # the dots compiled to mma.sync, not wgmma (aot.mma_v2_only), as Triton 3.6 compiles the BM 8 entries
     "mma_v2": dict(gate_up=dict(mma_v2=True), down=dict(mma_v2=True)),
     "mma_v2_prescale": dict(gate_up=dict(mma_v2=True, prescale=True), down=dict(mma_v2=True, prescale=True)),
 }

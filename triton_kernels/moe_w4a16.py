@@ -13,9 +13,7 @@ between calls (`_decode_scratch`); the last program to arrive at a tile's counte
 in x's dtype: no cast) and zeroes the sums and the counter again.
 """
 
-import contextlib
 import itertools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +21,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import pdl
+from triton_kernels.aot import mma_v2_only
 from triton_kernels.counters import arrival_counters
 from triton_kernels.moe_configs import config_for, layout_for, sm_count
 
@@ -814,7 +813,7 @@ def _flags(kernel_cfg, N, ptx=True):
     operand (`_slab_dot`); `lop3` dequantises with one PTX lop3 for the mask and the magic exponent
     (`_unpack_group`), the same result as the plain form the interpreter runs (ptx=False); `scales_ahead` loads
     each slab's group scales one slab early; `prescale` scales the weights before the MMA (`_slab_dot`); `mma_v2`
-    compiles the dots to mma.sync (`_compiled_as`; the constexpr itself only keys the compiled kernel)."""
+    compiles the dots to mma.sync (`aot.mma_v2_only`; the constexpr itself only keys the compiled kernel)."""
     lean = kernel_cfg.get("lean", False)
     return dict(LEAN=lean, EVEN_N=lean and N % kernel_cfg["BN"] == 0,
                 SWAP=kernel_cfg.get("swap", False), LOP3=ptx and kernel_cfg.get("lop3", False),
@@ -823,26 +822,6 @@ def _flags(kernel_cfg, N, ptx=True):
 
 
 _PERSISTENT_FLAGS = ("SWAP", "LOP3", "AHEAD", "PRESCALE", "MMA_V2")  # the _flags the persistent kernels take
-
-
-@contextlib.contextmanager
-def _compiled_as(kernel_cfg):
-    """Around a launch of a kernel config: with `mma_v2`, DISABLE_MMA_V3 set, which Triton reads while it compiles
-    (and keys its disk cache on), so that the kernel's dots lower to mma.sync, not wgmma. Triton 3.9 lowers the
-    swapped BM 8 tile's dots (N = 8) to wgmma, where 3.6 kept mma.sync, and then waits for each group's product
-    (moe_configs.NEWER_TRITON has the H200 timings)."""
-    if not kernel_cfg.get("mma_v2", False):
-        yield
-        return
-    before = os.environ.get("DISABLE_MMA_V3")
-    os.environ["DISABLE_MMA_V3"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["DISABLE_MMA_V3"]
-        else:
-            os.environ["DISABLE_MMA_V3"] = before
 
 
 def _launch(kernel_cfg, use_pdl):
@@ -948,7 +927,7 @@ def _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g,
     args = [x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert, nb, D, I, slabs,
             cap, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
             *(layout[k] for k in ("w_row", "s_row", "stride_wp", "stride_sp", "up_w", "up_s"))]
-    with _compiled_as(g):
+    with mma_v2_only(g.get("mma_v2", False)):
         programs = _resident_programs(_planned_gate_up_kernel, args, constexprs, dev, x.dtype) if ptx else cap // 4
         _planned_gate_up_kernel[(programs,)](*args, **constexprs)
 
@@ -968,7 +947,7 @@ def _persistent_down(h, experts, out, topk_weights, sorted_pairs, block_expert, 
     args = [h, experts.down, experts.down_scale, out, topk_weights, sorted_pairs, block_expert, nb, D, I, slabs,
             per_split, split, experts.down.stride(0), experts.down_scale.stride(0),
             *(layout[k] for k in ("w_row", "s_row", "stride_wp", "stride_sp"))]
-    with _compiled_as(d):
+    with mma_v2_only(d.get("mma_v2", False)):
         programs = _resident_programs(_persistent_down_kernel, args, constexprs, dev, dtype) if ptx else d["waves"] * 4
         _persistent_down_kernel[(programs,)](*args, **constexprs)
 
@@ -1040,7 +1019,7 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
     if not decode and planned:
         _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g, BM, top_k, ptx, use_pdl)
     else:
-        with _compiled_as(g):
+        with mma_v2_only(g.get("mma_v2", False)):
             _gate_up_kernel[(nb_max, gu_tiles, gu_split)](
                 x, experts.gate_up, experts.gate_up_scale, h, part, counters, sorted_pairs, block_expert,
                 D, I, gu_slabs, gu_per_split, gu_split, experts.gate_up.stride(0), experts.gate_up_scale.stride(0),
@@ -1052,7 +1031,7 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
         _persistent_down(h, experts, out, topk_weights, sorted_pairs, block_expert, nb, d, BM, top_k, dn_per_cta,
                          dn_split, dn_per_split, x.dtype, ptx, use_pdl)
         return out if keep_sums else out.to(x.dtype)
-    with _compiled_as(d):
+    with mma_v2_only(d.get("mma_v2", False)):
         _down_kernel[(nb_max, dn_tiles, dn_split)](
             h, experts.down, experts.down_scale, out, y, dn_counters, topk_weights, sorted_pairs, block_expert,
             D, I, dn_slabs, dn_per_split, experts.down.stride(0), experts.down_scale.stride(0), **dn_layout,
