@@ -457,7 +457,8 @@ print(json.dumps([dict(arch=arch, maxnreg=launch[5],
 def test_inline_ptx_variants_compile(variant, M):
     """sm_90 entries and variants with inline PTX (lop3, L2 prefetch, grid dependency control), which the
     interpreter cannot run, assemble for sm_90 without spills (a kernel capped at `maxnreg` registers, measured
-    faster so, may spill up to 64 bytes: the M <= 128 entry's gate/up spills 12 under Triton 3.6, 48 under 3.9)
+    faster so, may spill up to 64 bytes: the M <= 128 entry's gate/up spills 12 under Triton 3.6, none under 3.9
+    with NEWER_TRITON's mma.sync, 48 with wgmma)
     and for sm_120 (within its shared memory; they do not run there: sm_120's own entries are held to no spills
     by test_sm120_configs_fit. The BM 16 entry's persistent down spills 16 bytes for sm_120 under Triton 3.6,
     none under 3.9)."""
