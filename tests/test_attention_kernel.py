@@ -430,9 +430,37 @@ def test_gluon_default_falls_back_where_triton_lacks_gluon(monkeypatch):
     monkeypatch.delattr(triton_kernels, "mla_gluon", raising=False)  # imported by an earlier test
     monkeypatch.setitem(sys.modules, "triton_kernels.mla_gluon", None)  # its import raises ImportError
     q, kv = torch.zeros(1, 1, 8, 576), torch.zeros(1, 4, 576)
-    assert _gluon_split(None, 90, q, kv, UNCHAINED) is None
+    assert _gluon_split(None, 90, q, kv, UNCHAINED, torch.bfloat16) is None
     with pytest.raises(ValueError, match="Gluon"):
-        _gluon_split(True, 90, q, kv, UNCHAINED)
+        _gluon_split(True, 90, q, kv, UNCHAINED, torch.bfloat16)
+
+
+def test_gluon_partials_fit_their_ring_slot():
+    """A warpgroup stages its [64, 256] partials in one ring slot: bf16 ones fit both rings, fp32 ones only the
+    64-entry one (the 32-entry slots are half their size)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from triton_kernels.mla_gluon import RINGS, ROWS, ring_for, stages_partials
+
+    assert [ring for _, ring in RINGS] == [(32, 4), (64, 2)]
+    assert all(stages_partials(ring, torch.bfloat16) for _, ring in RINGS)
+    assert not stages_partials(ring_for(ROWS), torch.float32)
+    assert stages_partials(ring_for(ROWS + 1), torch.float32)
+
+
+@requires_gpu
+def test_fp32_partials_beyond_gluon_slots_run_the_triton_kernel():
+    """fp32 partials where the Gluon kernel's slots cannot stage them: the op falls back to the Triton kernel (right
+    answer), and gluon=True is refused."""
+    from triton_kernels.mla_attention import mla_attention
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is Hopper's (wgmma)")
+    q, kv, cache_lens, mask = make_case(1, 8, 8, [3000], "deep", torch.bfloat16, "cuda", seed=11)
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=6, partials=torch.float32)
+    assert rel_err(out, mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)) < 1e-2
+    with pytest.raises(ValueError, match="partials"):
+        mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=6, partials=torch.float32, config=UNCHAINED,
+                      gluon=True)
 
 
 GLUON_AOT = """

@@ -464,7 +464,7 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
                                     tree=0 if causal else T, tail=tail)
     grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
     out = torch.empty(B, T, H, D_LAT, dtype=q.dtype, device=q.device)
-    gluon_split = _gluon_split(gluon, arch, q, kv_cache, entry.config)
+    gluon_split = _gluon_split(gluon, arch, q, kv_cache, entry.config, partials if asked else q.dtype)
     direct = num_splits == 1  # the partials (o / l) are the output: no merge
     if direct:  # the Gluon kernel stores lse too
         o_part, lse_part = out, torch.empty(B, 1, rows, dtype=torch.float32, device=q.device) if gluon_split else out
@@ -488,9 +488,9 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
     return _merged(o_part, lse_part, out, rows, num_splits, B, direct, q)
 
 
-def _gluon_split(gluon, arch, q, kv_cache, config):
-    """The Gluon split kernel's launcher (`mla_gluon.split`) where this call runs it, else None: asked for (gluon
-    True; an error where it cannot run) or by GLUON[arch] (gluon None) where it can."""
+def _gluon_split(gluon, arch, q, kv_cache, config, partials):
+    """The Gluon split kernel's launcher (`mla_gluon.split`) where this call runs it with `partials` (dtype), else
+    None: asked for (gluon True; an error where it cannot run) or by GLUON[arch] (gluon None) where it can."""
     if gluon is False or (gluon is None and not GLUON.get(arch, False)):
         return None
     try:
@@ -499,11 +499,12 @@ def _gluon_split(gluon, arch, q, kv_cache, config):
         if gluon:
             raise ValueError(f"mla_attention (triton): gluon=True needs Triton's Gluon for Hopper: {err}") from err
         return None
-    if mla_gluon.usable(q, kv_cache, config):
+    if mla_gluon.usable(q, kv_cache, config, partials):
         return mla_gluon.split
     if gluon:
-        raise ValueError(f"mla_attention (triton): gluon=True needs a Hopper GPU, bf16 q and the 64x64 config with "
-                         f"BLOCK_DV 512, got {q.device} {q.dtype} {tuple(config)}")
+        raise ValueError(f"mla_attention (triton): gluon=True needs a Hopper GPU, bf16 q, the 64x64 config with "
+                         f"BLOCK_DV 512 and 16-bit partials where T*H <= 64, got {q.device} {q.dtype} "
+                         f"{tuple(config)} {partials}")
     return None
 
 

@@ -402,12 +402,22 @@ def _split_kernel(q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, lens_ptr, mask_p
     ], [4, 4], [PARTITION_REGS, PARTITION_REGS])
 
 
-def usable(q, kv_cache, config):
+def usable(q, kv_cache, config, partials):
     """Whether the Gluon kernel can run this call: a Hopper GPU (not the interpreter), bf16, the op's 64x64 config
-    with all 512 values a program, 16-byte aligned q and cache rows."""
+    with all 512 values a program, 16-byte aligned q and cache rows, and partials of `partials` (dtype) that
+    `stages_partials` allows."""
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype == torch.bfloat16
             and tuple(config[:2]) == (ROWS, 64) and config[4] == LAT and q.data_ptr() % 16 == 0
-            and kv_cache.data_ptr() % 16 == 0 and kv_cache.is_contiguous())
+            and kv_cache.data_ptr() % 16 == 0 and kv_cache.is_contiguous()
+            and stages_partials(ring_for(q.shape[1] * q.shape[2]), partials))
+
+
+def stages_partials(ring, partials):
+    """Whether a warpgroup's partials [64, 256] of dtype `partials` fit the `ring` slot it stages them in
+    (`_store_partials`): fp32 ones fill a 64-entry slot, twice a 32-entry one. Triton 3.9 refuses that view; 3.6
+    compiles it, and warpgroup 0's staging would then run into warpgroup 1's slot (fp32 partials are only used
+    when asked for: `mla_attention(partials=torch.float32)`)."""
+    return ROWS * (LAT // 2) * partials.itemsize <= ring[0] * LAT * 2
 
 
 def _desc(t, block):
@@ -433,7 +443,9 @@ def split(q, kv_cache, cache_lens, mask, o_part, lse_part, num_splits, scale_log
     entries a tile, tiles in the ring; an even count), None: ring_for(T*H)."""
     B, T, H, _ = q.shape
     rows = T * H
-    block_n, stages = ring or ring_for(rows)
+    block_n, stages = ring = ring or ring_for(rows)
+    if not stages_partials(ring, o_part.dtype):
+        raise ValueError(f"mla_gluon.split: {o_part.dtype} partials do not fit the ring {ring}'s slots")
     q2 = q.view(B * rows, ENTRY)
     _split_kernel[(triton.cdiv(rows, ROWS), num_splits, B)](
         _desc(q2[:, :LAT], [ROWS, LAT]), _desc(q2[:, LAT:], [ROWS, PE]), _desc(kv_cache[..., :LAT], [1, block_n, LAT]),
