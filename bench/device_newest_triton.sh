@@ -7,7 +7,9 @@
 # LIMIT seconds have passed. The newest Triton travels as a stripped bundle (bench/make_triton_bundle.sh: the
 # wheel is 285 MB, over the device's 64 MiB transfer) and runs with the device's own ptxas.
 # Usage (device): bash bench/device_newest_triton.sh BUNDLE BUCKETS TEST_SECONDS LIMIT RUN...
-# (TEST_ARGS: pytest's options, -q by default). Example: ... .whl/triton-3.9.0.tar.xz 0,8,32,128 200 470 device newest
+# (TEST_ARGS: pytest's options, -q by default; TEST_WORKERS: xdist processes, 8 by default; PROBES: python commands
+# run under the newest Triton after the tests, `;`-separated, each with `--out $OUT`).
+# Example: ... .whl/triton-3.9.0.tar.xz 0,8,32,128 200 470 device newest
 source bench/device_env.sh
 BUNDLE=$1; BUCKETS=$2; TEST_SECONDS=$3; LIMIT=$4; shift 4
 NEW=/tmp/triton_new
@@ -21,10 +23,14 @@ newest python -c "import triton; print('newest triton', triton.__version__, trit
   exit 1
 
 if [ "$TEST_SECONDS" -gt 0 ]; then
-  newest timeout "$TEST_SECONDS" python -m pytest ${TEST_ARGS:--q} -n 8 -rf --tb=short -p no:cacheprovider tests \
+  newest timeout "$TEST_SECONDS" python -m pytest ${TEST_ARGS:--q} -n ${TEST_WORKERS:-8} -rf --tb=short -p no:cacheprovider tests \
     >"$OUT/gpu_tests_newest.log" 2>&1
   echo "pytest exit $? at ${SECONDS}s"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests_newest.log" | tail -12
 fi
+IFS=';' read -ra probes <<< "${PROBES:-}"
+for probe in "${probes[@]}"; do
+  newest timeout 300 python $probe --out "$OUT" >> "$OUT/probes.log" 2>&1; echo "probe exit $? at ${SECONDS}s: $probe"
+done
 i=0
 for run in "$@"; do
   [ "$SECONDS" -lt "$LIMIT" ] || { echo "not started (${SECONDS}s): $run"; continue; }

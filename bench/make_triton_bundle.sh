@@ -17,6 +17,7 @@ cd "$WORK/tree/triton"
 rm -rf backends/amd/lib backends/amd/include backends/nvidia/lib/cupti* backends/nvidia/bin/ptxas* _C/libproton.so \
   plugins/libTritonPluginsTestLib.so ../triton-*.dist-info/RECORD
 strip --strip-unneeded _C/libtriton.so
+chmod +x backends/nvidia/bin/*  # zipfile drops the modes: nvdisasm and cuobjdump would not run
 cd "$WORK/tree"
 mkdir -p "$REPO/.whl"
 tar -cf - triton triton-*.dist-info | xz -9 -T0 > "$REPO/.whl/triton-$VERSION.tar.xz"
