@@ -11,6 +11,8 @@ peer's shared memory: `mapa` + `ld.shared::cluster` in the PTX) and stores their
   does now.
 Both make their accumulator from the program id (no loads), so the timings compare the exchange + half store
 against the whole store. Usage (GPU): python bench/probe_cluster_exchange.py --out DIR
+H200, Triton 3.9, 2026-12-02 (bench/results/cluster_exchange_h200_s24.json): exact; at one wave (132 CTAs) 12.6 us
+against 9.7 for the whole store.
 """
 import argparse
 import json
