@@ -464,12 +464,13 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, nu
                                     tree=0 if causal else T, tail=tail)
     grid_m = triton.cdiv(rows, block_m) * (D_LAT // block_dv)
     out = torch.empty(B, T, H, D_LAT, dtype=q.dtype, device=q.device)
-    gluon_split = _gluon_split(gluon, arch, q, kv_cache, entry.config, partials if asked else q.dtype)
+    gluon_partials = partials if asked else q.dtype  # the Gluon kernel's default: 16-bit partials
+    gluon_split = _gluon_split(gluon, arch, q, kv_cache, entry.config, gluon_partials)
     direct = num_splits == 1  # the partials (o / l) are the output: no merge
     if direct:  # the Gluon kernel stores lse too
         o_part, lse_part = out, torch.empty(B, 1, rows, dtype=torch.float32, device=q.device) if gluon_split else out
     else:  # the Gluon kernel stores 16-bit partials (bf16: 2-22% faster than fp32, attention_h200.md session 13)
-        o_part = torch.empty(B, num_splits, rows, D_LAT, dtype=q.dtype if gluon_split and not asked else partials,
+        o_part = torch.empty(B, num_splits, rows, D_LAT, dtype=gluon_partials if gluon_split else partials,
                              device=q.device)
         lse_part = torch.empty(B, num_splits, rows, dtype=torch.float32, device=q.device)
     mask = cache_lens if causal else tree_mask.contiguous()
