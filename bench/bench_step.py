@@ -388,6 +388,9 @@ def main():
                         help="moe_configs.VARIANTS[NAME] on the sm_90 MoE entries up to --moe-variant-upto tokens")
     parser.add_argument("--moe-variant-upto", type=int, default=33,
                         help=f"the entries for at most this many tokens ({MAX_TOKENS}: the last entry too)")
+    parser.add_argument("--newer-triton-variant", default=None,
+                        help="moe_configs.VARIANTS[NAME] on every sm_90 MoE entry where the Triton is newer than the "
+                             "one the table was tuned on, in place of moe_configs.NEWER_TRITON's")
     parser.add_argument("--router-many", default=None,
                         help="router.MANY_ROWS as kind,block_n,block_k,warps,stages,waves[,tma] (the router's 2-128 "
                              "token logits on the skinny GEMM), or none (the logits kernel)")
@@ -436,6 +439,8 @@ def main():
             (max_m, moe_configs.with_variant(cfg, args.moe_variant)
              if (max_m or MAX_TOKENS) <= args.moe_variant_upto else cfg)
             for max_m, cfg in moe_configs.CONFIGS["sm_90"]]
+    if args.newer_triton_variant:
+        moe_configs.NEWER_TRITON["sm_90"] = dict.fromkeys(moe_configs.NEWER_TRITON["sm_90"], args.newer_triton_variant)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -451,6 +456,7 @@ def main():
                 sum_shared_in_norm=not args.moe_adds_shared, router_gemv=router.ONE_ROW_GEMV is not None,
                 router_many=router.MANY_ROWS and list(router.MANY_ROWS), linear_entries=args.linear_entry,
                 moe_variant=args.moe_variant and f"{args.moe_variant} up to M = {args.moe_variant_upto}",
+                newer_triton_moe=moe_configs.NEWER_TRITON["sm_90"],
                 attention_tail_split=not args.no_tail_split, absorb_output_tiles=absorb.OUTPUT_TILES,
                 attention_gluon=mla_attention.GLUON[90], attention_gluon_module=args.attention_gluon_module)
     meta["read_GBps"] = bw = read_GBps()

@@ -3,9 +3,10 @@
 # `bench_step.py` at 4k once per RUN (with PROBE_MOE=CONFIGS set: `probe_moe_step.py`, the step's own MoE calls
 # under those configs), in order, each run's raw json to $OUT. A RUN is `device` or `newest` (which
 # Triton), optionally followed by `:NAME=VALUE` settings for that run alone (a run with settings compiles into a
-# cache of its own, since an environment switch is not part of Triton's cache key). Runs stop being started once
-# LIMIT seconds have passed. The newest Triton travels as a stripped bundle (bench/make_triton_bundle.sh: the
-# wheel is 285 MB, over the device's 64 MiB transfer) and runs with the device's own ptxas.
+# cache of its own, since an environment switch is not part of Triton's cache key; STEP_ARGS=--flag=value passes
+# bench_step.py a flag). Runs stop being started once LIMIT seconds have passed. The newest Triton travels as a
+# stripped bundle (bench/make_triton_bundle.sh: the wheel is 285 MB, over the device's 64 MiB transfer) and runs with
+# the device's own ptxas.
 # Usage (device): bash bench/device_newest_triton.sh BUNDLE BUCKETS TEST_SECONDS LIMIT RUN...
 # (TEST_ARGS: pytest's options, -q by default; TEST_WORKERS: xdist processes, 8 by default; PROBES: python commands
 # run under the newest Triton after the tests, `;`-separated, each with `--out $OUT`).
@@ -50,7 +51,7 @@ PY
     continue
   fi
   env "${settings[@]}" bash -c "$triton python bench/bench_step.py --out /tmp/step_$i --contexts 4096 \
-    --buckets $BUCKETS --iters 5" >> "$OUT/step_runs.log" 2>&1 ||
+    --buckets $BUCKETS --iters 5 \$STEP_ARGS" >> "$OUT/step_runs.log" 2>&1 ||
     { echo "$name failed"; tail -20 "$OUT/step_runs.log"; continue; }
   cp "/tmp/step_$i/step.json" "$OUT/step_$name.json"
   python - "$OUT/step_$name.json" "$SECONDS" <<'PY'
