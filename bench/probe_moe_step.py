@@ -11,14 +11,12 @@ a block's BM rows is read once per block.
     python bench/probe_moe_step.py --out DIR --budgets 8,32,64,128 --configs default,bm16,bm32
 
 A config is a moe_configs.VARIANTS name (or one of EXTRA's) applied to the default entry of the call's M, or
-`entry:N`, the entry of the bucket holding N tokens. PROBE_DROP_ALL_FENCES=1 (a diagnostic, in a process and
-Triton cache of its own): configs with `one_fence` drop every proxy fence, not only the repeated ones.
+`entry:N`, the entry of the bucket holding N tokens.
 """
 
 import argparse
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -29,7 +27,7 @@ import bench_step as bs
 from bench_tree import graph_of
 from model.model import MoE
 import ops
-from triton_kernels import aot, moe_configs, moe_w4a16
+from triton_kernels import moe_configs, moe_w4a16
 
 EXTRA = {  # probe-only variants (merged into the entry like VARIANTS')
     "bm32": dict(BM=32, gate_up=dict(maxnreg=None)),
@@ -39,11 +37,8 @@ EXTRA = {  # probe-only variants (merged into the entry like VARIANTS')
     # larger BM adds MMA work but no FMAs
     **{f"bm{bm}_pre": dict(BM=bm, gate_up=dict(maxnreg=None, prescale=True), down=dict(prescale=True))
        for bm in (8, 16, 32, 64)},
-    # the tuned entries' dots as Triton 3.6 compiles them (wgmma, not prescaled), with every proxy fence a newer
-    # Triton puts in or one a loop trip (`aot.one_fence`)
+    # the tuned entries' dots as Triton 3.6 compiles them (wgmma, not prescaled), undoing moe_configs.NEWER_TRITON
     "wgmma_plain": dict(gate_up=dict(mma_v2=False, prescale=False), down=dict(mma_v2=False, prescale=False)),
-    "wgmma_plain_one_fence": dict(gate_up=dict(mma_v2=False, prescale=False, one_fence=True),
-                                  down=dict(mma_v2=False, prescale=False, one_fence=True)),
 }
 
 
@@ -108,9 +103,6 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
     moe_configs.VARIANTS.update(EXTRA)
-    drop_all = bool(os.environ.get("PROBE_DROP_ALL_FENCES"))
-    if drop_all:  # a diagnostic run (its own process and cache): `one_fence` configs drop every proxy fence instead
-        aot.drop_repeated_fences = lambda ptx: ptx.replace("\tfence.proxy.async.shared::cta;\n", "")
     budgets = [int(b) for b in args.budgets.split(",")]
     names = args.configs.split(",")
     t0 = time.perf_counter()
@@ -141,8 +133,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                triton=triton.__version__, context=args.context, iters=args.iters,
-                one_fence="every proxy fence dropped" if drop_all else "repeated proxy fences dropped")
+                triton=triton.__version__, context=args.context, iters=args.iters)
     (out / "moe_step.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
 
 

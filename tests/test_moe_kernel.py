@@ -384,75 +384,6 @@ def test_moe_rejects_bad_inputs():
         moe_w4a16.moe(torch.randn(2, 256).half().to(device()), ids.long(), weights, prepared)
 
 
-def test_drop_repeated_fences():
-    """`aot.drop_repeated_fences` keeps a proxy fence after anything it could order (a shared memory access, a
-    barrier, an async copy or its wait, a block label, a generic load or store) and drops one that repeats the
-    fence before it across register work, global accesses and wgmma only."""
-    from triton_kernels.aot import drop_repeated_fences
-
-    fence = "\tfence.proxy.async.shared::cta;\n"
-    work = "\tadd.s32 %r1, %r2, 1;\n\tld.global.b32 %r3, [%rd1];\n\twgmma.mma_async.sync.aligned.m64n16k16;\n$L__tmp7:\n"
-    ptx = (fence + work + fence + work + fence + "\tbar.sync 0;\n" + fence + work + "\tst.shared.b32 [%r1], %r2;\n"
-           + fence + fence + "$L__BB0_3:\n" + fence + "\tcp.async.wait_group 2;\n" + fence + "\tld.b32 %r4, [%rd2];\n"
-           + fence + "\t@%p1 bra $L__BB0_3;\n" + fence)
-    kept = drop_repeated_fences(ptx)
-    assert kept.replace(fence, "F") == ("F" + work + work + "\tbar.sync 0;\nF" + work + "\tst.shared.b32 [%r1], %r2;\nF"
-                                        + "$L__BB0_3:\nF\tcp.async.wait_group 2;\nF\tld.b32 %r4, [%rd2];\nF"
-                                        + "\t@%p1 bra $L__BB0_3;\n")
-    assert drop_repeated_fences(kept) == kept
-
-
-def test_one_fence_sets_and_restores_the_hook():
-    """`aot.one_fence`: Triton's stages hook is ours while enabled only, and put back as it was afterwards, also when
-    the launch raises; the hook keys the cache and wraps the PTX stage with drop_repeated_fences."""
-    from triton import knobs
-
-    from triton_kernels.aot import one_fence
-
-    before = knobs.runtime.add_stages_inspection_hook
-    with one_fence():
-        hook = knobs.runtime.add_stages_inspection_hook
-        assert hook is not before and hook()[1]
-        stages = {"ptx": lambda src, metadata: src}
-        hook(None, stages, None, None, 90)
-        assert stages["ptx"]("fence.proxy.async;\nfence.proxy.async;\n", {}) == "fence.proxy.async;\n"
-    assert knobs.runtime.add_stages_inspection_hook is before
-    with one_fence(False):
-        assert knobs.runtime.add_stages_inspection_hook is before
-    with pytest.raises(RuntimeError), one_fence():
-        raise RuntimeError("launch failed")
-    assert knobs.runtime.add_stages_inspection_hook is before
-
-
-FENCES_OF_ENTRY = """
-import json
-from triton_kernels.aot import compile_kernel
-from triton_kernels.moe_configs import CONFIGS, with_variant
-from triton_kernels.moe_w4a16 import compile_specs, jit_specialisation
-cfg = dict(CONFIGS["sm_90"])[None]
-out = {}
-for name, entry in (("tuned", cfg), ("one_fence", with_variant(cfg, "wgmma_one_fence"))):
-    kernel, launch = compile_specs(entry, arch=90)[0]
-    ptx = compile_kernel(kernel, *launch, **jit_specialisation(kernel, *launch[:2])).asm["ptx"]
-    out[name] = dict(fences=ptx.count("fence.proxy.async"), wgmma=ptx.count("wgmma.mma_async"))
-print(json.dumps(out))
-"""
-
-
-def test_one_fence_entry_keeps_one_fence_a_loop_half():
-    """The M >= 129 entry's gate/up for sm_90 (wgmma reading cp.async buffers): Triton newer than 3.6 puts a proxy
-    fence before each of its 16 wgmma groups a K-loop trip (3.6 none); with `wgmma_one_fence` the PTX keeps one after
-    each of the trip's two barriers (where the buffers' new contents become visible) and the same wgmma."""
-    from triton_kernels.moe_configs import TUNED_TRITON, triton_version
-
-    out = compiled_in_child(FENCES_OF_ENTRY)
-    assert out["one_fence"]["wgmma"] == out["tuned"]["wgmma"] > 0, out
-    if triton_version() > TUNED_TRITON:
-        assert out["tuned"]["fences"] >= 16 and 1 <= out["one_fence"]["fences"] <= 4, out
-    else:
-        assert out["tuned"]["fences"] == out["one_fence"]["fences"], out
-
-
 @requires_gpu
 @pytest.mark.parametrize("M", [1, 8, 64, 256], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("E,I", [(384, 256), (48, 2048)], ids=["tp8", "ep8"])
@@ -465,7 +396,7 @@ def test_moe_k26_shapes_gpu(M, E, I):
 
 @requires_gpu
 @pytest.mark.parametrize("variant", ["default", "k_swap8_pre", "device_split", "prescale", "mma_v2",
-                                     "mma_v2_prescale", "wgmma_one_fence"])
+                                     "mma_v2_prescale"])
 def test_moe_variants_in_a_graph_gpu(variant):
     """The entries (the two-launch decode path with programmatic dependent launch up to M = 4, the routing pass
     above) and the variants (the routing-pass entry at small M, the device-split gate/up with the persistent

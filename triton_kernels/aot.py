@@ -71,57 +71,6 @@ def mma_v2_only(enabled=True):
             os.environ["DISABLE_MMA_V3"] = before
 
 
-# A PTX line after which a proxy fence may order something new: shared memory touched (a generic ld/st may address
-# it), threads synchronised, async copies issued or waited for, or a basic block entered (reachable from elsewhere)
-_FENCE_RESET = re.compile(r"^(\$L__BB|(@\S+\s+)?(bar|barrier|mbarrier|cp\.|ld|st|atom|red|ldmatrix|stmatrix|tcgen05|call|ret)\b)")
-_GLOBAL_ONLY = re.compile(r"^(@\S+\s+)?(ld|st|atom|red)\.(global|param|local|const)\b")
-
-
-def drop_repeated_fences(ptx):
-    """PTX without each `fence.proxy.async` that repeats the one before it with nothing in between that it could
-    order: no shared memory access, synchronisation, async copy or block boundary (`_FENCE_RESET`). Triton newer
-    than 3.6 puts one before every wgmma that reads a cp.async buffer, 16 a K-loop trip in the MoE kernels, where
-    the first after the loop's barrier already orders them all."""
-    out, fenced = [], False
-    for line in ptx.splitlines(keepends=True):
-        code = line.strip()
-        if code.startswith("fence.proxy.async"):
-            if fenced:
-                continue
-            fenced = True
-        elif _FENCE_RESET.match(code) and not _GLOBAL_ONLY.match(code):
-            fenced = False
-        out.append(line)
-    return "".join(out)
-
-
-def _one_fence_hook(*args):
-    """Triton's stages hook (knobs.runtime.add_stages_inspection_hook): with no arguments the (key, hash) it adds to
-    the cache key; with (backend, stages, options, language, capability) it wraps the PTX stage."""
-    if not args:
-        return "drop_repeated_fences", "drop_repeated_fences-1"
-    stages = args[1]
-    make_ptx = stages["ptx"]
-    stages["ptx"] = lambda src, metadata: drop_repeated_fences(make_ptx(src, metadata))
-
-
-@contextlib.contextmanager
-def one_fence(enabled=True):
-    """While enabled: the PTX of the kernels compiled has its repeated proxy fences dropped (`drop_repeated_fences`),
-    through Triton's stages hook, put back as it was afterwards. Around a launch, as `mma_v2_only`."""
-    from triton import knobs
-
-    if not enabled:
-        yield
-        return
-    before = knobs.runtime.add_stages_inspection_hook
-    knobs.runtime.add_stages_inspection_hook = _one_fence_hook
-    try:
-        yield
-    finally:
-        knobs.runtime.add_stages_inspection_hook = before
-
-
 def compile_kernel(kernel, signature, constexprs, arch=120, num_warps=4, num_stages=2, maxnreg=None, aligned=False,
                    divisible=(), ones=()):
     """The compiled `kernel` for sm_<arch> (its .asm holds the PTX and cubin).
@@ -130,8 +79,7 @@ def compile_kernel(kernel, signature, constexprs, arch=120, num_warps=4, num_sta
     (without it, loads are not vectorised, nor pipelined, and shared memory is under-counted); `divisible`
     names integer arguments that are multiples of 16 at run time, which the JIT marks the same way, and `ones`
     those equal to 1, which the JIT compiles as constants. maxnreg caps the registers a thread, as the launch
-    option does. A true MMA_V2 constexpr compiles the dots to mma.sync, as its launch does (`mma_v2_only`), a true
-    ONE_FENCE drops repeated proxy fences (`one_fence`).
+    option does. A true MMA_V2 constexpr compiles the dots to mma.sync, as its launch does (`mma_v2_only`).
     """
     signature = {k: v for k, v in signature.items() if k not in ones}
     constexprs = {**constexprs, **{k: 1 for k in ones}}
@@ -139,7 +87,7 @@ def compile_kernel(kernel, signature, constexprs, arch=120, num_warps=4, num_sta
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
              for name, ty in full.items() if (aligned and ty.startswith("*")) or name in divisible}
     src = ASTSource(fn=kernel, signature=full, constexprs=constexprs, attrs=attrs)
-    with mma_v2_only(constexprs.get("MMA_V2", False)), one_fence(constexprs.get("ONE_FENCE", False)):
+    with mma_v2_only(constexprs.get("MMA_V2", False)):
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                   options={"num_warps": num_warps, "num_stages": num_stages,
                                            **({"maxnreg": maxnreg} if maxnreg else {})})

@@ -125,9 +125,6 @@ VARIANTS = {
     # the dots compiled to mma.sync, not wgmma (aot.mma_v2_only), as Triton 3.6 compiles the BM 8 entries
     "mma_v2": dict(gate_up=dict(mma_v2=True), down=dict(mma_v2=True)),
     "mma_v2_prescale": dict(gate_up=dict(mma_v2=True, prescale=True), down=dict(mma_v2=True, prescale=True)),
-    # wgmma with one proxy fence a K-loop trip, not one before each wgmma as Triton newer than 3.6 emits (aot.one_fence;
-    # on 3.6, which emits none there, the entry itself)
-    "wgmma_one_fence": dict(gate_up=dict(mma_v2=False, one_fence=True), down=dict(mma_v2=False, one_fence=True)),
 }
 
 

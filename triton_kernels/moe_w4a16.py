@@ -13,7 +13,6 @@ between calls (`_decode_scratch`); the last program to arrive at a tile's counte
 in x's dtype: no cast) and zeroes the sums and the counter again.
 """
 
-import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import pdl
-from triton_kernels.aot import mma_v2_only, one_fence
+from triton_kernels.aot import mma_v2_only
 from triton_kernels.counters import arrival_counters
 from triton_kernels.moe_configs import config_for, layout_for, sm_count
 
@@ -330,8 +329,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
                     EVEN_N: tl.constexpr, DECODE: tl.constexpr, PANEL: tl.constexpr,
                     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
                     SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr = False,
-                    PRESCALE: tl.constexpr = False, MMA_V2: tl.constexpr = False,
-                    ONE_FENCE: tl.constexpr = False):
+                    PRESCALE: tl.constexpr = False, MMA_V2: tl.constexpr = False):
     """h[slot, n] = silu(x W_gate^T) * (x W_up^T) for block pid 0's rows and N tile pid 1 of the intermediate.
 
     With SPLIT, pid 2 of split_k sums a range of slabs into part; the last split to arrive finishes the tile:
@@ -445,8 +443,7 @@ def _planned_gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, s
                             S_PAD: tl.constexpr, COST: tl.constexpr, EVEN_N: tl.constexpr, PANEL: tl.constexpr,
                             MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
                             SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, PRESCALE: tl.constexpr,
-                            PDL: tl.constexpr = False, MMA_V2: tl.constexpr = False,
-                            ONE_FENCE: tl.constexpr = False):
+                            PDL: tl.constexpr = False, MMA_V2: tl.constexpr = False):
     """`_gate_up_kernel` after the routing pass with the K split decided on the device: G programs take the work
     items (block, N tile, split) g, g + G, ... of the nb blocks the routing pass filled (nb_ptr), the split
     from `_plan_split` (the real number of blocks, not a host estimate). A split stores its partial tiles
@@ -622,8 +619,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, counter_ptr, weights_ptr, 
                  DECODE: tl.constexpr, PANEL: tl.constexpr, TILES: tl.constexpr,
                  MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr,
                  SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr, ONE_SLAB: tl.constexpr = False,
-                 PDL: tl.constexpr = False, PRESCALE: tl.constexpr = False, MMA_V2: tl.constexpr = False,
-                 ONE_FENCE: tl.constexpr = False):
+                 PDL: tl.constexpr = False, PRESCALE: tl.constexpr = False, MMA_V2: tl.constexpr = False):
     """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tiles TILES * pid 1 ..
     TILES * pid 1 + TILES - 1 (one after the other), K split pid 2 (layout arguments and SWAP as in
     `_gate_up_kernel`). With DECODE, out is the zeroed fp32 sums [M, D] and the last program of a token's
@@ -660,8 +656,7 @@ def _persistent_down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_pt
                             EVEN_N: tl.constexpr, PANEL: tl.constexpr, TILES: tl.constexpr, MAGIC: tl.constexpr,
                             MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
                             LOP3: tl.constexpr, AHEAD: tl.constexpr, ONE_SLAB: tl.constexpr,
-                            PRESCALE: tl.constexpr, PDL: tl.constexpr = False, MMA_V2: tl.constexpr = False,
-                            ONE_FENCE: tl.constexpr = False):
+                            PRESCALE: tl.constexpr, PDL: tl.constexpr = False, MMA_V2: tl.constexpr = False):
     """`_down_kernel` after the routing pass on a persistent grid: G programs take the work items (block, group of
     TILES N tiles, K split) g, g + G, ... of the nb blocks the routing pass filled (nb_ptr), so no program is
     launched for the empty blocks of the static grid (cdiv(M k, BM) + min(E, M k) blocks, most of them empty when
@@ -812,30 +807,21 @@ def _expected_experts(E, pairs):
 
 
 def _flags(kernel_cfg, N, ptx=True):
-    """LEAN / EVEN_N / SWAP / LOP3 / AHEAD / PRESCALE / MMA_V2 / ONE_FENCE constexprs of a kernel config: `lean` carries the slab
+    """LEAN / EVEN_N / SWAP / LOP3 / AHEAD / PRESCALE / MMA_V2 constexprs of a kernel config: `lean` carries the slab
     pointers across the K loop, drops the column masks when BN divides N and loads a block's pair ids with its
     expert; `swap` computes the transposed tile, weights as the MMA's M
     operand (`_slab_dot`); `lop3` dequantises with one PTX lop3 for the mask and the magic exponent
     (`_unpack_group`), the same result as the plain form the interpreter runs (ptx=False); `scales_ahead` loads
     each slab's group scales one slab early; `prescale` scales the weights before the MMA (`_slab_dot`); `mma_v2`
-    compiles the dots to mma.sync (`aot.mma_v2_only`) and `one_fence` drops repeated proxy fences (`aot.one_fence`;
-    these two constexprs only key the compiled kernel)."""
+    compiles the dots to mma.sync (`aot.mma_v2_only`; the constexpr itself only keys the compiled kernel)."""
     lean = kernel_cfg.get("lean", False)
     return dict(LEAN=lean, EVEN_N=lean and N % kernel_cfg["BN"] == 0,
                 SWAP=kernel_cfg.get("swap", False), LOP3=ptx and kernel_cfg.get("lop3", False),
                 AHEAD=kernel_cfg.get("scales_ahead", False), PRESCALE=kernel_cfg.get("prescale", False),
-                MMA_V2=kernel_cfg.get("mma_v2", False), ONE_FENCE=kernel_cfg.get("one_fence", False))
+                MMA_V2=kernel_cfg.get("mma_v2", False))
 
 
-_PERSISTENT_FLAGS = ("SWAP", "LOP3", "AHEAD", "PRESCALE", "MMA_V2", "ONE_FENCE")  # the _flags the persistent kernels take
-
-
-@contextlib.contextmanager
-def _compiled_as(kernel_cfg):
-    """Around a kernel config's launch: its compile switches (`mma_v2`: dots to mma.sync, `one_fence`: repeated proxy
-    fences dropped; `aot`), so that each kernel is compiled at its first launch as its config asks."""
-    with mma_v2_only(kernel_cfg.get("mma_v2", False)), one_fence(kernel_cfg.get("one_fence", False)):
-        yield
+_PERSISTENT_FLAGS = ("SWAP", "LOP3", "AHEAD", "PRESCALE", "MMA_V2")  # the _flags the persistent kernels take
 
 
 def _launch(kernel_cfg, use_pdl):
@@ -1028,7 +1014,7 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
     gu_layout = _layout(experts.gate_up, experts.gate_up_scale, experts.panel_gate_up, gu_bn, up=I)
     dn_layout = _layout(experts.down, experts.down_scale, experts.panel_down, dn_bn)
     g, d = cfg["gate_up"], cfg["down"]
-    with _compiled_as(g):
+    with mma_v2_only(g.get("mma_v2", False)):  # each kernel compiled (at its first launch) as its config asks
         if not decode and planned:
             _planned_gate_up(x, experts, h, counters, sorted_pairs, block_expert, nb, g, BM, top_k, ptx, use_pdl)
         else:
@@ -1038,7 +1024,7 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
                 part.stride(0) if gu_split > 1 and not decode else 0, **gu_layout,
                 TOP_K=top_k, BM=BM, BN=gu_bn, SPLIT=gu_split > 1, EVEN_K=D % SLAB == 0, **_flags(g, I, ptx),
                 DECODE=decode, PDL=use_pdl, **_launch(g, use_pdl), **magic)
-    with _compiled_as(d):
+    with mma_v2_only(d.get("mma_v2", False)):
         if not decode and d.get("persistent", False):
             _persistent_down(h, experts, out, topk_weights, sorted_pairs, block_expert, nb, d, BM, top_k, dn_per_cta,
                              dn_split, dn_per_split, x.dtype, ptx, use_pdl)
