@@ -54,11 +54,5 @@ PY
     --buckets $BUCKETS --iters 5 \$STEP_ARGS" >> "$OUT/step_runs.log" 2>&1 ||
     { echo "$name failed"; tail -20 "$OUT/step_runs.log"; continue; }
   cp "/tmp/step_$i/step.json" "$OUT/step_$name.json"
-  python - "$OUT/step_$name.json" "$SECONDS" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for r in d["rows"]:  # the verify, and its eager profile's five largest kernels (us over the 61 layers)
-    print(sys.argv[1].split("/")[-1], f"{sys.argv[2]}s", r["budget"], round(r["verify_graph_ms"], 3),
-          round(r["verify_graph_over_floor"], 2), [(k[0][:24], k[1], round(k[2])) for k in r["top_kernels"][:6]])
-PY
+  python bench/step_summary.py "$OUT/step_$name.json" --tag "${SECONDS}s"
 done

@@ -14,11 +14,5 @@ for run in base flags base2 flags2; do
   python bench/bench_step.py --out "/tmp/step_$run" --contexts 4096 --buckets "$BUCKETS" --iters 5 $args \
     >> "$OUT/step_ab.log" 2>&1 || { echo "$run failed"; tail -20 "$OUT/step_ab.log"; }
   cp "/tmp/step_$run/step.json" "$OUT/step_$run.json"
-  python - "$OUT/step_$run.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for r in d["rows"]:  # the verify, and its eager profile's projections and norms (us over the 61 layers)
-    print(sys.argv[1].split("/")[-1], r["budget"], round(r["verify_graph_ms"], 3), round(r["verify_graph_over_floor"], 2),
-          [k for k in r["top_kernels"] if "gemv" in k[0] or "norm" in k[0]])
-PY
+  python bench/step_summary.py "$OUT/step_$run.json" --match gemv,norm
 done
