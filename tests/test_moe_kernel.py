@@ -254,15 +254,15 @@ def test_configs_by_intermediate_size():
 
 def test_configs_on_a_newer_triton(monkeypatch):
     """moe_configs.NEWER_TRITON: on a Triton newer than the one the table was tuned on, every sm_90 entry of the
-    TP8 shape compiles its dots to mma.sync (prescaled from 129 tokens on); on the tuned Triton and where
-    BY_INTERMEDIATE has an entry, nothing changes."""
+    TP8 shape compiles its dots to mma.sync (prescaled from 129 tokens on); EP8's prescaled M = 1 entry does too
+    (NEWER_TRITON_BY_INTERMEDIATE), its 16-row blocks at 34-128 tokens do not; on the tuned Triton nothing changes."""
     from triton_kernels import moe_configs
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(moe_configs, "triton_version", lambda: moe_configs.TUNED_TRITON)
     tuned = {M: moe_configs.config_for(cpu, M) for M in (1, 4, 9, 33, 65, 129, 600)}
-    ep8 = moe_configs.config_for(cpu, 1, intermediate=2048)
-    assert not any(cfg[k].get("mma_v2") for cfg in tuned.values() for k in ("gate_up", "down"))
+    ep8 = {M: moe_configs.config_for(cpu, M, intermediate=2048) for M in (1, 4, 64)}
+    assert not any(cfg[k].get("mma_v2") for cfg in [*tuned.values(), *ep8.values()] for k in ("gate_up", "down"))
     monkeypatch.setattr(moe_configs, "triton_version", lambda: (3, 9))
     for M, cfg in tuned.items():
         newer = moe_configs.config_for(cpu, M)
@@ -270,7 +270,10 @@ def test_configs_on_a_newer_triton(monkeypatch):
         assert newer["gate_up"].get("prescale", False) == (M >= 129 or cfg["gate_up"].get("prescale", False)), M
         assert {k: v for k, v in newer.items() if k not in ("gate_up", "down")} == \
             {k: v for k, v in cfg.items() if k not in ("gate_up", "down")}
-    assert moe_configs.config_for(cpu, 1, intermediate=2048) == ep8
+    assert moe_configs.config_for(cpu, 1, intermediate=2048) == moe_configs.with_variant(ep8[1], "mma_v2")
+    assert moe_configs.config_for(cpu, 1, intermediate=2048)["gate_up"]["prescale"]
+    assert moe_configs.config_for(cpu, 4, intermediate=2048) == moe_configs.config_for(cpu, 4)
+    assert moe_configs.config_for(cpu, 64, intermediate=2048) == ep8[64]
 
 
 def test_mma_v2_only_sets_and_restores_the_switch(monkeypatch):

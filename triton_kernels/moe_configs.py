@@ -141,8 +141,14 @@ BY_INTERMEDIATE = {"sm_90": {2048: {1: "prescale", 128: "bm16"}}}
 # 09:03-09:06 UTC, us a layer at M = 1 / 9 / 33 / 129; bench/results/moe_step_h200_s23_*.json): Triton 3.6's
 # entries 20.1 / 57.2 / 99.4 / 195.6; on 3.9 22.3 / 78.0 / 146.9 / 247.6, with `mma_v2` 19.9 / 57.5 / 100.3 / 240.8,
 # with `mma_v2_prescale` 19.7 / 60.7 / 106.6 / 206.8. M = 34-128 was not timed on 3.9; it takes `mma_v2` as the
-# BM 8 entries below it do. Not applied where BY_INTERMEDIATE has an entry (EP8: not timed on 3.9)
+# BM 8 entries below it do. Where BY_INTERMEDIATE has an entry, NEWER_TRITON_BY_INTERMEDIATE's variant (if any)
+# applies on top of it instead
 NEWER_TRITON = {"sm_90": {1: "mma_v2", 4: "mma_v2", 33: "mma_v2", 128: "mma_v2", None: "mma_v2_prescale"}}
+# EP8 on Triton 3.9 (bench_moe.py --variants --shape ep8, an H100, 2026-12-06 04:20 UTC, us; both Tritons in one
+# call, bench/results/moe_variants_ep8_h100_s26_triton{36,39}.md): M = 1, the prescaled entry 94.3 on 3.9's wgmma,
+# 86.9 with `mma_v2` (3.6: 87.0). M = 64 / 128, BM 16: 522.8 / 903.2 on wgmma, `mma_v2` 561.2 / 929.0,
+# `mma_v2_prescale` 510.7 / 899.4 (2% / 0.4%, not adopted; 3.6: 529.5 / 806.0, so M = 128 is 12% slower on 3.9)
+NEWER_TRITON_BY_INTERMEDIATE = {"sm_90": {2048: {1: "mma_v2"}}}
 TUNED_TRITON = (3, 6)
 
 
@@ -180,12 +186,18 @@ def arch_of(device):
 
 def config_for(device, M, table=None, intermediate=None):
     """The entry for M tokens on `device`'s architecture (sm_90's for an architecture without its own), with the
-    BY_INTERMEDIATE override of its bucket for experts of that intermediate size, if any, else on a Triton newer
-    than TUNED_TRITON the NEWER_TRITON one."""
+    BY_INTERMEDIATE override of its bucket for experts of that intermediate size, if any, and on a Triton newer
+    than TUNED_TRITON the NEWER_TRITON_BY_INTERMEDIATE one on top of it (the NEWER_TRITON one where BY_INTERMEDIATE
+    has none)."""
     arch = arch_of(device)
     max_m, cfg = next((max_m, cfg) for max_m, cfg in (table or CONFIGS).get(arch, CONFIGS["sm_90"])
                       if max_m is None or M <= max_m)
-    name = BY_INTERMEDIATE.get(arch, {}).get(intermediate, {}).get(max_m)
-    if name is None and triton_version() > TUNED_TRITON:
-        name = NEWER_TRITON.get(arch, {}).get(max_m)
-    return with_variant(cfg, name) if name else cfg
+    by_size = BY_INTERMEDIATE.get(arch, {}).get(intermediate, {}).get(max_m)
+    names = [by_size] if by_size else []
+    if triton_version() > TUNED_TRITON:
+        newer = (NEWER_TRITON_BY_INTERMEDIATE.get(arch, {}).get(intermediate, {}) if by_size
+                 else NEWER_TRITON.get(arch, {}))
+        names.append(newer.get(max_m))
+    for name in filter(None, names):
+        cfg = with_variant(cfg, name)
+    return cfg
