@@ -373,6 +373,24 @@ def test_timeline_probe_stamps_the_committed_kernels(monkeypatch):
     sys.modules.pop("stamped_gluon", None)
 
 
+def test_ab_probe_options_set_module_settings_for_a_variant(monkeypatch):
+    """bench/probe_attention_ab.py: an --option's tuple values keep their commas, and a dotted name is set on
+    triton_kernels' module only while its variant runs."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
+    import probe_attention_ab
+    from triton_kernels import mla_attention as mk
+
+    option = "mla_attention.TAIL_SPLIT={90: (1, 2)},tail_split=False"
+    variant = dict(probe_attention_ab._option(part) for part in probe_attention_ab._split_option(option))
+    assert variant == {"mla_attention.TAIL_SPLIT": {90: (1, 2)}, "tail_split": False}
+    before = mk.TAIL_SPLIT
+    with probe_attention_ab.module_settings({"mla_attention.TAIL_SPLIT": {90: (1, 2)}}):
+        assert mk.TAIL_SPLIT == {90: (1, 2)}
+    assert mk.TAIL_SPLIT is before
+
+
 GLUON_CASES = [  # B, T, H, lens, tree kind, num_splits (None: the launcher's), tail split
     (1, 1, 8, [37], "chain", None, None),
     (1, 1, 64, [4100], "chain", 7, False),  # odd and even tile counts a split, a ragged last tile (seesaw's pairs)
