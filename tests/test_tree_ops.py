@@ -8,7 +8,7 @@ import torch
 import ops
 from ops.attention import tree_mask_dense
 from ops.tree import Tree, sampling_floor
-from spec.tree_ref import build_tree_heapq, walk
+from tests.tree_ref import build_tree_heapq, walk
 from tests.conftest import compiled_in_child, gpu, requires_triton
 
 TREE_FIELDS = ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "num_nodes")

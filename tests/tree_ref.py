@@ -1,5 +1,5 @@
-"""Plain-Python DDTree reference (heapq, host walk): the oracle the tree ops are tested against, and the host
-path the benchmark compares with. Scores are fp32 sums, as on the device."""
+"""Plain-Python DDTree (heapq tree build, host walk): the oracle the tree ops are tested against (the tree
+benchmark times it as the host path). Scores are fp32 sums, as on the device."""
 
 import heapq
 
