@@ -7,6 +7,7 @@ import ops
 from model.config import preset
 from model.model import Attention, KimiModel
 from tests.conftest import rel_err
+from tests.tree_ref import tree_visibility
 
 
 def tiny_model(name="tiny", seed=0):
@@ -70,9 +71,7 @@ def test_tree_verify_equals_each_root_to_node_path():
     cache = model.new_cache(1, 64)
     model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache)
     cache.advance([len(prompt)])
-    visible = torch.zeros(1, n, n, dtype=torch.bool)
-    for i in range(n):
-        visible[0, i, ancestors(parents, i)] = True
+    visible = tree_visibility(parents)[None]
     out = model(tree_tokens[None], (len(prompt) + depths)[None], cache, tree_mask=ops.pack_tree_mask(visible))
 
     for i in range(n):
