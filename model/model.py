@@ -41,8 +41,8 @@ class Attention(nn.Module):
         D, H, R = cfg.hidden_size, self.heads, cfg.kv_lora_rank
         # The down-projections that read x ([q_a ;] kv_a) are views of one buffer, so one GEMM reads both;
         # state_dict and the loader see the two views (the joint buffer is not persistent).
-        down_rows = (cfg.q_lora_rank or 0) + cfg.cache_entry_dim
-        self.register_buffer("down_proj_weight", torch.empty(down_rows, D, dtype=dtype, device=device), persistent=False)
+        down = torch.empty((cfg.q_lora_rank or 0) + cfg.cache_entry_dim, D, dtype=dtype, device=device)
+        self.register_buffer("down_proj_weight", down, persistent=False)
         if cfg.q_lora_rank:
             self.q_a_proj = Tensors(weight=None)
             self.q_a_layernorm = Tensors.empty((cfg.q_lora_rank,), dtype, device)

@@ -287,7 +287,7 @@ def sequential_compact(kv, starts, path, path_len, hidden):
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])
 def test_compact(dtype, backend):
     gen = torch.Generator().manual_seed(4)
-    layers, B, L1, N1, D, F = 3, 4, 6, 9, 576, 300
+    layers, B, N1, D, F = 3, 4, 9, 576, 300
     kv = torch.randn(layers, B + 2, 40, D, generator=gen).to(dtype)
     hidden = torch.randn(B, N1, F, generator=gen).to(dtype)
     starts = torch.tensor([0, 5, 17, 30], dtype=torch.int32)
