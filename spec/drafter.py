@@ -21,9 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ops
-from ops._backend import dispatch, register
 from model.config import read_config_json
-from model.model import Tensors
+from model.model import Tensors, fill_random_
 from model.parallel import Parallel
 
 
@@ -150,57 +149,6 @@ def check_drafter_fits(dcfg, tcfg):
                          f"{tcfg.num_hidden_layers} layers")
 
 
-# --- the drafter's attention op -------------------------------------------------------------------------------
-
-def drafter_attention(q, k_cache, v_cache, lens, max_len, scale):
-    """Non-causal GQA attention of a block of queries over each sequence's first lens[b] cache entries.
-
-    q: [B, S, H, hd]; k_cache, v_cache: [B, L_max, KVH, hd] (H a multiple of KVH; query head h reads kv head
-    h // (H/KVH)); lens: [B] int32 entries visible to every query of row b (context then the block itself);
-    max_len: host int >= max(lens) bounding the work without a device sync; scale: softmax scale.
-    Returns [B, S, H, hd] in q's dtype.
-    """
-    B, S, H, hd = q.shape
-    if k_cache.shape != v_cache.shape or k_cache.shape[0] < B or k_cache.shape[-1] != hd or H % k_cache.shape[2]:
-        raise ValueError(f"drafter_attention: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
-                         f"{tuple(v_cache.shape)} do not fit")
-    if lens.shape != (B,) or lens.dtype != torch.int32 or not 0 < max_len <= k_cache.shape[1]:
-        raise ValueError(f"drafter_attention: lens {tuple(lens.shape)} {lens.dtype} / max_len {max_len} do not fit")
-    return dispatch("drafter_attention", q.device)(q, k_cache, v_cache, lens, max_len, scale)
-
-
-def drafter_attention_torch(q, k_cache, v_cache, lens, max_len, scale):
-    """Each key/value head's query heads and block positions folded into one [G*S, hd] matrix: two batched GEMMs
-    over the context, which keep every SM streaming it. (A flash-attention forward, SDPA's fused kernel,
-    parallelises over heads and 64-query tiles only: 4 programs for one TP8 rank's block, 0.66 ms a layer at 32k
-    on an H200.) On CUDA, half inputs go into the GEMMs as they are, with fp32 accumulation and fp32 scores and
-    softmax, and the probabilities are rounded to the input dtype for the second GEMM, as flash attention does
-    (upcasting the context to fp32 instead cost a copy and a SIMT GEMM: 0.2 ms a layer at 32k); elsewhere all
-    of it is fp32. Temporaries: the [G*S, M] scores and probabilities per key/value head."""
-    B, S, H, hd = q.shape
-    kvh = k_cache.shape[2]
-    group = H // kvh
-    half = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-    dtype = q.dtype if half else torch.float32
-    k = k_cache[:B, :max_len].transpose(1, 2).to(dtype).reshape(B * kvh, max_len, hd)
-    v = v_cache[:B, :max_len].transpose(1, 2).to(dtype).reshape(B * kvh, max_len, hd)
-    rows = q.view(B, S, kvh, group, hd).permute(0, 2, 3, 1, 4).reshape(B * kvh, group * S, hd).to(dtype)
-    scores = _bmm_fp32(rows, k.transpose(1, 2)).view(B, kvh, group * S, max_len)
-    visible = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [B, M]
-    scores = torch.where(visible[:, None, None, :], scores * scale, float("-inf"))
-    probs = scores.softmax(-1).to(dtype).view(B * kvh, group * S, max_len)
-    out = _bmm_fp32(probs, v).view(B, kvh, group, S, hd)
-    return out.permute(0, 3, 1, 2, 4).reshape(B, S, H, hd).to(q.dtype)
-
-
-def _bmm_fp32(a, b):
-    """a @ b batched, in fp32 (half inputs on CUDA: fp32 accumulation and output without upcasting them)."""
-    return torch.bmm(a, b) if a.dtype == torch.float32 else torch.bmm(a, b, out_dtype=torch.float32)
-
-
-register("drafter_attention", drafter_attention_torch)
-
-
 # --- the context cache ----------------------------------------------------------------------------------------
 
 class DraftCache:
@@ -240,17 +188,7 @@ def write_rows(k_cache, v_cache, k, v, B, starts):
         ops.write_kv(cache.flatten(2), new.reshape(B, -1, cache.shape[2] * cache.shape[3]), starts)
 
 
-def add_rms_norm(x, residual, weight, eps):
-    """ops.add_rms_norm over [B, S, D] (it takes rows): (x + residual, its norm), both [B, S, D]."""
-    h, normed = ops.add_rms_norm(x.flatten(0, 1), residual.flatten(0, 1), weight, eps)
-    return h.view_as(x), normed.view_as(x)
-
-
 # --- the model ------------------------------------------------------------------------------------------------
-
-def _empty(shape, dtype, device):
-    return torch.empty(shape, dtype=dtype, device=device)
-
 
 class DrafterAttention(nn.Module):
     """GQA attention; under tensor parallelism this rank holds heads / tp query and key/value heads."""
@@ -261,12 +199,12 @@ class DrafterAttention(nn.Module):
         _, H = par.shard(cfg.num_attention_heads, "drafter attention heads")
         _, KVH = par.shard(cfg.num_key_value_heads, "drafter key/value heads")
         self.cfg, self.par, self.heads, self.kv_heads = cfg, par, H, KVH
-        self.q_proj = Tensors(weight=_empty((H * hd, D), dtype, device))
-        self.k_proj = Tensors(weight=_empty((KVH * hd, D), dtype, device))
-        self.v_proj = Tensors(weight=_empty((KVH * hd, D), dtype, device))
-        self.o_proj = Tensors(weight=_empty((D, H * hd), dtype, device))
-        self.q_norm = Tensors(weight=_empty((hd,), dtype, device))
-        self.k_norm = Tensors(weight=_empty((hd,), dtype, device))
+        self.q_proj = Tensors.empty((H * hd, D), dtype, device)
+        self.k_proj = Tensors.empty((KVH * hd, D), dtype, device)
+        self.v_proj = Tensors.empty((KVH * hd, D), dtype, device)
+        self.o_proj = Tensors.empty((D, H * hd), dtype, device)
+        self.q_norm = Tensors.empty((hd,), dtype, device)
+        self.k_norm = Tensors.empty((hd,), dtype, device)
 
     def keys_values(self, x, positions, rope):
         """x: [N, D] -> roped, k-normed keys [N, KVH, hd] and values [N, KVH, hd]."""
@@ -284,7 +222,7 @@ class DrafterAttention(nn.Module):
         q = ops.linear(flat, self.q_proj.weight).view(B * S, self.heads, cfg.head_dim)
         q = ops.head_norm_rope(q, self.q_norm.weight, cfg.rms_norm_eps, positions, *rope)
         write_rows(k_cache, v_cache, *self.keys_values(flat, positions, rope), B, starts)
-        o = drafter_attention(q.view(B, S, *q.shape[1:]), k_cache, v_cache, lens_after, max_len,
+        o = ops.drafter_attention(q.view(B, S, *q.shape[1:]), k_cache, v_cache, lens_after, max_len,
                               cfg.head_dim ** -0.5)
         return self.par.all_reduce(ops.linear(o.reshape(B, S, -1), self.o_proj.weight))
 
@@ -295,12 +233,12 @@ class DrafterLayer(nn.Module):
         D = cfg.hidden_size
         _, inter = par.shard(cfg.intermediate_size, "drafter intermediate_size")
         self.cfg, self.par = cfg, par
-        self.input_layernorm = Tensors(weight=_empty((D,), dtype, device))
-        self.post_attention_layernorm = Tensors(weight=_empty((D,), dtype, device))
+        self.input_layernorm = Tensors.empty((D,), dtype, device)
+        self.post_attention_layernorm = Tensors.empty((D,), dtype, device)
         self.self_attn = DrafterAttention(cfg, par, dtype, device)
         self.mlp = nn.Module()
-        self.mlp.gate_up = Tensors(weight=_empty((2 * inter, D), dtype, device))
-        self.mlp.down_proj = Tensors(weight=_empty((D, inter), dtype, device))
+        self.mlp.gate_up = Tensors.empty((2 * inter, D), dtype, device)
+        self.mlp.down_proj = Tensors.empty((D, inter), dtype, device)
 
     def forward(self, h, delta, positions, rope, k_cache, v_cache, starts, lens_after, max_len):
         """The residual stream arrives as h + delta (delta: the previous layer's MLP output, or None) and leaves
@@ -309,9 +247,9 @@ class DrafterLayer(nn.Module):
         if delta is None:
             x = ops.rms_norm(h, self.input_layernorm.weight, eps)
         else:
-            h, x = add_rms_norm(delta, h, self.input_layernorm.weight, eps)
+            h, x = ops.add_rms_norm(delta, h, self.input_layernorm.weight, eps)
         attn = self.self_attn(x, positions, rope, k_cache, v_cache, starts, lens_after, max_len)
-        h, x = add_rms_norm(attn, h, self.post_attention_layernorm.weight, eps)
+        h, x = ops.add_rms_norm(attn, h, self.post_attention_layernorm.weight, eps)
         mlp = ops.mlp(x.reshape(-1, x.shape[-1]), self.mlp.gate_up.weight, self.mlp.down_proj.weight)
         return h, self.par.all_reduce(mlp).view_as(h)
 
@@ -325,10 +263,10 @@ class DFlashDrafter(nn.Module):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.par = parallel or Parallel()
         D, n = cfg.hidden_size, len(cfg.target_layer_ids)
-        self.fc = Tensors(weight=_empty((D, n * D), dtype, device))
-        self.hidden_norm = Tensors(weight=_empty((D,), dtype, device))
+        self.fc = Tensors.empty((D, n * D), dtype, device)
+        self.hidden_norm = Tensors.empty((D,), dtype, device)
         self.layers = nn.ModuleList(DrafterLayer(cfg, self.par, dtype, device) for _ in range(cfg.num_hidden_layers))
-        self.norm = Tensors(weight=_empty((D,), dtype, device))
+        self.norm = Tensors.empty((D,), dtype, device)
         inv_freq, factor = ops.yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq.to(self.device), persistent=False)
         self.rope_factor = factor
@@ -408,15 +346,9 @@ class DFlashDrafter(nn.Module):
         delta = None
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, positions, rope, cache.k[i], cache.v[i], starts, lens_after, max_len)
-        h = add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[1][:, 1:]
+        h = ops.add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[1][:, 1:]
         return self.target.par.all_gather_last(ops.linear(h, self.target.lm_head.weight))
 
     def init_random_(self, seed=0, std=0.02):
         """Seeded random weights (tests and the embedded default)."""
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        for name, buf in self.named_buffers():
-            if name == "inv_freq":
-                continue
-            noise = torch.randn(buf.shape, generator=gen, device=self.device)
-            buf.copy_(1.0 + 0.1 * noise if "norm" in name else std * noise)
-        return self
+        return fill_random_(self, seed, std)

@@ -1,5 +1,6 @@
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -26,11 +27,9 @@ def nan_empty(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def restore_backends():
-    """Each test starts from the default backend table."""
-    saved = dict(ops._backend._choice)
-    yield
-    ops._backend._choice.clear()
-    ops._backend._choice.update(saved)
+    """Each test's backend choices are undone after it."""
+    with ops.using():
+        yield
 
 
 def interpreting():
@@ -47,6 +46,13 @@ TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where tests th
 def kernel_dtypes():
     """Dtypes to test Triton kernels with: the interpreter gets bf16 tl.dot wrong, so fp16/fp32 there."""
     return [torch.bfloat16, torch.float16] if gpu() else [torch.float16, torch.float32]
+
+
+def free_port():
+    """A TCP port free on this host now (for a gloo process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def rel_err(out, ref):

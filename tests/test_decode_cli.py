@@ -127,12 +127,12 @@ def test_bad_checkpoints_and_prompts(capsys, tmp_path, checkpoints, case, messag
 
 def torchrun_json(*args, ranks=2):
     """The one JSON line rank 0 prints under `torchrun --nproc-per-node ranks -m spec.decode --json args`."""
-    from tests.test_model_vs_hf import _free_port
+    from tests.conftest import free_port
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("SPEC_KERNELS", None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                           "--master-port", str(_free_port()), "-m", "spec.decode", "--json", *args],
+                           "--master-port", str(free_port()), "-m", "spec.decode", "--json", *args],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

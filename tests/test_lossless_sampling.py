@@ -1,5 +1,5 @@
-"""Losslessness of tree acceptance (REFERENCE.md section 3 step 4): with a fixed draft that differs from the
-target, the first and second emitted tokens follow the target's distribution (chi-square over 10^5 samples)."""
+"""Losslessness of tree acceptance (`ops.accept`): with a fixed draft that differs from the target, the first
+and second emitted tokens follow the target's distribution (chi-square over 10^5 samples)."""
 
 import pytest
 import torch

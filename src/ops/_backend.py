@@ -19,16 +19,14 @@ _triton_impls: dict = {}  # name -> "module:function", imported on first use
 _choice: dict = {}
 _follows: dict = {}  # companion function -> the op whose backend it follows (prepare_moe -> moe)
 _triton_dtypes: dict = {}  # op -> the activation dtypes its kernel takes on a GPU (absent: any)
-_torch_first: set = set()  # ops whose kernel runs only when chosen (not yet measured faster than the reference)
 
 
-def register(name, torch_impl, triton_impl=None, follows=None, triton_dtypes=None, default="triton"):
+def register(name, torch_impl, triton_impl=None, follows=None, triton_dtypes=None):
     """Declare op `name` with its torch reference and optionally its Triton launcher ("module:function").
 
     A companion (`follows="moe"`) has no switch of its own: it runs whatever backend its op runs.
     `triton_dtypes` limits the default choice of Triton to activations of those dtypes (an explicit choice
-    still runs the kernel, which then raises its own clear error). `default="torch"` keeps the reference as
-    the default even on a GPU, for a kernel not yet measured faster than it.
+    still runs the kernel, which then raises its own clear error).
     """
     _torch_impls[name] = torch_impl
     if triton_impl is not None:
@@ -37,8 +35,6 @@ def register(name, torch_impl, triton_impl=None, follows=None, triton_dtypes=Non
         _follows[name] = follows
     if triton_dtypes is not None:
         _triton_dtypes[name] = tuple(triton_dtypes)
-    if default == "torch":
-        _torch_first.add(name)
 
 
 def op_names():
@@ -90,7 +86,7 @@ def current(name, device=None, dtype=None):
         return _choice[name]
     on_gpu = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
     dtype_ok = dtype is None or dtype in _triton_dtypes.get(name, (dtype,))
-    return "triton" if has_triton(name) and on_gpu and dtype_ok and name not in _torch_first else "torch"
+    return "triton" if has_triton(name) and on_gpu and dtype_ok else "torch"
 
 
 def table():

@@ -1,9 +1,10 @@
-"""Plain-Python DDTree reference (heapq, host walk): the oracle the tree ops are tested against, and the host
-path the benchmark compares with. Scores are fp32 sums, as on the device."""
+"""Plain-Python DDTree (heapq tree build, host walk): the oracle the tree ops are tested against (the tree
+benchmark times it as the host path). Scores are fp32 sums, as on the device."""
 
 import heapq
 
 import numpy as np
+import torch
 
 
 def build_tree_heapq(logprobs, tokens, root_token, budget):
@@ -41,3 +42,15 @@ def walk(tokens, parents, sampled, max_depth):
     while len(path) <= max_depth and (path[-1], sampled[path[-1]]) in children:
         path.append(children[(path[-1], sampled[path[-1]])])
     return path, sampled[path[-1]]
+
+
+def tree_visibility(parents):
+    """[T, T] bool: node t sees its ancestors and itself (parents[t] < t; -1 for a root or a padding node)."""
+    T = len(parents)
+    visible = torch.zeros(T, T, dtype=torch.bool)
+    for t in range(T):
+        n = t
+        while n >= 0:
+            visible[t, n] = True
+            n = parents[n]
+    return visible
