@@ -1,9 +1,9 @@
 """What every benchmark shares: GPU timing, the ceilings measured in the same run, the roofline, metadata.
 
 Times are GPU time, never the host clock: CUDA events around a CUDA-graph replay of many calls (cold inputs
-rotated inside the graph), or `triton.testing.do_bench`'s method (a 256 MB memset flushes the L2 before every call).
-Inside a pytest-benchmark test both go through `benchmark.pedantic` with `GpuStamp` as its timer (set for every
-bench/ test by bench/conftest.py), so pytest-benchmark's statistics are GPU seconds a round.
+rotated inside the graph), or `triton.testing.do_bench`'s method (a 256 MiB memset flushes the L2 before every
+call). Inside a pytest-benchmark test both go through `benchmark.pedantic` with `GpuStamp` as its timer (set for
+every bench/ test by bench/conftest.py), so pytest-benchmark's statistics are GPU seconds a round.
 """
 
 import datetime
@@ -76,7 +76,7 @@ def bench_graph(benchmark, calls, rounds=10, warmup=2):
 
 @functools.cache
 def _l2_flush_buffer():
-    return torch.empty(int(256e6 // 4), dtype=torch.int32, device="cuda")  # as triton.testing.do_bench's
+    return torch.empty((256 << 20) // 4, dtype=torch.int32, device="cuda")  # as triton.testing.do_bench's
 
 
 def flush_l2():

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One device call: bash bench/device.sh PART[:SECONDS] ...   (parts run in the order given, each bounded)
-#   tests:240     every GPU test (8 xdist workers; the CPU-only compile checks and multi-process tests are CI's:
+#   tests:180     every GPU test (8 xdist workers; the CPU-only compile checks and multi-process tests are CI's:
 #                 TEST_FILTER overrides the -k expression)
-#   warm:150      each sweep case once in 8 processes, no timing: fills Triton's cache for the timed run
-#   sweeps:360    the four sweeps (`pytest bench --benchmark-json`), rendered; or one alone: moe, attention, tree,
-#                 dense (180 each)
-#   step:240      the step benchmark (python -m bench.bench_step $STEP_ARGS)
-#   old:360       the benchmarks of the old tree in .old/ (aa1fe5d's bench_moe/attention/tree/linear/glue) on this GPU
-#   old-step:240  the old tree's bench_step.py with the same $STEP_ARGS
+#   warm:90       each sweep case once in 8 processes, no timing: fills Triton's cache for the timed run
+#   sweeps:210    the four sweeps (`pytest bench --benchmark-json`), rendered; or one alone: moe:90, attention:90,
+#                 tree:60, dense:60
+#   step:150      the step benchmark (python -m bench.bench_step $STEP_ARGS)
+#   old:230       the benchmarks of the old tree in .old/ (aa1fe5d's bench_moe/attention/tree/linear/glue) on this GPU
+#   old-step:150  the old tree's bench_step.py with the same $STEP_ARGS
 #   compare       new against old, case by case (python -m bench.compare; also run last whenever both exist)
 #   all           tests warm sweeps step
 # Everything is written under $OUT/bench and comes back as $OUT/bench.tar.gz (logs; new/ and old/ raw JSON;
@@ -21,7 +21,7 @@ OUT=$(cd "$OUT" && pwd)
 R="$OUT/bench"
 mkdir -p "$R/new" "$R/old" "$R/results"
 TEST_FILTER=${TEST_FILTER:-"not sm120 and not sm90 and not two_gloo and not torchrun"}
-STEP_ARGS=${STEP_ARGS:-"--contexts 4096,32768 --buckets 0,8,16,32,64,128 --long-buckets 0,32 --iters 10"}
+STEP_ARGS=${STEP_ARGS:-"--contexts 4096 --buckets 0,8,16,32,64,128 --iters 10"}
 python -m pip install --no-deps --no-build-isolation -e . >"$R/pip.log" 2>&1 || export PYTHONPATH="$PWD/src:$PWD"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$R/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$R/gpu.txt"
@@ -65,20 +65,19 @@ old_tree() {  # SECONDS COMMAND...: a command of the old tree (.old/, its own im
   (cd .old && PYTHONPATH="$PWD/src:$PWD" timeout "$s" "$@")
 }
 
-old() {
+old() {  # the shares of SECONDS: MoE 30%, attention 30%, tree 12%, dense projections 18%, glue 8%
   local s=$1 O="$R/old"
   has_old_tree || return
   {
-    old_tree $((s * 14 / 100)) python bench/bench_moe.py --out "$O/moe" --variants --names none --gap \
-      --budget $((s * 14 / 100 - 5)) --tag _uniform
+    old_tree $((s * 16 / 100)) python bench/bench_moe.py --out "$O/moe" --variants --names none --gap \
+      --budget $((s * 16 / 100 - 3)) --tag _uniform
     old_tree $((s * 8 / 100)) python bench/bench_moe.py --out "$O/moe" --variants --names none --gap --shape ep8 \
-      --budget $((s * 8 / 100 - 5)) --tag _ep8
+      --budget $((s * 8 / 100 - 3)) --tag _ep8
     old_tree $((s * 6 / 100)) python bench/bench_moe.py --out "$O/moe" --variants --names none --gap \
-      --routing step --ms 9,33,65,129 --budget $((s * 6 / 100 - 5)) --tag _step
-    old_tree $((s * 28 / 100)) python bench/bench_attention.py --out "$O/attention" --defaults \
-      --contexts 4096 32768 131072 --workers 14
-    old_tree $((s * 14 / 100)) python bench/bench_tree.py --out "$O/tree" \
-      --cases 8:8,16:8,32:8,64:8,128:8,256:8,512:8,8:16,64:16,512:16
+      --routing step --ms 9,33,65,129 --budget $((s * 6 / 100 - 3)) --tag _step
+    old_tree $((s * 30 / 100)) python bench/bench_attention.py --out "$O/attention" --defaults \
+      --contexts 32768 131072 --workers 14
+    old_tree $((s * 12 / 100)) python bench/bench_tree.py --out "$O/tree" --cases 8:8,64:8,512:8,64:16
     old_tree $((s * 18 / 100)) python bench/bench_linear.py --out "$O/linear" --defaults --budget $((s * 12 / 100))
     old_tree $((s * 8 / 100)) python bench/bench_glue.py --out "$O/glue" --ops absorb_query,absorb_output,router \
       --tiles "" --output-tiles ""
@@ -105,8 +104,8 @@ has_old_tree() {
   return 1
 }
 
-declare -A SECONDS_OF=([tests]=240 [warm]=150 [sweeps]=360 [moe]=180 [attention]=180 [tree]=180 [dense]=180
-                       [step]=240 [old]=360 [old-step]=240 [compare]=60)
+declare -A SECONDS_OF=([tests]=180 [warm]=90 [sweeps]=210 [moe]=90 [attention]=90 [tree]=60 [dense]=60
+                       [step]=150 [old]=230 [old-step]=150 [compare]=60)
 [[ " $* " == *" all "* ]] && set -- tests warm sweeps step
 for arg in "$@"; do
   if [ -z "${SECONDS_OF[${arg%%:*}]+x}" ]; then

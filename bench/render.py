@@ -96,7 +96,8 @@ def render(report, out=None):
     by_sweep = {}
     for bench in report["benchmarks"]:
         if bench.get("extra_info", {}).get("us") is not None:
-            by_sweep.setdefault(sweep_of(bench), []).append(bench)
+            group = bench.get("group") or bench["name"].split("[")[0].removeprefix("test_")
+            by_sweep.setdefault(sweep_of(bench), []).append(dict(bench, params=bench.get("params") or {}, group=group))
     pages = {sweep: markdown(sweep, benches, report["machine_info"]) for sweep, benches in by_sweep.items()}
     if out:
         out.mkdir(parents=True, exist_ok=True)
