@@ -350,47 +350,6 @@ def test_sm90_configs_fit_shared_memory():
         assert shared <= SM90_SHARED_LIMIT, (block_m, block_n, shared)
 
 
-@requires_triton
-def test_timeline_probe_stamps_the_committed_kernels(monkeypatch):
-    """bench/probe_attention_timeline.py patches the kernels' source at anchor lines: they still match, and the
-    stamped kernels (Triton's split and merge, Gluon's split) take times_ptr (the patched modules are written and
-    imported, not compiled)."""
-    import inspect
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
-    import probe_attention_timeline
-
-    module = probe_attention_timeline.stamped_module()
-    assert "times_ptr" in module._mla_split_kernel.arg_names and "times_ptr" in module._merge_kernel.arg_names
-    source = inspect.getsource(module._mla_split_kernel.fn)
-    assert sum(line.strip().startswith("_stamp(") for line in source.split("\n")) == 6
-    sys.modules.pop("stamped_attention", None)
-    gluon_module = probe_attention_timeline.stamped_gluon_module()
-    assert "times_ptr" in gluon_module._split_kernel.arg_names
-    source = inspect.getsource(gluon_module)  # the kernel's stamps and its partitions'
-    assert sum(line.strip().startswith("_stamp(") for line in source.split("\n")) == 7
-    sys.modules.pop("stamped_gluon", None)
-
-
-def test_ab_probe_options_set_module_settings_for_a_variant(monkeypatch):
-    """bench/probe_attention_ab.py: an --option's tuple values keep their commas, and a dotted name is set on
-    triton_kernels' module only while its variant runs."""
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
-    import probe_attention_ab
-    from triton_kernels import mla_attention as mk
-
-    option = "mla_attention.TAIL_SPLIT={90: (1, 2)},tail_split=False"
-    variant = dict(probe_attention_ab._option(part) for part in probe_attention_ab._split_option(option))
-    assert variant == {"mla_attention.TAIL_SPLIT": {90: (1, 2)}, "tail_split": False}
-    before = mk.TAIL_SPLIT
-    with probe_attention_ab.module_settings({"mla_attention.TAIL_SPLIT": {90: (1, 2)}}):
-        assert mk.TAIL_SPLIT == {90: (1, 2)}
-    assert mk.TAIL_SPLIT is before
-
-
 GLUON_CASES = [  # B, T, H, lens, tree kind, num_splits (None: the launcher's), tail split
     (1, 1, 8, [37], "chain", None, None),
     (1, 1, 64, [4100], "chain", 7, False),  # odd and even tile counts a split, a ragged last tile (seesaw's pairs)

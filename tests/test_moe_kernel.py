@@ -484,18 +484,3 @@ def test_sm120_configs_fit():
     assert len(results) == 2 * len(CONFIGS["sm_120"])
     for name, max_m, res in results:
         assert res["shared"] <= SM120_SHARED_LIMIT and res["spill_bytes"] == 0, (name, max_m, res)
-
-
-GLUON_PROBE = """
-import json, sys
-sys.path.insert(0, "bench")
-from probe_gluon_moe import sass_report
-print(json.dumps([sass_report(16, tiles=2, prescale=prescale) for prescale in (False, True)]))
-"""
-
-
-def test_gluon_probe_compiles_sm90():
-    """bench/probe_gluon_moe.py's W4A16 loop (Gluon, wgmma from registers) still compiles for sm_90 without a GPU,
-    without spills, at the shape whose post-scaled loop sits at the 255-register limit (BM 16, two tiles)."""
-    for report in compiled_in_child(GLUON_PROBE):
-        assert report["spill_bytes"] == 0 and report["instructions"] > 0, report
