@@ -20,6 +20,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from spec.engine import SamplingParams
@@ -259,6 +260,8 @@ class Scheduler:
 
     def loop(self):
         try:
+            if self.slots.e.device.type == "cuda":
+                torch.cuda.set_device(self.slots.e.device)  # the current device is per thread
             while True:
                 plan, admitting = self.next_plan()
                 if self.control is not None:

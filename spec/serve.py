@@ -120,9 +120,18 @@ def _no_constant(name):
     raise ValueError(f"{name} is not a JSON number")
 
 
+async def read_body(http_request):
+    """The request's bytes, refused (413) past MAX_BODY_BYTES before more is read."""
+    chunks, size = [], 0
+    async for chunk in http_request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def parse_json(raw):
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body has {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
     try:
         body = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, RecursionError) as err:
@@ -343,8 +352,9 @@ class Service:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
-    def parse(self, body, chat):
+    def parse(self, raw, chat):
         """(prompt ids, max_new, SamplingParams, stop strings, stream, include_usage) of a request body."""
+        body = parse_json(raw)
         check_keys(body, CHAT_KEYS if chat else COMPLETION_KEYS)
         self.check_model(body)
         if integer(body, "n", 1, 1, 1) != 1:
@@ -370,7 +380,9 @@ class Service:
 
     async def complete(self, http_request, chat):
         self.check_key(http_request)
-        ids, max_new, sampling, stop, stream, include_usage = self.parse(parse_json(await http_request.body()), chat)
+        raw = await read_body(http_request)
+        # JSON parsing and tokenizing a long prompt take a while: off the event loop
+        ids, max_new, sampling, stop, stream, include_usage = await asyncio.to_thread(self.parse, raw, chat)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
         def send(delta):
@@ -474,12 +486,13 @@ def create_app(service):
     app = FastAPI(title="kimi-ddtree", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
-    async def api_error(_, err):
+    async def api_error(http_request, err):
+        log.info("%s %s refused: %d %s", http_request.method, http_request.url.path, err.status, err.message)
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_, err):
-        return JSONResponse(ApiError(err.status_code, str(err.detail)).body(), status_code=err.status_code)
+    async def http_error(http_request, err):
+        return await api_error(http_request, ApiError(err.status_code, str(err.detail)))
 
     @app.exception_handler(Exception)
     async def server_error(_, err):
