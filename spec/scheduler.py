@@ -65,15 +65,12 @@ def token_bytes(tok, i):
         return None
 
 
-def printable(text):
-    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
-
-
 class TextStream:
-    """Token ids in, releasable text out, spelled as `spec.decode.decode_text` spells the whole output: UTF-8
-    decoded incrementally (a character split over tokens waits for its last byte), an id the tokenizer
-    cannot spell as <id>, control characters as U+FFFD. Text that may be the start of a stop string is held
-    back until it is known not to be one; at a stop string the text before it is released and `stopped` set."""
+    """Token ids in, releasable text out, spelled as the tokenizer's `decode` spells the whole output (UTF-8 with
+    replacement characters; special tokens by name), with an id it cannot spell (a random tiny model emits any
+    id) as <id>; decoded incrementally, so a character split over tokens waits for its last byte. Text that
+    may be the start of a stop string is held back until it is known not to be one; at a stop string the text
+    before it is released and `stopped` set."""
 
     def __init__(self, tok, stop_strings=()):
         self.tok, self.stops = tok, tuple(stop_strings)
@@ -86,11 +83,11 @@ class TextStream:
         for i in ids:
             piece = token_bytes(self.tok, i)
             if piece is None:
-                self.held += printable(self.utf8.decode(b"", final=True)) + f"<{i}>"
+                self.held += self.utf8.decode(b"", final=True) + f"<{i}>"
             else:
-                self.held += printable(self.utf8.decode(piece))
+                self.held += self.utf8.decode(piece)
         if final:
-            self.held += printable(self.utf8.decode(b"", final=True))
+            self.held += self.utf8.decode(b"", final=True)
         hits = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
         if hits:
             out, self.held, self.stopped = self.held[: min(hits)], "", True

@@ -3,7 +3,7 @@ GPU is present, like the references they are compared with): the official openai
 completions and chat, greedy text equal to the CLI's, seeded sampling unchanged by concurrent load, stop
 strings across tokens, OpenAI-shaped errors, a bounded load test with disconnects and bad requests, the
 queue's 503, two tensor-parallel ranks. In process: `SlotBatch` (sequences joining and leaving) against
-`Engine.generate`, `TextStream` against `decode_text`; on a GPU, slot graphs against eager."""
+`Engine.generate`, `TextStream` against the whole text's spelling; on a GPU, slot graphs against eager."""
 
 import json
 import os
@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from spec.batching import SlotBatch
-from spec.decode import decode_text
 from spec.default_model import load_default
 from spec.engine import Engine, SamplingParams
 from spec.scheduler import TextStream
@@ -93,9 +92,23 @@ def expected(pair, prompt_ids, max_new, sampling=None):
     return spelled(tok, result.output_ids[0], result.finish_reasons[0])
 
 
+def spell(tok, ids):
+    """The server's text of ids: the tokenizer's decode, an id it cannot spell as <id> (as spec.decode shows
+    them; unlike spec.decode, control characters are kept: JSON carries them)."""
+    parts, run = [], []
+    for i in ids:
+        try:
+            tok.decode([i])
+            run.append(i)
+        except ValueError:
+            parts += [tok.decode(run), f"<{i}>"]
+            run = []
+    return "".join(parts + [tok.decode(run)])
+
+
 def spelled(tok, ids, reason):
-    text = decode_text(tok, ids[:-1] if reason == "stop" else ids)
-    return text, reason, len(ids)
+    """(text, finish reason, output tokens) the server answers for output ids (a final stop token not shown)."""
+    return spell(tok, ids[:-1] if reason == "stop" else ids), reason, len(ids)
 
 
 def cli_json(*args):
@@ -107,11 +120,9 @@ def cli_json(*args):
     return json.loads(proc.stdout)
 
 
-def without_stop_token(cli):
-    text = cli["text"]
-    if cli["finish_reason"] == "stop":
-        text = text.removesuffix("<|im_end|>").removesuffix("[EOS]")
-    return text
+def cli_text(tok, cli):
+    """The text the server gives for the CLI's output ids."""
+    return spelled(tok, cli["output_ids"], cli["finish_reason"])[0]
 
 
 def streamed(client, chat=False, **kwargs):
@@ -177,9 +188,9 @@ def test_slots_joining_and_leaving_decode_as_generate_alone(pair, spec):
         assert slots.dcache.lens.tolist() == [0, 0, 0] and slots.dcache.host_lens == [0, 0, 0]
 
 
-def test_text_stream_spells_as_decode_text_in_any_chunking(pair):
-    """Random ids (bytes that break UTF-8, specials, ids the byte tokenizer cannot spell), pushed in random
-    chunks, come out as decode_text spells the whole."""
+def test_text_stream_spells_the_whole_in_any_chunking(pair):
+    """Random ids (bytes that break UTF-8, control bytes, specials, ids the byte tokenizer cannot spell), pushed
+    in random chunks, come out as the whole is spelled."""
     tok = pair[1]
     rng = random.Random(0)
     for _ in range(50):
@@ -190,7 +201,7 @@ def test_text_stream_spells_as_decode_text_in_any_chunking(pair):
             n = rng.randrange(1, 5)
             out.append(stream.push(ids[i : i + n], final=i + n >= len(ids)))
             i += n
-        assert "".join(out) == decode_text(tok, ids)
+        assert "".join(out) == spell(tok, ids)
 
 
 def test_text_stream_holds_a_partial_stop_string_back(pair):
@@ -214,10 +225,10 @@ def test_models_health_and_metrics(server, client):
             "kimi_ddtree_mean_accept_length"} <= names
 
 
-def test_greedy_completion_equals_the_cli(server, client):
+def test_greedy_completion_equals_the_cli(server, client, pair):
     cli = cli_json("--prompt", "Hello", "--max-new-tokens", "24", "--temperature", "0")
     whole = client.completions.create(model=MODEL, prompt="Hello", max_tokens=24, temperature=0)
-    assert whole.choices[0].text == without_stop_token(cli)
+    assert whole.choices[0].text == cli_text(pair[1], cli)
     assert whole.choices[0].finish_reason == {"stop": "stop", "length": "length"}[cli["finish_reason"]]
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (5, len(cli["output_ids"]))
     text, finish, usage = streamed(client, prompt="Hello", max_tokens=24, temperature=0)
@@ -230,9 +241,9 @@ def test_greedy_chat_equals_the_cli(server, client, pair):
     cli = cli_json("--chat", "--prompt", "Hello", "--max-new-tokens", "16", "--temperature", "0")
     messages = [{"role": "user", "content": "Hello"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
-    assert whole.choices[0].message.content == without_stop_token(cli)
+    assert whole.choices[0].message.content == cli_text(pair[1], cli)
     assert whole.choices[0].message.role == "assistant"
-    assert streamed(client, chat=True, messages=messages, max_tokens=16, temperature=0)[0] == without_stop_token(cli)
+    assert streamed(client, chat=True, messages=messages, max_tokens=16, temperature=0)[0] == cli_text(pair[1], cli)
     # a system prompt and several turns, through the Kimi template
     turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
              {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": [{"type": "text", "text": "Go"}]}]
