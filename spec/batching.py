@@ -76,7 +76,8 @@ class SlotBatch:
         if spec and engine.drafter is None:
             raise ValueError("speculative decoding needs a drafter")
         self.e, self.max_batch, self.max_len, self.spec = engine, max_batch, max_len, spec
-        target, dev = engine.target, engine.device
+        self.device = dev = engine.device
+        target = engine.target
         self.hidden_layers = tuple(engine.drafter.target_layer_ids) if spec else ()
         bucket = engine.graph_bucket(spec)
         nodes = (engine.budget if bucket is None else bucket) if spec else 0
@@ -146,7 +147,7 @@ class SlotBatch:
         if not self.free:
             raise RuntimeError("no free slot")
         slot = self.seqs.index(None)
-        dev, P = self.e.device, len(prompt)
+        dev, P = self.device, len(prompt)
         self.seqs[slot] = Sequence(P, max_new, sampling, frozenset(stop_ids))
         tokens = torch.tensor([prompt], dtype=torch.int64, device=dev)
         row = self.cache.row(slot)

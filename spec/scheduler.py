@@ -214,7 +214,6 @@ class Scheduler:
         self.stopping = False
         self.metrics = Metrics()
         self.thread = None
-        self.failure = None  # the exception that ended the engine thread, if one did
 
     # ---- any thread ----
 
@@ -256,9 +255,10 @@ class Scheduler:
     # ---- the engine thread ----
 
     def loop(self):
+        message = "the server is shutting down"
         try:
-            if self.slots.e.device.type == "cuda":
-                torch.cuda.set_device(self.slots.e.device)  # the current device is per thread
+            if self.slots.device.type == "cuda":
+                torch.cuda.set_device(self.slots.device)  # the current device is per thread
             while True:
                 plan, admitting = self.next_plan()
                 if self.control is not None:
@@ -267,10 +267,10 @@ class Scheduler:
                     break
                 self.execute(plan, admitting)
         except BaseException as err:  # a failure outside a plan (a collective): nothing more can be served
-            self.failure = err
+            message = f"the engine stopped: {type(err).__name__}: {err}"
             log.error("engine thread stopped: %s", "".join(traceback.format_exception(err)).rstrip())
         finally:
-            self.fail_all("the server is shutting down")
+            self.fail_all(message)
 
     def next_plan(self):
         """Wait for work (or the heartbeat), then take this boundary's releases and admissions."""

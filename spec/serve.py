@@ -357,8 +357,8 @@ class Service:
         body = parse_json(raw)
         check_keys(body, CHAT_KEYS if chat else COMPLETION_KEYS)
         self.check_model(body)
-        if integer(body, "n", 1, 1, 1) != 1:
-            raise bad("n must be 1", "n")
+        if body.get("n") is not None and (not is_int(body["n"]) or body["n"] != 1):
+            raise bad(f"only n = 1 is supported, got {body['n']!r}", "n")
         if body.get("user") is not None and not isinstance(body["user"], str):
             raise bad("user must be a string", "user")
         max_new = integer(body, "max_tokens", None, 1, 2**31)
