@@ -2,8 +2,8 @@
 
 Each slot owns one row of the target's latent cache and of the drafter's context cache. `admit` prefills a
 prompt into the lowest free slot and samples its first token; `step` runs one DDTree step (or one target-only
-token) for rows 0..B-1, where B is the highest busy slot + 1 (rounded up to a captured batch size when CUDA
-graphs are on); `release` frees a slot. Free rows inside B ride along as padding: length 0, drafted and
+token) for rows 0..B-1, where B is the highest busy slot + 1 (on a CUDA device rounded up to 1, 2, 4, ... or
+max_batch); `release` frees a slot. Free rows inside B ride along as padding: length 0, drafted and
 verified, nothing committed or emitted. A sequence that finishes (stop token or max tokens; admission keeps
 prompt + max tokens within the slot) is released inside the step that finished it.
 
@@ -88,7 +88,9 @@ class SlotBatch:
             self.dcache = engine.drafter.new_cache(max_batch, max_len + L + max(L + 1, block))
         else:
             self.cache = target.new_cache(max_batch, max_len)
-        self.sizes = batch_sizes(max_batch) if bucket is not None else None
+        # on a GPU a step runs a batch size of the ladder, graphs or not (padding rows cost little there, and
+        # eager and graphs run the same shapes); on the CPU exactly the rows up to the highest busy slot
+        self.sizes = batch_sizes(max_batch) if dev.type == "cuda" else None
         self.verify_graphs, self.draft_graphs = {}, {}
         if bucket is not None:
             self.capture(bucket)
@@ -171,7 +173,7 @@ class SlotBatch:
     # ---- one step ----
 
     def run_size(self):
-        """Rows the next step runs: the highest busy slot + 1, rounded up to a captured batch size."""
+        """Rows the next step runs: the highest busy slot + 1, rounded up to the ladder on a GPU."""
         hi = max(self.busy) + 1
         return min(b for b in self.sizes if b >= hi) if self.sizes else hi
 

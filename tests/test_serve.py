@@ -34,11 +34,18 @@ CONTEXT = 512
 BUDGET = 32  # the CLI's default tree budget, which the server shares
 
 
-def start_server(log_path, *args, launcher=(sys.executable,)):
-    """A `python -m spec.serve` child on a port the OS picks; returns (process, base URL) once /health answers."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def child_env():
+    """This checkout first on the path (then whatever the path held: packages installed aside)."""
+    path = [str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path)), "OMP_NUM_THREADS": "1"}
     env.pop("SPEC_KERNELS", None)
     env.pop("SPEC_SERVE_API_KEY", None)
+    return env
+
+
+def start_server(log_path, *args, launcher=(sys.executable,)):
+    """A `python -m spec.serve` child on a port the OS picks; returns (process, base URL) once /health answers."""
+    env = child_env()
     log = open(log_path, "w")
     proc = subprocess.Popen([*launcher, "-m", "spec.serve", "--port", "0", "--device", "cpu", *args], cwd=ROOT,
                             env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -112,10 +119,8 @@ def spelled(tok, ids, reason):
 
 
 def cli_json(*args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("SPEC_KERNELS", None)
     proc = subprocess.run([sys.executable, "-m", "spec.decode", "--json", "--device", "cpu", *args],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+                          capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
