@@ -18,7 +18,7 @@ max_batch, and the tree bucket of the engine's budget (`Engine.graph_bucket`), a
 drafter's pass + tree build likewise per batch size (`DraftGraphs`). Prefill runs eagerly.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -37,7 +37,6 @@ class Sequence:
     sampling: SamplingParams
     stop_ids: frozenset
     generated: int = 0
-    accept_lengths: list = field(default_factory=list)
     finish_reason: str | None = None
 
     @property
@@ -99,7 +98,6 @@ class SlotBatch:
         self.live_dev = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.bonus = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.seqs = [None] * max_batch
-        self.steps_run = 0
 
     def capture(self, bucket):
         """Verify graphs per batch size (largest first, one memory pool); drafter graphs per batch size."""
@@ -185,13 +183,7 @@ class SlotBatch:
         B = self.run_size()
         self.steps[:B] += self.live_dev[:B].long()
         host = self.spec_step(B) if self.spec else self.plain_step(B)
-        self.steps_run += 1
-        emitted = []
-        for b in self.busy:
-            commit, tokens = host[b]
-            self.seqs[b].accept_lengths.append(commit)
-            emitted.append(self.emit(b, tokens, commit))
-        return emitted
+        return [self.emit(b, host[b][1], host[b][0]) for b in self.busy]
 
     def spec_step(self, B):
         """Draft, verify, accept, compact; returns per row (tokens committed, tokens emitted)."""
