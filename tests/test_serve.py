@@ -447,10 +447,10 @@ def test_a_full_queue_answers_503(tmp_path):
 def test_torchrun_two_ranks_serve_like_one_process(tmp_path, server, client):
     """Two gloo ranks, each holding half of the model: rank 0 serves and broadcasts each step's admissions;
     two concurrent requests (greedy and seeded) get the one-process server's text."""
-    from tests.test_model_vs_hf import _free_port
+    from tests.conftest import free_port
 
     launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                str(_free_port()))
+                str(free_port()))
     proc, url = start_server(tmp_path / "server.log", "--max-batch", "2", "--context-len", "256",
                              launcher=launcher)
     try:
