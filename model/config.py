@@ -150,11 +150,6 @@ def config_file(path):
     return path / "config.json" if path.is_dir() else path
 
 
-def read_config_json(path, what):
-    """The JSON object of `path` (or `path`/config.json); one clear error if it is missing or malformed."""
-    return read_json(config_file(path), what)
-
-
 @dataclass(frozen=True)
 class QuantConfig:
     """compressed-tensors pack-quantized INT4 for the routed experts (everything else stays bf16)."""
@@ -178,7 +173,7 @@ class QuantConfig:
             fail(".quant_method", f"{describe(method)} is not supported (want 'compressed-tensors')")
         if qc.get("format") not in (None, "pack-quantized"):
             fail(".format", f"{describe(qc.get('format'))} is not supported (want 'pack-quantized')")
-        groups = qc.get("config_groups") or {}
+        groups = {} if qc.get("config_groups") is None else qc["config_groups"]
         if not isinstance(groups, dict):
             fail(".config_groups", f"must be an object, got {describe(groups)}")
         name, group = next(iter(groups.items()), ("group_0", {}))

@@ -93,7 +93,8 @@ def greedy_generate(model, prompts, max_new_tokens, stop_ids=(), max_len=None):
     live = [_running(out[b], stop, max_new_tokens, cache.host_lens[b], max_len) for b in range(len(prompts))]
     while any(live):
         last = torch.tensor([[seq[-1]] for seq in out], dtype=torch.long, device=device)
-        positions = torch.tensor([[n] for n in cache.host_lens], dtype=torch.long, device=device)
+        # a finished row still runs (its write lands in the spare entry) at a position inside the context
+        positions = torch.tensor([[min(n, max_len - 1)] for n in cache.host_lens], dtype=torch.long, device=device)
         logits = model(last, positions, cache).logits[:, -1]
         cache.advance([int(x) for x in live])
         for b, token in enumerate(logits.argmax(-1).tolist()):

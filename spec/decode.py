@@ -102,13 +102,13 @@ def parse_args(argv):
     return args
 
 
-def choose_kernels(spec, device):
+def choose_kernels(kernels, device):
     """Apply --kernels over SPEC_KERNELS; refuse a bad value of either, or Triton without a device to run it."""
     if ops._backend.env_problem():
         raise UsageError(ops._backend.env_problem())
-    if spec:
+    if kernels:
         try:
-            ops.use_spec(spec)
+            ops.use_spec(kernels)
         except ValueError as err:
             raise UsageError(f"--kernels: {err}") from None
     wants_triton = [name for name, backend in ops.table().items() if backend == "triton"]
@@ -327,7 +327,7 @@ class Report:
         return len(self.ids) / total if total > 0 else 0.0
 
 
-def print_report(report, args, tok, prompt_len, spec, device, parallel, streamer):
+def print_report(report, args, tok, prompt_len, speculative, device, parallel, streamer):
     """The JSON object (--json), or the end of the streamed text and the stats line."""
     if args.json:
         write_out(json.dumps({
@@ -338,7 +338,7 @@ def print_report(report, args, tok, prompt_len, spec, device, parallel, streamer
         }) + "\n")
         return
     streamer.finish()
-    mode = f"DDTree budget {args.tree_budget}" if spec else "target only"
+    mode = f"DDTree budget {args.tree_budget}" if speculative else "target only"
     write_out(f"[{mode}] {len(report.ids)} tokens in {report.steps} steps, mean accept length "
               f"{report.mean_accept_length:.2f}, {report.tokens_per_s:.1f} tok/s (prefill {report.prefill_s * 1e3:.0f} "
               f"ms of {prompt_len} tokens, {report.reason}) on {device.type}" +
@@ -371,24 +371,25 @@ def generate(args, device, parallel):
     except (TypeError, ValueError) as err:
         raise UsageError(str(err)) from None
     sampling = SamplingParams(args.temperature, args.top_p, 0, args.seed)
-    main_rank, spec = parallel.rank == 0, drafter is not None
+    main_rank, speculative = parallel.rank == 0, drafter is not None
     streamer = None if args.json or not main_rank else Streamer(tok)
     progress = Progress(streamer)
     try:
-        result = engine.generate([ids], args.max_new_tokens, sampling, stop_ids=tok.stop_ids, spec=spec,
+        result = engine.generate([ids], args.max_new_tokens, sampling, stop_ids=tok.stop_ids, spec=speculative,
                                  on_tokens=progress)
     except KeyboardInterrupt:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the report short
         try:
             if main_rank:
-                print_report(progress.report("interrupted"), args, tok, len(ids), spec, device, parallel, streamer)
+                print_report(progress.report("interrupted"), args, tok, len(ids), speculative, device, parallel,
+                             streamer)
         finally:
             signal.signal(signal.SIGINT, previous)
         raise
     if main_rank:
         report = Report(result.output_ids[0], result.accept_lengths[0], result.steps, result.prefill_s,
                         result.decode_s, result.finish_reasons[0])
-        print_report(report, args, tok, len(ids), spec, device, parallel, streamer)
+        print_report(report, args, tok, len(ids), speculative, device, parallel, streamer)
 
 
 def out_of_memory(err):
@@ -401,7 +402,10 @@ def out_of_memory(err):
 
 
 def fail(message, code):
-    print(f"error: {message}", file=sys.stderr)
+    """Print `error: message` as one line (newlines and control characters in it, say from a file name, escaped)
+    and return the exit code."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(message))
+    print(f"error: {text}", file=sys.stderr)
     return code
 
 

@@ -57,6 +57,12 @@ class DrafterConfig:
     extra: dict = field(default_factory=dict, compare=False)  # other config.json keys, written back as they were
 
     def __post_init__(self):
+        try:
+            self._check()
+        except ConfigError as err:
+            raise err.located("drafter config") from None
+
+    def _check(self):
         check_types(self)
         check_positive(self, ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                               "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings",
