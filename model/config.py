@@ -187,7 +187,8 @@ class QuantConfig:
                       symmetric=weights.get("symmetric", True))
         except ConfigError as err:
             raise err.located(where, prefix=f"{key}{where_weights}.") from None
-        if (cfg.num_bits, cfg.group_size, cfg.symmetric) != (4, 32, True) or weights.get("strategy", "group") != "group":
+        strategy = weights.get("strategy", "group")
+        if (cfg.num_bits, cfg.group_size, cfg.symmetric) != (4, 32, True) or strategy != "group":
             fail(where_weights, f"only symmetric INT4 group-32 is supported, got {weights}")
         return cfg
 

@@ -2,9 +2,9 @@
 
 Each sequence of a batch owns one row of the target's latent cache and of the drafter's context cache, its
 own tree and its own length. A step reads the device once (tokens emitted and how many, and whether the
-target's logits were finite); everything else stays on the device. A sequence that finishes (stop token, max tokens, context end) stays in the batch as
-padding until all have finished: its rows are still drafted and verified but its lengths no longer advance
-and nothing more is emitted for it.
+target's logits were finite); everything else stays on the device. A sequence that finishes (stop token, max
+tokens, context end) stays in the batch as padding until all have finished: its rows are still drafted and
+verified but its lengths no longer advance and nothing more is emitted for it.
 
 Sampling goes through `ops.accept` everywhere (also for the first token after prefill and for target-only
 decoding, as a tree of one node), so a run is a deterministic function of (seed, step, node).
@@ -40,6 +40,9 @@ class NonFiniteLogits(RuntimeError):
 
 
 SEED_LIMIT = 2**63  # seeds are int64 on the device: each sequence's seed + b must stay below this
+# The smallest temperature that samples: below it logits / T overflows fp32 or T rounds to 0 there (1e-320
+# sampled noise); 0 is greedy.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -50,6 +53,10 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
+        self.check()
+
+    def check(self):
+        """SamplingError (a ValueError) for a value out of range, of the wrong type, or not finite."""
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
@@ -58,8 +65,9 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise SamplingError(name, f"must be an integer, got {value!r}")
-        if self.temperature < 0:
-            raise SamplingError("temperature", f"must be >= 0, got {self.temperature}")
+        if self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+            raise SamplingError("temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got "
+                                f"{self.temperature}")
         if not 0 < self.top_p <= 1:
             raise SamplingError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -165,6 +173,7 @@ class Engine:
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        sampling.check()  # again: its fields may have been set after it was made
         if not isinstance(spec, bool):
             raise TypeError(f"spec must be True or False, got {spec!r}")
         if spec and self.drafter is None:

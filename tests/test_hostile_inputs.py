@@ -214,7 +214,8 @@ def test_target_config_types(capsys, paths, change, needles):
     (lambda text: '{"text_config": NaN}', "is not valid JSON: NaN is not valid JSON"),
     (lambda text: "\udcff\udcfe", "is not UTF-8 text"),
     (lambda text: "[" * 100_000, "is not valid JSON"),
-    (lambda text: text.replace('"hidden_size": 128', '"hidden_size": 1e999'), "hidden_size must be an integer, got inf"),
+    (lambda text: text.replace('"hidden_size": 128', '"hidden_size": 1e999'),
+     "hidden_size must be an integer, got inf"),
     (lambda text: text.replace('"rope_theta": 50000.0', '"rope_theta": -1e999'), "rope_theta must be a finite number"),
 ])
 def test_target_config_files_that_do_not_parse(capsys, paths, change, needle):
@@ -444,7 +445,8 @@ def test_interrupted_run_reports_what_it_made(capsys, monkeypatch, mode):
     ("--temperature", "nan", "--temperature must be a finite number"),
     ("--temperature", "inf", "--temperature must be a finite number"),
     ("--temperature", "-inf", "--temperature must be a finite number"),
-    ("--temperature", "-0.5", "--temperature must be >= 0"),
+    ("--temperature", "-0.5", "--temperature must be 0 (greedy) or at least 1e-05"),
+    ("--temperature", "1e-320", "--temperature must be 0 (greedy) or at least 1e-05"),
     ("--top-p", "nan", "--top-p must be a finite number"),
     ("--top-p", "0", "--top-p must be in (0, 1]"),
     ("--top-p", "1.5", "--top-p must be in (0, 1]"),
@@ -476,6 +478,13 @@ def test_library_sampling_values():
         with pytest.raises((TypeError, ValueError)):
             SamplingParams(**kwargs)
     assert SamplingParams(temperature=np.float32(0.5), seed=np.int64(3)).seed == 3
+
+
+def test_sampling_values_set_after_construction_are_checked(small):
+    sampling = SamplingParams(temperature=0.7)
+    sampling.temperature = float("nan")
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        small[1].generate([[5, 6]], 2, sampling, spec=False)
 
 
 # --- environment ---------------------------------------------------------------------------------------------
