@@ -21,7 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ops
-from model.config import read_config_json
+from model.config import (ConfigError, check_positive, check_rope_scaling, check_types, config_file, describe,
+                          is_int, read_json)
+from model.memory import check_fits, tensor_bytes
 from model.model import Tensors, fill_random_
 from model.parallel import Parallel
 
@@ -54,25 +56,32 @@ class DrafterConfig:
     extra: dict = field(default_factory=dict, compare=False)  # other config.json keys, written back as they were
 
     def __post_init__(self):
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "intermediate_size", "vocab_size"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"drafter config: {name} must be positive, got {getattr(self, name)}")
-        if self.block_size < 2:
-            raise ValueError(f"drafter config: block_size must be at least 2, got {self.block_size}")
+        try:
+            self._check()
+        except ConfigError as err:
+            raise err.located("drafter config") from None
+
+    def _check(self):
+        check_types(self)
+        check_positive(self, ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                              "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+                              "num_target_layers"))
+        if not 2 <= self.block_size <= self.max_position_embeddings:
+            raise ConfigError("block_size", f"must be in 2..max_position_embeddings ({self.max_position_embeddings}), "
+                              f"got {self.block_size}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"drafter config: {self.num_attention_heads} heads do not group over "
-                             f"{self.num_key_value_heads} key/value heads")
+            raise ConfigError("num_key_value_heads", f"{self.num_key_value_heads} does not divide the "
+                              f"{self.num_attention_heads} attention heads")
         if self.head_dim % 2:
-            raise ValueError(f"drafter config: head_dim must be even, got {self.head_dim}")
-        if not self.target_layer_ids:
-            raise ValueError("drafter config: target_layer_ids is empty")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"drafter config: mask_token_id {self.mask_token_id} outside the vocabulary "
-                             f"of {self.vocab_size}")
-        kind = (self.rope_scaling or {}).get("type", (self.rope_scaling or {}).get("rope_type", "default"))
-        if kind not in ("default", "yarn"):
-            raise ValueError(f"drafter config: unsupported rope_scaling type {kind!r} (default or yarn)")
+            raise ConfigError("head_dim", f"must be even, got {self.head_dim}")
+        if not self.target_layer_ids or not all(is_int(i) and i >= 0 for i in self.target_layer_ids):
+            raise ConfigError("target_layer_ids", f"must be a non-empty list of layer indices >= 0, got "
+                              f"{list(self.target_layer_ids)}")
+        if not is_int(self.mask_token_id) or not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError("mask_token_id", f"{self.mask_token_id} outside the vocabulary of {self.vocab_size}")
+        if not self.rope_theta > 1:
+            raise ConfigError("rope_theta", f"must be greater than 1, got {self.rope_theta}")
+        check_rope_scaling(self.rope_scaling)
 
     @property
     def draft_len(self):
@@ -80,49 +89,73 @@ class DrafterConfig:
         return self.block_size - 1
 
     @classmethod
-    def from_hf(cls, hf):
+    def from_hf(cls, hf, where="drafter config"):
         """From z-lab's config.json: block_size top-level or in dflash_config; mask_token_id and
-        target_layer_ids in dflash_config; head_dim and num_key_value_heads optional."""
-        dflash = hf.get("dflash_config") or {}
+        target_layer_ids in dflash_config; head_dim and num_key_value_heads optional. `where` names the file
+        in errors."""
+        if not isinstance(hf, dict):
+            raise ValueError(f"{where}: must hold a JSON object, got {describe(hf)}")
+        dflash = {} if hf.get("dflash_config") is None else hf["dflash_config"]
+        if not isinstance(dflash, dict):
+            raise ConfigError("dflash_config", f"must be an object, got {describe(dflash)}", where)
+        keys = {}  # field -> where its value was found, for errors
 
         def need(key, *sources):
             for source in sources:
                 if source.get(key) is not None:
+                    keys[key] = ("dflash_config." if source is dflash and source is not hf else "") + key
                     return source[key]
-            raise ValueError(f"drafter config: missing {key!r}")
+            raise ConfigError(key, None, where)
 
         if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise ValueError("drafter config: attention_bias / mlp_bias are not supported (DFlash has none)")
-        if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
-            raise ValueError("drafter config: sliding-window attention layers are not supported")
-        heads = need("num_attention_heads", hf)
-        layers = need("num_hidden_layers", hf)
+            raise ConfigError("attention_bias", "/ mlp_bias are not supported (DFlash has none)", where)
+        layer_types = hf.get("layer_types") or ()
+        if hf.get("use_sliding_window") or isinstance(layer_types, (list, str)) and "sliding_attention" in layer_types:
+            raise ConfigError("layer_types", "name sliding-window attention layers, which are not supported", where)
+        heads, layers, hidden = need("num_attention_heads", hf), need("num_hidden_layers", hf), need("hidden_size", hf)
         ids = dflash.get("target_layer_ids", hf.get("target_layer_ids"))
-        if ids is None:
-            ids = default_target_layer_ids(need("num_target_layers", hf), layers)
-        rope = hf.get("rope_scaling") or hf.get("rope_parameters")
+        keys["target_layer_ids"] = ("dflash_config." if "target_layer_ids" in dflash else "") + "target_layer_ids"
+        if ids is None:  # z-lab's default spread over the target's layers
+            target_layers = need("num_target_layers", hf)
+            for key, value in (("num_target_layers", target_layers), ("num_hidden_layers", layers)):
+                if not (is_int(value) and value > 0):
+                    raise ConfigError(key, f"must be a positive integer, got {describe(value)}", where)
+            ids = default_target_layer_ids(target_layers, layers)
+        if not isinstance(ids, (list, tuple)):
+            raise ConfigError(keys["target_layer_ids"], f"must be a list of layer indices, got {describe(ids)}", where)
+        rope_key = "rope_scaling" if hf.get("rope_scaling") is not None else "rope_parameters"
+        rope, keys["rope_scaling"] = hf.get(rope_key), rope_key
+        try:
+            check_rope_scaling(rope)
+        except ConfigError as err:
+            raise err.located(where, keys) from None
         theta = hf.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
         if rope and rope.get("rope_type", rope.get("type")) in (None, "default"):
             rope = None
+        evenly = is_int(hidden) and is_int(heads) and heads > 0
         known = {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "intermediate_size", "vocab_size", "block_size", "dflash_config", "rms_norm_eps", "rope_theta",
                  "rope_scaling", "rope_parameters", "max_position_embeddings", "num_target_layers"}
-        return cls(
-            hidden_size=need("hidden_size", hf), num_hidden_layers=layers, num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or need("hidden_size", hf) // heads,
-            intermediate_size=need("intermediate_size", hf), vocab_size=need("vocab_size", hf),
-            block_size=need("block_size", hf, dflash), mask_token_id=need("mask_token_id", dflash, hf),
-            target_layer_ids=tuple(int(i) for i in ids), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta), rope_scaling=dict(rope) if rope else None,
-            max_position_embeddings=hf.get("max_position_embeddings", 262144),
-            num_target_layers=hf.get("num_target_layers"),
-            extra={k: v for k, v in hf.items() if k not in known},
-        )
+        try:
+            return cls(
+                hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=hf.get("num_key_value_heads") or heads,
+                head_dim=hf.get("head_dim") or (hidden // heads if evenly else None),
+                intermediate_size=need("intermediate_size", hf), vocab_size=need("vocab_size", hf),
+                block_size=need("block_size", hf, dflash), mask_token_id=need("mask_token_id", dflash, hf),
+                target_layer_ids=tuple(ids), rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
+                rope_scaling=dict(rope) if rope else None,
+                max_position_embeddings=hf.get("max_position_embeddings", 262144),
+                num_target_layers=hf.get("num_target_layers"),
+                extra={k: v for k, v in hf.items() if k not in known},
+            )
+        except ConfigError as err:
+            raise err.located(where, keys) from None
 
     @classmethod
     def from_file(cls, path):
-        return cls.from_hf(read_config_json(path, "drafter config"))
+        file = config_file(path)
+        return cls.from_hf(read_json(file, "drafter config"), str(file))
 
     def to_hf(self, block_size_in_dflash_config=False):
         """z-lab's config.json layout (Qwen3 keys plus block_size and dflash_config)."""
@@ -162,6 +195,7 @@ class DraftCache:
     def empty(cls, cfg, batch, max_len, dtype, device, kv_heads=None):
         """kv_heads: this rank's key/value heads (all of them by default)."""
         shape = (cfg.num_hidden_layers, batch, max_len, kv_heads or cfg.num_key_value_heads, cfg.head_dim)
+        check_fits(f"the drafter's cache ({batch} x {max_len} entries)", 2 * tensor_bytes(shape, dtype), device)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                    torch.zeros(batch, dtype=torch.int32, device=device), [0] * batch)
 

@@ -3,7 +3,8 @@
 Set it in code (`ops.use(moe="triton")`), from a spec string (`ops.use_spec("moe=triton,attention=torch")`,
 what the CLI flag `--kernels` passes), or from the environment variable SPEC_KERNELS (same syntax, read at
 import). An op without an explicit choice runs Triton when a CUDA device is present and the op has a kernel,
-the torch reference otherwise.
+the torch reference otherwise. A SPEC_KERNELS value that does not parse does not break `import ops`: none of it
+is applied, and every use of the table (an op's dispatch, `current`, `table`) raises ValueError saying why.
 """
 
 import importlib
@@ -19,6 +20,7 @@ _triton_impls: dict = {}  # name -> "module:function", imported on first use
 _choice: dict = {}
 _follows: dict = {}  # companion function -> the op whose backend it follows (prepare_moe -> moe)
 _triton_dtypes: dict = {}  # op -> the activation dtypes its kernel takes on a GPU (absent: any)
+_env_problem = None  # why SPEC_KERNELS could not be applied, raised at use
 
 
 def register(name, torch_impl, triton_impl=None, follows=None, triton_dtypes=None):
@@ -35,6 +37,8 @@ def register(name, torch_impl, triton_impl=None, follows=None, triton_dtypes=Non
         _follows[name] = follows
     if triton_dtypes is not None:
         _triton_dtypes[name] = tuple(triton_dtypes)
+    if _env_problem is not None:  # SPEC_KERNELS may name an op registered after `ops` was imported
+        apply_env()
 
 
 def op_names():
@@ -81,6 +85,8 @@ def use_spec(spec):
 
 def current(name, device=None, dtype=None):
     """The backend op `name` runs now, for activations of `dtype` on `device` (None: this machine's default)."""
+    if _env_problem is not None:
+        raise ValueError(_env_problem)
     name = _follows.get(name, name)
     if name in _choice:
         return _choice[name]
@@ -123,6 +129,21 @@ class using:
 
 
 def apply_env():
-    spec = os.environ.get(ENV_VAR)
-    if spec:
+    """Apply SPEC_KERNELS, all of it or none: a value that does not parse is kept as the problem `current`
+    raises (so `import ops` works and any use of an op says what is wrong)."""
+    global _env_problem
+    _env_problem, spec = None, os.environ.get(ENV_VAR)
+    if not spec:
+        return
+    saved = dict(_choice)
+    try:
         use_spec(spec)
+    except ValueError as err:
+        _choice.clear()
+        _choice.update(saved)
+        _env_problem = f"{ENV_VAR}={spec!r}: {err}"
+
+
+def env_problem():
+    """Why SPEC_KERNELS could not be applied, or None."""
+    return _env_problem
