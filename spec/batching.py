@@ -24,7 +24,7 @@ import torch
 
 import ops
 from ops.tree import Tree
-from spec.engine import SamplingParams, root_tree
+from spec.engine import NonFiniteLogits, SamplingParams, nonfinite_rows, root_tree
 from spec.graphs import DraftGraphs, StepGraphs, draft_eligibility
 
 
@@ -199,7 +199,9 @@ class SlotBatch:
         e.drafter.append_context(dcache, hidden_path, commit)
         self.bonus[:B] = nxt
         path_tokens = tree.tokens.gather(1, path.long().clamp(min=0))  # [B, L+1], root first
-        rows = torch.cat([commit[:, None].long(), path_tokens, nxt[:, None]], 1).tolist()  # the step's one read
+        rows = torch.cat([commit[:, None].long(), path_tokens, nxt[:, None], nonfinite_rows(out.logits)[:, None]],
+                         1).tolist()  # the step's one read
+        self.check_finite([row.pop() for row in rows])
         counts = [row[0] for row in rows]
         cache.set_host_lens([n + c for n, c in zip(cache.host_lens, counts)] + cache.host_lens[B:])
         dcache.set_host_lens([n + c for n, c in zip(dcache.host_lens, counts)] + dcache.host_lens[B:])
@@ -212,10 +214,18 @@ class SlotBatch:
         _, _, nxt = self.sample(root_tree(bonus), out.logits, B)
         cache.lens[:B] += self.live_dev[:B]
         self.bonus[:B] = nxt
-        tokens = nxt.tolist()  # the step's one read
+        tokens, flags = torch.stack([nxt, nonfinite_rows(out.logits)]).tolist()  # the step's one read
+        self.check_finite(flags)
         live = [int(s is not None) for s in self.seqs[:B]]
         cache.set_host_lens([n + c for n, c in zip(cache.host_lens, live)] + cache.host_lens[B:])
         return [(1, [t]) for t in tokens]
+
+    def check_finite(self, flags):
+        """NonFiniteLogits if a busy slot's flag (from `nonfinite_rows`) is set: its requests fail, the server stays."""
+        bad = [b for b in self.busy if b < len(flags) and flags[b]]
+        if bad:
+            raise NonFiniteLogits(f"the target's logits are NaN or inf (slot {bad[0]}): its weights or activations "
+                                  "are not finite")
 
     def verify(self, B):
         if B in self.verify_graphs:

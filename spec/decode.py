@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 import ops
-import spec.drafter  # noqa: F401 (registers the drafter_attention op before --kernels is read)
 from model.memory import OutOfMemory, size_text
 from model.parallel import CollectiveError, Parallel, collective_failure
 from spec.engine import MAX_BUDGET, Engine, NonFiniteLogits, SamplingError, SamplingParams
@@ -79,9 +78,7 @@ def parse_args(argv):
                    help="replay the verify and draft passes as CUDA graphs per tree-size bucket, captured once "
                         "after load (CUDA only; --no-cuda-graphs runs eagerly)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="under torchrun: how long a rank waits for the others (joining, or in one collective) "
-                        "before it gives up with an error (default 600)")
+    add_collective_timeout(p)
     args = p.parse_args(argv)
     if args.prompt is None and args.prompt_ids is None:
         raise UsageError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
@@ -93,13 +90,25 @@ def parse_args(argv):
         raise UsageError("--draft-model-path needs --model-path (the default model has its own drafter)")
     if args.model_path and not args.draft_model_path and not args.no_spec:
         raise UsageError("--model-path needs --draft-model-path (or --no-spec for the target alone)")
-    if not (math.isfinite(args.collective_timeout) and args.collective_timeout > 0):
-        raise UsageError(f"--collective-timeout must be a positive number of seconds, got {args.collective_timeout}")
     try:
         SamplingParams(args.temperature, args.top_p, 0, args.seed)
     except SamplingError as err:
         raise UsageError(f"{SAMPLING_FLAGS[err.field]} {err.problem}") from None
     return args
+
+
+def positive_seconds(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def add_collective_timeout(parser):
+    """--collective-timeout, shared by the CLI and the server."""
+    parser.add_argument("--collective-timeout", type=positive_seconds, default=600.0, metavar="SECONDS",
+                        help="under torchrun: how long a rank waits for the others (joining, or in one collective) "
+                             "before it gives up with an error (default 600)")
 
 
 def choose_kernels(kernels, device):

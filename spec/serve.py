@@ -36,10 +36,12 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-import spec.drafter  # noqa: F401 (registers the drafter_attention op before --kernels is read)
+from model.memory import OutOfMemory
+from model.parallel import CollectiveError
 from spec.batching import SlotBatch
-from spec.decode import DEFAULT_BUDGET, UsageError, choose_kernels, join_ranks, load
-from spec.engine import MAX_BUDGET, Engine, SamplingParams
+from spec.decode import (DEFAULT_BUDGET, UsageError, add_collective_timeout, choose_kernels, fail, join_ranks, load,
+                         out_of_memory)
+from spec.engine import MAX_BUDGET, SEED_LIMIT, Engine, SamplingError, SamplingParams
 from spec.scheduler import Control, Plan, QueueFull, Request, Scheduler, follow, log
 
 MAX_BODY_BYTES = 32 << 20
@@ -81,6 +83,7 @@ def parse_args(argv):
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay verify and draft passes as CUDA graphs per (batch, tree) bucket (CUDA only)")
+    add_collective_timeout(p)
     args = p.parse_args(argv)
     if not 1 <= args.tree_budget <= MAX_BUDGET:
         raise UsageError(f"--tree-budget must be in 1..{MAX_BUDGET}, got {args.tree_budget}")
@@ -213,8 +216,11 @@ def stream_flags(body):
 def sampling_params(body):
     temperature = number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    seed = integer(body, "seed", None, -(2**63), 2**63 - 1)
-    return SamplingParams(temperature, top_p, 0, secrets.randbits(63) if seed is None else seed)
+    seed = integer(body, "seed", None, 0, SEED_LIMIT - 1)
+    try:
+        return SamplingParams(temperature, top_p, 0, secrets.randbits(63) if seed is None else seed)
+    except SamplingError as err:  # the engine's own bounds (a temperature too small to sample, say)
+        raise bad(str(err), err.field) from None
 
 
 def completion_prompt(body, tok, vocab):
@@ -602,7 +608,7 @@ def serve_http(service, sock, args, device, parallel):
 
 
 def run(args):
-    device, parallel = join_ranks(args.device)
+    device, parallel = join_ranks(args.device, args.collective_timeout)
     try:
         start(args, device, parallel)
     finally:
@@ -617,8 +623,11 @@ def main(argv=None):
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(err, 2)
+    except (CollectiveError, OutOfMemory) as err:
+        return fail(err, 1)
+    except (torch.OutOfMemoryError, MemoryError) as err:
+        return fail(out_of_memory(err), 1)
     return 0
 
 

@@ -456,7 +456,7 @@ def test_interrupted_run_reports_what_it_made(capsys, monkeypatch, mode):
     ("--seed", "1.5", "--seed"),
     ("--max-new-tokens", "0", "--max-new-tokens must be >= 1"),
     ("--max-new-tokens", "2.5", "--max-new-tokens"),
-    ("--collective-timeout", "nan", "--collective-timeout must be a positive"),
+    ("--collective-timeout", "nan", "--collective-timeout: must be a positive"),
     ("--prompt-ids", "1,2.5", "--prompt-ids"),
     ("--prompt-ids", "1,-3", "outside the vocabulary of 512: [-3]"),
     ("--prompt-ids", str(2**70), "outside the vocabulary"),

@@ -43,6 +43,14 @@ def child_env():
     return env
 
 
+def healthy(url):
+    """Whether /health answers 200 (the log may name the address a moment before the socket accepts)."""
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def start_server(log_path, *args, launcher=(sys.executable,)):
     """A `python -m spec.serve` child on a port the OS picks; returns (process, base URL) once /health answers."""
     env = child_env()
@@ -52,7 +60,7 @@ def start_server(log_path, *args, launcher=(sys.executable,)):
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         found = re.search(r"on (http://127\.0\.0\.1:\d+)", Path(log_path).read_text())
-        if found and httpx.get(found[1] + "/health", timeout=5).status_code == 200:
+        if found and healthy(found[1]):
             return proc, found[1]
         assert proc.poll() is None, Path(log_path).read_text()[-3000:]
         time.sleep(0.2)
@@ -310,6 +318,8 @@ BAD_REQUESTS = [  # (body or raw bytes, headers, status, error code or None, wor
     ({"model": MODEL, "prompt": "a", "max_tokens": 0}, None, 400, None, "max_tokens"),
     ({"model": MODEL, "prompt": "a", "max_tokens": True}, None, 400, None, "max_tokens"),
     ({"model": MODEL, "prompt": "a", "seed": 1.5}, None, 400, None, "seed"),
+    ({"model": MODEL, "prompt": "a", "seed": -1}, None, 400, None, "seed"),
+    ({"model": MODEL, "prompt": "a", "temperature": 1e-9}, None, 400, None, "temperature"),
     ({"model": MODEL, "prompt": "a", "n": 2}, None, 400, None, "n = 1"),
     ({"model": MODEL, "prompt": "a", "stream": "yes"}, None, 400, None, "stream"),
     ({"model": MODEL, "prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, None, 400, None, "at most 4"),
