@@ -139,8 +139,8 @@ def test_every_table_is_keyed_by_the_known_archs():
 
 @requires_gpu
 def test_sm120_proxy_compiles_within_sm120_limits_gpu():
-    """Under SPEC_ARCH=sm_120 on this GPU, a MoE, attention, dense projection and tree step compile every kernel
-    they launch within sm_120's shared memory and without wgmma (tl.dot on mma.sync)."""
+    """Under SPEC_ARCH=sm_120 on this GPU, the MoE, attention, skinny GEMM, router and draft top-k compile every
+    kernel they launch within sm_120's shared memory and without wgmma (tl.dot on mma.sync)."""
     if gpu() and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the proxy is for a Hopper GPU")
     report = compiled_in_child(PROXY_RUN, env={"SPEC_ARCH": "sm_120"})
@@ -154,7 +154,7 @@ import torch
 import ops
 import triton_kernels
 from triton.runtime.jit import JITFunction
-from triton_kernels import arch, mla_attention, moe_layout, moe_w4a16
+from triton_kernels import arch, linear, mla_attention, moe_layout, moe_w4a16, router
 from tests.test_moe_kernel import make_experts, make_routing
 
 torch.manual_seed(0)
@@ -167,8 +167,11 @@ for T, H in ((1, 8), (9, 8), (33, 8)):
     q = torch.randn(1, T, H, 576, device="cuda").bfloat16()
     kv = torch.randn(1, 4096, 576, device="cuda").bfloat16()
     mla_attention.mla_attention(q, kv, torch.tensor([4000], dtype=torch.int32, device="cuda"), None, 0.1)
-with ops.using(linear="triton"):
-    ops.linear(torch.randn(4, 1536, device="cuda").bfloat16(), torch.randn(1536, 1536, device="cuda").bfloat16())
+for M in (1, 4):
+    linear.linear_kernel(torch.randn(M, 1536, device="cuda").bfloat16(), torch.randn(1536, 1536, device="cuda").bfloat16())
+for M in (1, 9, 130):
+    router.route(torch.randn(M, 7168, device="cuda").bfloat16(), torch.randn(384, 7168, device="cuda").bfloat16(),
+                 torch.zeros(384, device="cuda"), 8, 1, 1, 2.5)
 logits = torch.randn(1, 4, 2000, device="cuda")
 with ops.using(draft_topk="triton"):
     ops.draft_topk(logits, 8)
