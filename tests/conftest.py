@@ -65,8 +65,10 @@ requires_gpu = pytest.mark.skipif(not gpu(), reason="needs CUDA")
 
 def compiled_in_child(code, *args, env=None):
     """Run the Python program `code` (with args) in a child process without TRITON_INTERPRET, where kernels compile
-    ahead of time (under the interpreter they are interpreter objects), and return its last stdout line as JSON."""
-    child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    ahead of time (under the interpreter they are interpreter objects), and without an arch override (SPEC_ARCH and
+    the DISABLE_MMA_V3 it sets: the child compiles for the targets it names) unless `env` sets them, and return its
+    last stdout line as JSON."""
+    child_env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SPEC_ARCH", "DISABLE_MMA_V3")}
     child_env.update(env or {})
     proc = subprocess.run([sys.executable, "-c", code, *args], env=child_env, capture_output=True, text=True,
                           timeout=300)

@@ -324,7 +324,7 @@ import json, sys
 from triton_kernels.aot import compile_for
 import triton
 from triton_kernels import ddtree as dd
-arch = int(sys.argv[1])
+arch = sys.argv[1]
 cfg = dd.CONFIGS[arch]
 P, I, L = "*fp32", "*i32", "*i64"
 TOPK_SIG = dict(x_ptr="*bf16", cval_ptr=I, cid_ptr=I, pmax_ptr=P, psum_ptr=P, pthr_ptr=I, count_ptr=I, lp_ptr=P,
@@ -360,11 +360,11 @@ print(json.dumps(report))
 
 def test_sm120_kernels_fit():
     """Compile every DDTree kernel for sm_120 at its largest shapes (child process: the interpreter cannot)."""
-    from triton_kernels.aot import SM120_SHARED_LIMIT
+    from triton_kernels.arch import SHARED_LIMIT
 
-    report = compiled_in_child(SM_CHECK, "120", env={"TRITON_DEFAULT_FP_FUSION": "1"})
+    report = compiled_in_child(SM_CHECK, "sm_120", env={"TRITON_DEFAULT_FP_FUSION": "1"})
     for name, (shared, registers, spills) in report.items():
-        assert shared <= SM120_SHARED_LIMIT and spills == 0, (name, shared, registers, spills)
+        assert shared <= SHARED_LIMIT["sm_120"] and spills == 0, (name, shared, registers, spills)
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])
