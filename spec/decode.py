@@ -120,7 +120,7 @@ def choose_kernels(kernels, device):
             ops.use_spec(kernels)
         except ValueError as err:
             raise UsageError(f"--kernels: {err}") from None
-    wants_triton = [name for name, backend in ops.table().items() if backend == "triton"]
+    wants_triton = [name for name, backend in ops.table(device).items() if backend == "triton"]
     if wants_triton and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise UsageError(f"--kernels / SPEC_KERNELS: {', '.join(wants_triton)} set to triton, which needs a CUDA "
                          "device (or TRITON_INTERPRET=1)")

@@ -27,7 +27,7 @@ from model.config import ModelConfig, preset
 from model.generate import greedy_generate
 from model.model import KimiModel
 from model.tokenizer import ByteTokenizer, KimiTokenizer, load_tokenizer
-from spec.decode import main
+from spec.decode import main as decode_main
 from spec.default_model import TARGET, drafter_config
 from spec.drafter import DFlashDrafter
 from spec.drafter_checkpoint import (checkpoint_tensors, drafter_entries, load_drafter,
@@ -77,6 +77,12 @@ def args(paths, *extra):
     target, drafter = paths
     return ["--model-path", str(target), "--draft-model-path", str(drafter), "--prompt", "hi",
             "--max-new-tokens", "4", "--json", *extra]
+
+
+def main(argv):
+    """spec.decode's main on the CPU (where these behaviours are pinned, also on a machine with a GPU), unless argv
+    names a device."""
+    return decode_main(argv if "--device" in argv else [*argv, "--device", "cpu"])
 
 
 def refused(capsys, argv, *needles, code=2):

@@ -25,6 +25,8 @@ def environment(**extra):
 
 
 def start(args, stdout=subprocess.PIPE, **env):
+    """`python -m spec.decode ARGS` on the CPU (where these behaviours are pinned), unless ARGS name a device."""
+    args = args if "--device" in args else [*args, "--device", "cpu"]
     return subprocess.Popen([*DECODE, *args], stdout=stdout, stderr=subprocess.PIPE, env=environment(**env),
                             cwd=ROOT)
 

@@ -95,8 +95,9 @@ def current(name, device=None, dtype=None):
     return "triton" if has_triton(name) and on_gpu and dtype_ok else "torch"
 
 
-def table():
-    return {name: current(name) for name in op_names()}
+def table(device=None):
+    """{op: backend} for activations on `device` (None: this machine's default device)."""
+    return {name: current(name, device) for name in op_names()}
 
 
 def dispatch(name, device=None, dtype=None):
