@@ -626,7 +626,7 @@ def parse_args(argv):
                    help="print the bytes per rank of this run over RANKS GPUs (reads only config.json) and exit")
     p.add_argument("--resume", action="store_true", help=f"continue from OUT/{STATE_FILE} if it exists")
     p.add_argument("--drafter-config", help="a z-lab config.json to take the drafter's shape from")
-    p.add_argument("--layers", type=int, default=5, help="drafter layers (default 5)")
+    p.add_argument("--layers", type=int, default=6, help="drafter layers (default 6, as Kimi-K2.5-DFlash)")
     p.add_argument("--block-size", type=int, default=8, help="block: the anchor token + block_size-1 drafted")
     p.add_argument("--target-layer-ids", help="comma-separated feature layers (default: z-lab's spread)")
     p.add_argument("--heads", type=int, help="attention heads (default: the target's)")
