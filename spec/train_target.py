@@ -271,7 +271,7 @@ def train_target(model, stream, steps, minutes=None, batch=64, seq_len=512, lr=1
                  seed=0, log=print, log_every=100):
     """AdamW on random windows of `stream` (1-D int64 token ids on the model's device) for `steps` steps or
     `minutes` of wall time, whichever ends first (the schedule follows whichever is further along). bf16
-    autocast on a GPU, fp32 on a CPU. Returns the list of (step, loss) logged."""
+    autocast on a GPU, fp32 on a CPU. Returns the (step, loss) logged: the first, every log_every-th, the last."""
     device = stream.device
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]
     flat = [p for n, p in model.named_parameters() if p.dim() <= 1]
@@ -279,11 +279,14 @@ def train_target(model, stream, steps, minutes=None, batch=64, seq_len=512, lr=1
                             lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     budget = minutes * 60 if minutes else math.inf
     history, start, step = [], time.perf_counter(), 0
-    while step < steps:
-        elapsed = time.perf_counter() - start
-        progress = max(step / steps, elapsed / budget)
-        if progress >= 1:
-            break
+
+    def record(loss):
+        history.append((step, loss.item()))
+        rate = step * batch * seq_len / (time.perf_counter() - start)
+        log(f"target step {step}: loss {history[-1][1]:.4f} ({history[-1][1] / math.log(2):.3f} bits/byte), "
+            f"lr {opt.param_groups[0]['lr']:.2e}, {rate / 1e3:.0f}k bytes/s, {time.perf_counter() - start:.0f} s")
+
+    while (progress := max(step / steps, (time.perf_counter() - start) / budget)) < 1:
         for group in opt.param_groups:
             group["lr"] = lr_at(progress, lr, warmup)
         window = random_windows(stream, batch, seq_len, seed * 1_000_003 + step)
@@ -298,10 +301,7 @@ def train_target(model, stream, steps, minutes=None, batch=64, seq_len=512, lr=1
             moe.balance_()
         step += 1
         if step % log_every == 0 or step == 1:
-            value = loss.item()
-            history.append((step, value))
-            rate = step * batch * seq_len / (time.perf_counter() - start)
-            log(f"target step {step}: loss {value:.4f} ({value / math.log(2):.3f} bits/byte), "
-                f"lr {opt.param_groups[0]['lr']:.2e}, {rate / 1e3:.0f}k bytes/s, "
-                f"{time.perf_counter() - start:.0f} s")
+            record(loss)
+    if step and history[-1][0] != step:
+        record(loss)
     return history

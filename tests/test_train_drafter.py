@@ -214,3 +214,23 @@ def test_bad_input_gets_one_error_line(target_dir, tmp_path, capsys, case, messa
     assert code == 2
     assert [line for line in err if line.startswith("error:")] == err[-1:], err  # after the loading bar, if any
     assert message in err[-1], err[-1]
+
+
+def test_the_readme_memory_plan_is_the_recipes(tmp_path, capsys):
+    """The README's per-rank table for K2.6 on eight GPUs is what --memory-plan prints for its flags; the target
+    shard is the loader's own buffers."""
+    import re
+
+    from model.checkpoint_writer import hf_config
+    from model.config import preset
+    from tests.test_ci import ROOT
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(preset("kimi-k2.6"))))
+    assert main(["--model-path", str(tmp_path), "--memory-plan", "8", "--seq-len", "4096", "--anchors", "256",
+                 "--batch-size", "8"]) == 0
+    printed = [float(v) for v in re.findall(r"([0-9.]+) GiB", capsys.readouterr().out)]
+    assert len(printed) == 9  # eight parts and the total
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| per rank (`--memory-plan 8`"):]
+    assert [float(v) for v in re.findall(r"\| ([0-9.]+) \|", table)[: len(printed)]] == printed
+    assert "--seq-len 4096 --anchors 256 --batch-size 8" in readme
