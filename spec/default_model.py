@@ -303,7 +303,7 @@ class Recipe:
     """Sizes of a `train` run (the defaults: one H100, about eight minutes in all)."""
 
     target_steps: int = 100_000
-    target_minutes: float | None = 4.5
+    target_minutes: float | None = 4.0
     target_batch: int = 64
     seq_len: int = 512
     target_lr: float = 1.5e-3
