@@ -29,7 +29,7 @@ import sysconfig
 import tempfile
 import time
 import tokenize
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from datetime import date
 from pathlib import Path
 
@@ -272,7 +272,8 @@ def evaluate(target, drafter, held_out_files, headers=20, sample_bytes=400, budg
     ok = [parses(t) for t in texts]
     log(f"{sum(ok)} of {len(ok)} greedy samples parse once cut at their last complete statement")
     return {"bits_per_byte": bpb, "scored_bytes": scored, "held_out": list(HELD_OUT), "mean_accept_length": accept,
-            "equal_to_target_greedy": same, "block_size": drafter.cfg.block_size, "parse_fraction": sum(ok) / len(ok), "samples": len(ok),
+            "equal_to_target_greedy": same, "block_size": drafter.cfg.block_size,
+            "parse_fraction": sum(ok) / len(ok), "samples": len(ok),
             "sample_bytes": sample_bytes, "parsed": ok, "sample_texts": texts}
 
 

@@ -19,9 +19,10 @@ length of DDTree at --eval-budget, greedy, through `spec.engine.Engine`) every -
 Writes DIR/config.json and DIR/model.safetensors (z-lab's format, for --draft-model-path) and DIR/train_state.pt
 (the drafter in fp32, the optimizer, the step); --resume continues from it exactly as if never interrupted.
 bf16 autocast on a GPU, fp32 on a CPU. Under `torchrun --nproc-per-node N` the target runs tensor-parallel as
-in decoding (every rank runs the whole batch through its shard) and the drafter is data-parallel with its
-parameters, gradients and optimizer state sharded by FSDP over the same ranks (each rank drafts 1/N of the
-batch). Bad input ends with one `error: ...` line and exit code 2.
+in decoding (every rank runs each rank's share of the batch through its shard) and the drafter is data-parallel
+with its parameters, gradients and optimizer state sharded by FSDP over the same ranks (each rank drafts its
+share). `--memory-plan N` prints the bytes per rank of a run over N GPUs from config.json alone. Bad input ends
+with one `error: ...` line and exit code 2.
 """
 
 import argparse
@@ -30,7 +31,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -333,7 +333,7 @@ class TrainDrafter(nn.Module):
         return out
 
 
-def checkpoint_tensors(state):
+def zlab_tensors(state):
     """z-lab names: the stacked `mlp.gate_up` split back into gate_proj and up_proj."""
     out = {}
     for name, t in state.items():
@@ -398,7 +398,7 @@ def write_drafter(state, cfg, out, ranks):
     from spec.drafter_checkpoint import write_drafter_checkpoint
 
     if ranks.rank == 0:
-        write_drafter_checkpoint(out, cfg, checkpoint_tensors(state))
+        write_drafter_checkpoint(out, cfg, zlab_tensors(state))
     ranks.barrier()
 
 
@@ -484,8 +484,8 @@ def load_state(path, trainer, optimizer, meta):
 
 def train(target, sequences, prompts, cfg, opts, out, resume=False, stop_ids=(), log=print, progress=True):
     """Train a drafter of config `cfg` on `sequences` for `target` (a loaded KimiModel, this rank's shard) and
-    write it to `out`, measuring acceptance on the held-out `prompts` (token lists). Returns {"step", "loss", "accept_length" (the last
-    measured), "history" (loss per step)}."""
+    write it to `out`, measuring acceptance on the held-out `prompts` (token lists). Returns {"step", "loss",
+    "accept_length" (the last measured), "history" (loss per step)}."""
     device = target.device
     ranks = Ranks.of(target.par, device)
     if opts.batch_size % ranks.world:
@@ -582,9 +582,9 @@ def memory_plan(tcfg, dcfg, ranks, seq_len, batch_size, anchors):
     lm_head_gather: the rest of the bf16 lm_head, gathered once; drafter_shard, gradients, optimizer: fp32
     parameters, gradients and AdamW's two moments, 1/ranks of each; unsharded_layers: two drafter layers' bf16
     parameters gathered by FSDP at a time (one computing, one prefetched); target_forward: the latent cache and
-    the features of one rank's share of the batch (`FrozenTarget.features`); activations: an estimate of what autograd keeps
-    for this rank's share, counted tensor by tensor in TrainDrafterLayer's forward (bf16, fp32 residual stream
-    and norm inputs), the attention mask, and the logits with their fp32 copy and gradient."""
+    the features of one rank's share of the batch (`FrozenTarget.features`); activations: an estimate of what
+    autograd keeps for this rank's share, counted tensor by tensor in TrainDrafterLayer's forward (bf16, fp32
+    residual stream and norm inputs), the attention mask, and the logits with their fp32 copy and gradient."""
     from model.model import KimiModel
     from model.parallel import Parallel
     from spec.drafter import DFlashDrafter

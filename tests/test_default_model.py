@@ -79,7 +79,8 @@ def test_the_corpus_holds_out_the_fixed_modules():
 
 
 @pytest.mark.parametrize("text, kept", [
-    ("def f(x):\n    y = x\n    return y\n\nprint(f(1))\nwhile Tr", "def f(x):\n    y = x\n    return y\n\nprint(f(1))\n"),
+    ("def f(x):\n    y = x\n    return y\n\nprint(f(1))\nwhile Tr",
+     "def f(x):\n    y = x\n    return y\n\nprint(f(1))\n"),
     ('def f(x):\n    """Doc."""\n    for i in x:\n        if i:\n            pr', 'def f(x):\n    """Doc."""\n'),
     ("def f(x):\n    return (x +\n        1)\n    ret", "def f(x):\n    return (x +\n        1)\n"),
     ("def f(x):\n    '''unterminated\n    ret", ""),

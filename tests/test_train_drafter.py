@@ -15,8 +15,8 @@ from model.checkpoint import load_model
 from model.generate import greedy_generate
 from spec.default_model import TARGET, drafter_config, write_default
 from spec.drafter_checkpoint import load_drafter, write_drafter_checkpoint
-from spec.train_drafter import (STATE_FILE, FrozenTarget, Sequence, TrainDrafter, TrainOptions, checkpoint_tensors,
-                                main, mean_accept_length, sample_batch, train)
+from spec.train_drafter import (STATE_FILE, FrozenTarget, Sequence, TrainDrafter, TrainOptions, main,
+                                mean_accept_length, sample_batch, train, zlab_tensors)
 from tests.conftest import rel_err
 from tests.test_model_vs_hf import _free_port, one_thread  # noqa: F401 (autouse fixture)
 
@@ -52,7 +52,7 @@ def test_training_forward_equals_the_decoding_drafter(target, tmp_path):
     with torch.no_grad():
         for p in trainer.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    write_drafter_checkpoint(tmp_path, DCFG, checkpoint_tensors(trainer.checkpoint_state()), dtype=torch.float32)
+    write_drafter_checkpoint(tmp_path, DCFG, zlab_tensors(trainer.checkpoint_state()), dtype=torch.float32)
     drafter = load_drafter(tmp_path, target, dtype=torch.float32)
     tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
     anchors = torch.tensor([[3, 7, 11], [1, 14, 5]])
@@ -90,7 +90,7 @@ def test_a_few_dozen_steps_lower_the_loss_and_raise_acceptance(target, text, tmp
     prompts = [ids[:16] for ids in text[:4]]
     opts = TrainOptions(**OPTS, steps=60, eval_every=60, save_every=60)
     untrained = TrainDrafter(DCFG).init_weights_(opts.seed).checkpoint_state()
-    write_drafter_checkpoint(tmp_path / "untrained", DCFG, checkpoint_tensors(untrained))
+    write_drafter_checkpoint(tmp_path / "untrained", DCFG, zlab_tensors(untrained))
     before = mean_accept_length(target, tmp_path / "untrained", prompts, 24, 8)
     result = train(target, sequences(text), prompts, DCFG, opts, tmp_path / "trained", log=lambda line: None,
                    progress=False)
