@@ -282,7 +282,8 @@ def results_markdown(results):
     budgets = [k for k in acc if k != "chain"]
     lines = [
         f"# Default model ({results.get('device', '?')}, {results.get('date', '?')})", "",
-        f"Held-out modules: {', '.join(results['held_out'])}.", "",
+        f"torch {results.get('torch', '?')}, Triton {results.get('triton', '?')}, Python "
+        f"{results.get('python', '?')}. Held-out modules: {', '.join(results['held_out'])}.", "",
         "| measure | value |", "|---|---|",
         f"| target bits per byte (held out, {results['scored_bytes']} bytes) | {results['bits_per_byte']:.3f} |",
     ]
