@@ -208,15 +208,14 @@ def _tp_drafter_rank(rank, port, target_dir, results):
         dist.destroy_process_group()
 
 
-def test_two_gloo_ranks_draft_like_one(tmp_path):
+def test_two_gloo_ranks_draft_like_one():
     """The drafter sharded like the target (heads, key/value heads, MLP over two gloo ranks, only each rank's
     slices read) drafts the single-rank logits."""
     from model.checkpoint import load_model
-    from spec.default_model import DRAFTER_DIR, write_default
+    from spec.default_model import DRAFTER_DIR, TARGET_DIR as target_dir
     from spec.drafter_checkpoint import load_drafter
     from tests.conftest import free_port
 
-    target_dir, _ = write_default(tmp_path)
     target = load_model(target_dir, dtype=torch.float32, progress=False)
     ref = _draft_of(target, load_drafter(DRAFTER_DIR, target, dtype=torch.float32))
     results = mp.get_context("spawn").Manager().dict()
