@@ -4,13 +4,14 @@ with no traceback."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHONPATH = os.pathsep.join([str(ROOT / "src"), str(ROOT)])  # this checkout's ops, model and spec
@@ -107,12 +108,6 @@ def test_bad_spec_kernels_does_not_break_import():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
                           env=environment(SPEC_KERNELS="moe=warp,,=x"))
     assert proc.returncode == 0 and int(proc.stdout) > 0, proc.stderr[-2000:]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank(r, port, *extra, world=2):

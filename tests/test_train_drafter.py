@@ -17,8 +17,8 @@ from spec.default_model import TARGET, drafter_config, write_default
 from spec.drafter_checkpoint import load_drafter, write_drafter_checkpoint
 from spec.train_drafter import (STATE_FILE, FrozenTarget, Sequence, TrainDrafter, TrainOptions, main,
                                 mean_accept_length, sample_batch, train, zlab_tensors)
-from tests.conftest import rel_err
-from tests.test_model_vs_hf import _free_port, one_thread  # noqa: F401 (autouse fixture)
+from tests.conftest import free_port, rel_err
+from tests.test_model_vs_hf import one_thread  # noqa: F401 (autouse fixture)
 
 DCFG = drafter_config(TARGET, block_size=5)
 OPTS = dict(seq_len=96, batch_size=4, anchors=12, lr=2e-3, warmup=0.1, eval_prompts=3, eval_prompt_tokens=16,
@@ -143,7 +143,7 @@ def test_two_gloo_ranks_train_like_one_process(target, target_dir, text, tmp_pat
     opts = TrainOptions(**OPTS, steps=3, eval_every=3, save_every=3)
     train(target, sequences(text), [text[0][:8]], DCFG, opts, tmp_path / "one", log=lambda line: None,
           progress=False)
-    mp.spawn(_rank, args=(_free_port(), str(target_dir), text, str(tmp_path / "two")), nprocs=2, join=True)
+    mp.spawn(_rank, args=(free_port(), str(target_dir), text, str(tmp_path / "two")), nprocs=2, join=True)
     one, two = (torch.load(tmp_path / d / STATE_FILE, weights_only=True) for d in ("one", "two"))
     assert two["step"] == 3
     for name, tensor in one["model"].items():
