@@ -53,13 +53,15 @@ class OutputError(Exception):
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "seed": "--seed"}
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError (one `error:` line, exit 2) instead of printing usage and exiting."""
+
     def error(self, message):
         raise UsageError(message)
 
 
 def parse_args(argv):
-    p = _Parser(prog="python -m spec.decode", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m spec.decode", description=__doc__.splitlines()[0])
     p.add_argument("--model-path", help="K2.6-format target checkpoint directory (default: the embedded tiny model)")
     p.add_argument("--draft-model-path", help="DFlash drafter checkpoint directory (z-lab format)")
     src = p.add_mutually_exclusive_group()

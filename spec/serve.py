@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException
 from model.memory import OutOfMemory
 from model.parallel import CollectiveError
 from spec.batching import SlotBatch
-from spec.decode import (DEFAULT_BUDGET, UsageError, add_collective_timeout, choose_kernels, fail, join_ranks, load,
+from spec.decode import (DEFAULT_BUDGET, Parser, UsageError, add_collective_timeout, choose_kernels, fail, join_ranks, load,
                          out_of_memory)
 from spec.engine import MAX_BUDGET, SEED_LIMIT, Engine, SamplingError, SamplingParams
 from spec.scheduler import Control, Plan, QueueFull, Request, Scheduler, follow, log
@@ -58,13 +58,8 @@ NO_OP_VALUES = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias
 
 # ---- the command line ----------------------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
-
-
 def parse_args(argv):
-    p = _Parser(prog="python -m spec.serve", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m spec.serve", description=__doc__.splitlines()[0])
     p.add_argument("--model-path", help="K2.6-format target checkpoint directory (default: the embedded tiny model)")
     p.add_argument("--draft-model-path", help="DFlash drafter checkpoint directory (z-lab format)")
     p.add_argument("--served-model-name", help="the model id clients ask for (default: the model directory's name)")

@@ -25,7 +25,6 @@ share). `--memory-plan N` prints the bytes per rank of a run over N GPUs from co
 with one `error: ...` line and exit code 2.
 """
 
-import argparse
 import gc
 import json
 import math
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from model.tokenizer import ROLE_TOKENS
+from spec.decode import Parser, UsageError, add_collective_timeout
 from ops.mlp import mlp_torch
 from ops.norm import rms_norm_torch
 from ops.rope import head_norm_rope_torch, yarn_inv_freq
@@ -53,10 +53,6 @@ STATE_FILE = "train_state.pt"
 TRAINING_KEYS = ("seq_len", "batch_size", "anchors", "lr", "warmup", "weight_decay", "decay_gamma", "clip", "seed")
 # The depth decay gamma of z-lab's published drafters per block size; others get block_size / 2.
 DECAY_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
-
-
-class UsageError(Exception):
-    """Bad input: reported as one `error: ...` line, exit code 2."""
 
 
 @dataclass
@@ -612,13 +608,8 @@ def memory_plan(tcfg, dcfg, ranks, seq_len, batch_size, anchors):
 
 # --- the command line -----------------------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
-
-
 def parse_args(argv):
-    p = _Parser(prog="python -m spec.train_drafter", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m spec.train_drafter", description=__doc__.splitlines()[0])
     p.add_argument("--model-path", required=True, help="the target: a K2.6-format checkpoint directory")
     p.add_argument("--data", nargs="+", help="text files, or .jsonl with 'text' or 'messages'")
     p.add_argument("--out", help="output directory (drafter checkpoint and train_state.pt)")
@@ -639,6 +630,7 @@ def parse_args(argv):
         kind = float if name in ("minutes", "lr", "warmup", "weight_decay", "decay_gamma", "clip") else int
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
     p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when present)")
+    add_collective_timeout(p)
     args = p.parse_args(argv)
     if args.memory_plan is None and not (args.data and args.out):
         raise UsageError("--data and --out are required (unless --memory-plan)")
@@ -698,7 +690,7 @@ def options_from_args(args):
 def run(args):
     from model.checkpoint import load_model
     from model.tokenizer import load_tokenizer
-    from spec.decode import UsageError as DecodeUsageError, join_ranks
+    from spec.decode import join_ranks
 
     opts = options_from_args(args)
     if not os.path.isdir(args.model_path):
@@ -706,10 +698,7 @@ def run(args):
     if args.memory_plan is not None:
         print_memory_plan(args, opts)
         return
-    try:
-        device, par = join_ranks(args.device)
-    except DecodeUsageError as err:
-        raise UsageError(str(err)) from None
+    device, par = join_ranks(args.device, args.collective_timeout)
     try:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         try:
@@ -754,11 +743,18 @@ def print_memory_plan(args, opts):
 
 
 def main(argv=None):
+    from model.memory import OutOfMemory
+    from model.parallel import CollectiveError
+    from spec.decode import fail, out_of_memory
+
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(err, 2)
+    except (CollectiveError, OutOfMemory) as err:
+        return fail(err, 1)
+    except (torch.OutOfMemoryError, MemoryError) as err:
+        return fail(out_of_memory(err), 1)
     return 0
 
 
