@@ -420,22 +420,14 @@ def fail(message, code):
     return code
 
 
-def main(argv=None):
-    if isinstance(sys.stdout, io.TextIOWrapper):
-        sys.stdout.reconfigure(errors="replace")  # text in any locale, never an encoding traceback
+def command_main(run, parse_args, argv=None):
+    """`run(parse_args(argv))` with the commands' exit codes: 2 for bad input, 1 for a runtime failure (out of
+    memory, with the sizes; a lost rank), 0 when done; one `error: ...` line, no traceback."""
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except UsageError as err:
         return fail(err, 2)
-    except KeyboardInterrupt:
-        return 130
-    except StdoutClosed:
-        silence_stdout()
-        return 1
-    except OutputError as err:
-        silence_stdout()
-        return fail(err, 1)
-    except (NonFiniteLogits, CollectiveError, OutOfMemory) as err:
+    except (CollectiveError, OutOfMemory) as err:
         return fail(err, 1)
     except (torch.OutOfMemoryError, MemoryError) as err:
         return fail(out_of_memory(err), 1)
@@ -444,6 +436,23 @@ def main(argv=None):
             raise
         return fail(out_of_memory(err), 1)
     return 0
+
+
+def main(argv=None):
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="replace")  # text in any locale, never an encoding traceback
+    try:
+        return command_main(run, parse_args, argv)
+    except KeyboardInterrupt:
+        return 130
+    except StdoutClosed:
+        silence_stdout()
+        return 1
+    except OutputError as err:
+        silence_stdout()
+        return fail(err, 1)
+    except NonFiniteLogits as err:
+        return fail(err, 1)
 
 
 if __name__ == "__main__":

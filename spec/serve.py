@@ -36,11 +36,9 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from model.memory import OutOfMemory
-from model.parallel import CollectiveError
 from spec.batching import SlotBatch
-from spec.decode import (DEFAULT_BUDGET, Parser, UsageError, add_collective_timeout, choose_kernels, fail, join_ranks, load,
-                         out_of_memory)
+from spec.decode import (DEFAULT_BUDGET, Parser, UsageError, add_collective_timeout, choose_kernels, command_main,
+                         join_ranks, load)
 from spec.engine import MAX_BUDGET, SEED_LIMIT, Engine, SamplingError, SamplingParams
 from spec.scheduler import Control, Plan, QueueFull, Request, Scheduler, follow, log
 
@@ -615,15 +613,7 @@ def run(args):
 
 def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
-    except UsageError as err:
-        return fail(err, 2)
-    except (CollectiveError, OutOfMemory) as err:
-        return fail(err, 1)
-    except (torch.OutOfMemoryError, MemoryError) as err:
-        return fail(out_of_memory(err), 1)
-    return 0
+    return command_main(run, parse_args, argv)
 
 
 if __name__ == "__main__":

@@ -743,19 +743,9 @@ def print_memory_plan(args, opts):
 
 
 def main(argv=None):
-    from model.memory import OutOfMemory
-    from model.parallel import CollectiveError
-    from spec.decode import fail, out_of_memory
+    from spec.decode import command_main
 
-    try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
-    except UsageError as err:
-        return fail(err, 2)
-    except (CollectiveError, OutOfMemory) as err:
-        return fail(err, 1)
-    except (torch.OutOfMemoryError, MemoryError) as err:
-        return fail(out_of_memory(err), 1)
-    return 0
+    return command_main(run, parse_args, argv)
 
 
 if __name__ == "__main__":

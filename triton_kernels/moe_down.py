@@ -8,7 +8,8 @@ import triton.language as tl
 
 from triton_kernels import pdl
 from triton_kernels.moe_layout import SLAB, SLAB_WORDS, UNPACK
-from triton_kernels.moe_tiles import (LAYOUT_SIGNATURE, SIGNATURE_DTYPES, acc_zeros, aot_options, expert_bases, flags,
+from triton_kernels.moe_tiles import (LAYOUT_SIGNATURE, SIGNATURE_DTYPES, acc_zeros, aot_options, block_expert,
+                                      block_pairs, expert_bases, flags,
                                       launch_options, layout_args,
                                       load_scales, load_slab, orient, prefetch_slab, resident_programs, slab_dot,
                                       slab_ptrs, slab_scales, tile_cols, tile_columns, tokens_of)
@@ -131,14 +132,10 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, counter_ptr, weights_ptr, 
     scales of tile t + 1 load during tile t. PDL: launched while the gate/up kernel runs, a program asks L2 for its
     first slab's words (they do not depend on h), then waits for the gate/up kernel before reading h."""
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
-    e = tl.load(block_expert_ptr + pid_b)
-    if DECODE:  # block b holds pair b alone, in row 0 (block_expert_ptr is topk_ids; no routing pass)
-        pair = tl.where(tl.arange(0, BM) == 0, pid_b, -1)
+    rows, e = block_expert(block_expert_ptr, pid_b, BM)  # [BM] slots
     if e < 0:
         return
-    if not DECODE:
-        pair = tl.load(sorted_ptr + rows)
+    pair = block_pairs(sorted_ptr, rows, pid_b, BM, DECODE)
     _down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, pid_n, pid_k, D, I, n_slabs,
                 n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wn, TOP_K, BM, BN, False, KMAJOR,
                 TILES, MAGIC, MAGIC_VALUE, WIDE, EVEN_K, SWAP, LOP3, AHEAD, ONE_SLAB, PDL, PRESCALE)

@@ -9,7 +9,8 @@ import triton.language as tl
 
 from triton_kernels import arch, pdl
 from triton_kernels.moe_layout import SLAB, UNPACK
-from triton_kernels.moe_tiles import (LAYOUT_SIGNATURE, SIGNATURE_DTYPES, acc_zeros, aot_options, expert_bases, flags,
+from triton_kernels.moe_tiles import (LAYOUT_SIGNATURE, SIGNATURE_DTYPES, acc_zeros, aot_options, block_expert,
+                                      block_pairs, expert_bases, flags,
                                       launch_options, layout_args, load_scales,
                                       load_slab, orient, resident_programs, slab_dot, slab_ptrs, tile_columns,
                                       tokens_of)
@@ -87,14 +88,10 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     """
     pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pdl.enter(PDL)  # release after the wait: the down kernel reads the routing pass's output
-    rows = pid_b * BM + tl.arange(0, BM)  # [BM] slots
-    e = tl.load(block_expert_ptr + pid_b)
-    if DECODE:  # block b holds pair b alone, in row 0 (block_expert_ptr is topk_ids; no routing pass)
-        pair = tl.where(tl.arange(0, BM) == 0, pid_b, -1)
+    rows, e = block_expert(block_expert_ptr, pid_b, BM)  # [BM] slots
     if e < 0:
         return
-    if not DECODE:
-        pair = tl.load(sorted_ptr + rows)
+    pair = block_pairs(sorted_ptr, rows, pid_b, BM, DECODE)
     DTYPE = x_ptr.dtype.element_ty
     token = tokens_of(pair, TOP_K)
     n, n_mask, w_cols, s_cols = tile_columns(pid_n, I, stride_wn, BN, KMAJOR, False)  # gate columns n

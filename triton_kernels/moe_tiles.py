@@ -176,6 +176,23 @@ def tile_columns(tile, N, stride_wn, BN: tl.constexpr, KMAJOR: tl.constexpr, EVE
 
 
 @triton.jit
+def block_expert(block_expert_ptr, pid_b, BM: tl.constexpr):
+    """(slots [BM], expert) of block pid_b; the expert is -1 for a block past the routed ones (nothing to do)."""
+    return pid_b * BM + tl.arange(0, BM), tl.load(block_expert_ptr + pid_b)
+
+
+@triton.jit
+def block_pairs(sorted_ptr, rows, pid_b, BM: tl.constexpr, DECODE: tl.constexpr):
+    """The (token, choice) pair id of each slot [BM], -1 for padding. DECODE: block b holds pair b alone, in row 0
+    (the blocks' experts are topk_ids; no routing pass)."""
+    if DECODE:
+        pair = tl.where(tl.arange(0, BM) == 0, pid_b, -1)
+    else:
+        pair = tl.load(sorted_ptr + rows)
+    return pair
+
+
+@triton.jit
 def tokens_of(pair, TOP_K: tl.constexpr):
     """The token rows [BM] int64 of pair ids [BM] (row 0 for a padding slot, -1)."""
     return tl.where(pair >= 0, pair // TOP_K, 0).to(tl.int64)
