@@ -1,0 +1,180 @@
+"""The tree-budget policy (spec/budget.py) on the CPU: path masses against the heapq tree, the best-first prefix
+property, the chain, the scorer's fixed-point stats, latency tables, and the policy's choices and learning."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import ops
+from spec.budget import (MASS_SCALE, BudgetPolicy, LatencyTable, MassScorer, ScoredTree, TreeDraft, chain_tree,
+                         path_masses, sum_rows)
+from spec.tree_ref import build_tree_heapq
+
+STEP_JSON = Path(__file__).parents[1] / "bench" / "results" / "step_h100_s27.json"
+FIELDS = ("tokens", "parents", "depths")
+
+
+def random_draft(B, L, V, k, seed=0, ties=False):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, L, V, generator=gen) * 2
+    if ties:
+        logits = logits.round()
+    return ops.draft_topk(logits, min(k, V))
+
+
+def heapq_masses(lp, tokens, budget, L):
+    """Per depth, the sum of exp(cumulative log-prob) of the heapq tree's nodes (fp32 sums, as the build)."""
+    toks, parents, depths = build_tree_heapq(lp.numpy(), tokens.numpy(), 0, budget)
+    score, out = [torch.tensor(0.0)], torch.zeros(L, dtype=torch.float64)
+    for i in range(1, len(toks)):
+        rank = tokens[depths[i] - 1].tolist().index(toks[i])
+        score.append(score[parents[i]] + lp[depths[i] - 1, rank])
+        out[depths[i] - 1] += score[-1].double().exp()
+    return out
+
+
+@pytest.mark.parametrize("B,L,V,budgets,ties", [(3, 5, 40, (1, 2, 3, 5, 8, 16, 33), False),
+                                                (2, 7, 512, (4, 8, 16, 32, 64, 128), False),
+                                                (2, 3, 4, (1, 5, 20, 100), False),  # fewer nodes than the budget
+                                                (4, 6, 16, (3, 9, 27), True),
+                                                (1, 1, 9, (1, 2, 9), False)])
+def test_path_masses_match_the_heapq_tree(B, L, V, budgets, ties):
+    lp, tokens = random_draft(B, L, V, max(budgets), seed=B * 100 + L, ties=ties)
+    masses = path_masses(lp, budgets)
+    assert masses.shape == (B, len(budgets), L) and masses.dtype == torch.float32
+    for b in range(B):
+        for j, budget in enumerate(budgets):
+            want = heapq_masses(lp[b], tokens[b], budget, L)
+            assert torch.allclose(masses[b, j].double(), want, atol=1e-6, rtol=1e-5), (b, budget)
+
+
+def test_best_first_prefix_is_the_smaller_tree():
+    """A best-first tree cut after its first b pops is the best-b tree: the fact that lets one draft price
+    every budget."""
+    lp, tokens = random_draft(3, 7, 300, 128, seed=4)
+    roots = torch.tensor([1, 2, 3])
+    big = ops.build_tree(lp, tokens, roots, 128)
+    for b in (1, 4, 8, 16, 32, 64):
+        small = ops.build_tree(lp[..., :b].contiguous(), tokens[..., :b].contiguous(), roots, b)
+        for f in FIELDS:
+            assert torch.equal(getattr(small, f), getattr(big, f)[:, : b + 1]), (b, f)
+
+
+def test_chain_is_the_per_depth_argmax():
+    lp, tokens = random_draft(4, 7, 64, 16, seed=5)
+    roots = torch.arange(4)
+    chain = chain_tree(lp, tokens, roots)
+    assert chain.tokens.shape == (4, 8) and chain.num_nodes.tolist() == [8] * 4
+    assert torch.equal(chain.tokens[:, 1:], tokens[..., 0]) and torch.equal(chain.tokens[:, 0], roots)
+    assert chain.parents[0].tolist() == list(range(-1, 7)) and chain.depths[0].tolist() == list(range(8))
+    logits = torch.randn(4, 7, 64, generator=torch.Generator().manual_seed(6))
+    drafted = TreeDraft("chain")(logits, roots)
+    want = chain_tree(*ops.draft_topk(logits, 16), roots)
+    for name, t in vars(want).items():
+        assert t == getattr(drafted, name) if name == "max_depth" else torch.equal(t, getattr(drafted, name))
+
+
+def test_tree_draft_with_a_larger_top_k_builds_the_same_tree():
+    logits = torch.randn(2, 7, 200, generator=torch.Generator().manual_seed(7))
+    roots = torch.tensor([5, 6])
+    scorer = MassScorer((8, 16, 64), 7, "cpu")
+    for budget in (8, 16, 64):
+        plain = TreeDraft("ddtree", budget)(logits, roots)
+        scored = TreeDraft("ddtree", budget, scorer=scorer)(logits, roots)
+        assert isinstance(scored, ScoredTree) and not isinstance(plain, ScoredTree)
+        for name in ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "num_nodes"):
+            assert torch.equal(getattr(plain, name), getattr(scored, name)), (budget, name)
+        assert scored.stats.shape == (2, 3 + 7) and scored.stats.dtype == torch.int64
+    with pytest.raises(ValueError, match="tree"):
+        TreeDraft("bush", 8)
+    with pytest.raises(ValueError, match="tree budget"):
+        TreeDraft("ddtree", 0)
+
+
+def test_scorer_stats_are_fixed_point_gains_and_own_masses():
+    lp, _ = random_draft(2, 5, 50, 32, seed=8)
+    scorer = MassScorer((4, 8, 32), 5, "cpu")
+    masses = path_masses(lp, (4, 8, 32))
+    stats = scorer.stats(lp, 8).double() / MASS_SCALE
+    assert torch.allclose(stats[:, :3], masses.sum(-1).double(), atol=1e-6)  # factors 1: the plain expectation
+    assert torch.allclose(stats[:, 3:], masses[:, 1].double(), atol=1e-6)  # the tree built: budget 8
+    scorer.set_bias([3.0, 1.0, 0.5, 1.0, 1.0])
+    stats = scorer.stats(lp, 4).double() / MASS_SCALE
+    want = (masses.double() * torch.tensor([3.0, 1.0, 0.5, 1.0, 1.0], dtype=torch.float64)).clamp(max=1).sum(-1)
+    assert torch.allclose(stats[:, :3], want, atol=1e-6)
+    assert torch.allclose(stats[:, 3:], masses[:, 0].double(), atol=1e-6)
+
+
+def test_latency_table_interpolates_and_loads(tmp_path):
+    table = LatencyTable({1000: {8: 2.0, 16: 4.0}, 3000: {8: 4.0, 16: 8.0}})
+    assert table.budgets == (8, 16)
+    assert table.ms(8, 0) == 2.0 and table.ms(8, 2000) == pytest.approx(3.0) and table.ms(16, 9000) == 8.0
+    with pytest.raises(ValueError, match="no entry for budget 32"):
+        table.ms(32)
+    path = tmp_path / "latency.json"
+    table.save(path)
+    assert LatencyTable.load(path).by_context == table.by_context
+    step = LatencyTable.load(STEP_JSON)  # a bench_step file: step_ms per budget, the AR step at 0
+    rows = json.loads(STEP_JSON.read_text())["rows"]
+    assert step.budgets == tuple(r["budget"] for r in rows if r["context"] == rows[0]["context"])
+    assert step.ms(0, 4096) == rows[0]["ar_step_ms"] and step.ms(8, 4096) == rows[1]["step_ms"]
+    for bad, message in ((tmp_path / "none.json", "none.json"), (path.with_name("x.json"), "x.json")):
+        if bad.name == "x.json":
+            bad.write_text(json.dumps({"rows": [{"budget": 8}]}))
+        with pytest.raises(ValueError, match=message):
+            LatencyTable.load(bad)
+    with pytest.raises(ValueError, match="same budgets"):
+        LatencyTable({1: {8: 1.0}, 2: {16: 1.0}})
+    with pytest.raises(ValueError, match="positive"):
+        LatencyTable({1: {8: 0.0}})
+
+
+def fixed(values):
+    return [round(v * MASS_SCALE) for v in values]
+
+
+def test_policy_picks_the_best_rate():
+    table = LatencyTable({0: {8: 10.0, 16: 12.0, 32: 20.0}})
+    policy = BudgetPolicy((8, 16, 32), 3, table)
+    assert policy.budget == 8  # the first candidate past L
+    masses = fixed([0.9, 0.8, 0.7])
+    # rates: (1 + 2.0) / 10 = 0.30, (1 + 2.7) / 12 = 0.308, (1 + 3.0) / 20 = 0.2
+    assert policy.update(fixed([2.0, 2.7, 3.0]), masses, [3]) == 16
+    # a shallower draft: (1 + 1.0) / 10 = 0.2 beats (1 + 1.1) / 12
+    assert policy.update(fixed([1.0, 1.1, 1.2]), masses, [3]) == 8
+    # a batch of two live sequences: (2 + 2.5) / 10 = 0.45 against (2 + 3.6) / 12 = 0.467
+    assert policy.update(fixed([2.5, 3.6, 4.0]), masses, [3, 1]) == 16
+    assert policy.update(fixed([9.0, 9.0, 9.0]), masses, []) == 16  # nothing live: no change
+
+
+def test_policy_learns_per_depth_factors_and_the_overhead():
+    table = LatencyTable({0: {4: 5.0, 8: 6.0}})
+    scorer = MassScorer((4, 8), 3, "cpu")
+    policy = BudgetPolicy((4, 8), 3, table, scorer=scorer, refresh=4, start=8)
+    # the drafter predicts 0.5 at every depth; the target's paths reach depth 1 always, depth 2 half the time,
+    # depth 3 never: factors 2, 2 / (1 + 0.9) (the decayed share of the alternating hits, the last one a hit), 0
+    for step in range(200):
+        accepted = 1 + step % 2
+        policy.update(fixed([1.0, 1.5]), fixed([0.5, 0.5, 0.5]), [accepted], step_s=0.0075, context=100)
+        policy.budget = 8
+    assert policy.bias() == pytest.approx([2.0, 2 / 1.9, 0.0], abs=1e-3)
+    assert torch.allclose(scorer.bias, torch.tensor(policy.bias()), atol=1e-3)  # refreshed on the device
+    assert policy.overhead_ms == pytest.approx(1.5, rel=1e-3)  # 7.5 ms measured against the table's 6
+    before = policy.overhead_ms
+    policy.update(fixed([1.0, 1.5]), fixed([0.5] * 3), [1], step_s=5.0)  # a capture: not an overhead sample
+    assert policy.overhead_ms == before
+    capped = BudgetPolicy((4, 8), 2, table, max_bias=3.0, prior=0.0 + 1e-9)
+    capped.update(fixed([0, 0]), fixed([0.01, 0.01]), [2])
+    assert capped.bias() == [3.0, 3.0]
+    with pytest.raises(ValueError, match="no entry for budgets \\[16\\]"):
+        BudgetPolicy((4, 16), 3, table)
+    with pytest.raises(ValueError, match=">= 1"):
+        BudgetPolicy((0, 4), 3, table)
+
+
+def test_sum_rows():
+    rows = [[9, 1, 2, 3], [9, 10, 20, 30], [9, 100, 200, 300]]
+    assert sum_rows(rows, [True, False, True], 1, 3) == [101, 202]
+    assert sum_rows(rows, [False, True, False], 1, 4) == [10, 20, 30]
