@@ -19,9 +19,8 @@ minus the table's entry), since the table times the verify and draft but not the
 The work is split so that the step needs no extra host synchronisation and little host time. On the device,
 inside the draft pass (`MassScorer`, captured with it): the masses and, per candidate, the corrected gain
 sum_d min(1, factor[d] * mass(b, d)). They travel as fixed-point integers in the step's one device read, and
-the tree just verified predicts the next (one-step lag). On the host (`BudgetPolicy.update`): the per-depth
-running sums (L numbers), the overhead, and an argmax over the candidates; every few steps the factors are
-copied to the device.
+the tree just verified predicts the next (one-step lag). On the host (`BudgetPolicy.update`): the overhead and an argmax over the
+candidates each step; every few steps the per-depth sums are folded in and the factors copied to the device.
 """
 
 import functools
@@ -268,14 +267,15 @@ def measure_eager(target, drafter, budgets, batch=1, reps=2, seed=0):
 # ---- the policy -----------------------------------------------------------------------------------------------
 
 class BudgetPolicy:
-    """The host half of `auto`: learns the per-depth factor and the step overhead, picks each step's budget.
+    """The host half of `auto`: learns the per-depth factors and the step overhead, picks each step's budget.
 
-    budgets: the buckets it may pick (each in `latency`); depth: L; scorer: the MassScorer whose bias it sets.
+    budgets: the buckets it may pick (each in `latency`); depth: L; scorer: the MassScorer whose factors it sets.
     After a step verified with `self.budget`, `update` takes what that step read back and returns the next
-    step's budget: argmax over b of (live + gain(b)) / (latency ms of b + overhead ms).
+    step's budget: argmax over b of (live + gain(b)) / (latency ms of b + overhead ms). Per step that is an
+    append and a handful of float operations; the per-depth sums are folded in (and the factors copied to the
+    device) once every `refresh` steps.
     decay: weight of the past per step (factors and overhead); prior: steps' worth of "the drafter is
-    calibrated" each depth starts with; max_bias: cap of a factor; refresh: steps between bias updates on the
-    device (each costs one small host-to-device copy).
+    calibrated" each depth starts with; max_bias: cap of a factor.
     """
 
     def __init__(self, budgets, depth, latency, scorer=None, decay=0.9, prior=2.0, max_bias=4.0, refresh=16,
@@ -291,10 +291,10 @@ class BudgetPolicy:
         self.depth, self.latency, self.scorer = depth, latency, scorer
         self.decay, self.max_bias, self.refresh = decay, max_bias, refresh
         self.budget = start if start is not None else next((b for b in self.budgets if b > depth), self.budgets[-1])
-        self.reached = [prior * MASS_SCALE] * depth  # decayed sequences that reached depth d + 1 (fixed point)
-        self.predicted = [prior * MASS_SCALE] * depth  # decayed drafter mass at depth d + 1 of the trees verified
-        self.hits = [[MASS_SCALE] * a + [0] * (depth - a) for a in range(depth + 1)]  # depths a accepted nodes reach
-        self.overhead_ms, self.steps = 0.0, 0
+        self.reached = [prior] * depth  # decayed count of sequences whose accepted path reached depth d + 1
+        self.predicted = [prior] * depth  # decayed drafter mass at depth d + 1 of the trees verified
+        self.window = []  # (accepted, masses) of the steps since the last fold
+        self.overhead_ms = 0.0
         self._ms, self._ms_key = None, None
 
     def step_ms(self, context):
@@ -309,27 +309,41 @@ class BudgetPolicy:
         """gains: [nb] fixed-point corrected gains of the tree just verified (summed over live sequences);
         masses: [L] its own fixed-point masses per depth (likewise); accepted: accepted draft nodes of each live
         sequence; step_s: the step's host-clock seconds (None: not measured). Returns the next budget."""
-        live = len(accepted)
-        if not live:
+        if not accepted:
             return self.budget
-        decay = self.decay
-        hits = self.hits[accepted[0]] if live == 1 else [sum(a > d for a in accepted) * MASS_SCALE
-                                                          for d in range(self.depth)]
-        self.reached = [decay * r + h for r, h in zip(self.reached, hits)]
-        self.predicted = [decay * p + m for p, m in zip(self.predicted, masses)]
-        self.steps += 1
-        if self.scorer is not None and self.steps % self.refresh == 0:
-            self.scorer.set_bias(self.bias())
+        window = self.window
+        window.append((accepted, masses))
+        if len(window) == self.refresh:
+            self.fold()
         ms = self.step_ms(context)
         if step_s is not None:
             used = ms[self.budgets.index(self.budget)]
             extra = step_s * 1e3 - used
             if extra < 2.0 * (used + self.overhead_ms):  # not a graph capture or a stall
-                self.overhead_ms = decay * self.overhead_ms + (1 - decay) * (extra if extra > 0 else 0.0)
-        base, overhead = live * MASS_SCALE, self.overhead_ms
+                self.overhead_ms = self.decay * self.overhead_ms + (1 - self.decay) * (extra if extra > 0 else 0.0)
+        base, overhead = len(accepted) * MASS_SCALE, self.overhead_ms
         rates = [(base + g) / (t + overhead) for g, t in zip(gains, ms)]
         self.budget = self.budgets[rates.index(max(rates))]
         return self.budget
+
+    def fold(self):
+        """Fold the window's observations into the per-depth sums (the past decayed by decay^steps) and copy
+        the new factors to the device."""
+        L, keep = self.depth, self.decay ** len(self.window)
+        ended = [0] * (L + 1)  # sequences by accepted nodes
+        for accepted, _ in self.window:
+            for a in accepted:
+                ended[min(a, L)] += 1
+        reached, past = [], 0
+        for d in range(L, 0, -1):  # depth d was reached by the sequences that accepted >= d nodes
+            past += ended[d]
+            reached.append(past)
+        reached = [keep * r + n for r, n in zip(self.reached, reversed(reached))]
+        masses = map(sum, zip(*(m for _, m in self.window)))
+        predicted = [keep * p + m / MASS_SCALE for p, m in zip(self.predicted, masses)]
+        self.reached, self.predicted, self.window = reached, predicted, []
+        if self.scorer is not None:
+            self.scorer.set_bias(self.bias())
 
     def bias(self):
         """Per depth: sequences that reached it over the drafter's mass there, capped at max_bias."""

@@ -2,6 +2,7 @@
 property, the chain, the scorer's fixed-point stats, latency tables, and the policy's choices and learning."""
 
 import json
+from itertools import takewhile
 from pathlib import Path
 
 import pytest
@@ -154,20 +155,24 @@ def test_policy_learns_per_depth_factors_and_the_overhead():
     scorer = MassScorer((4, 8), 3, "cpu")
     policy = BudgetPolicy((4, 8), 3, table, scorer=scorer, refresh=4, start=8)
     # the drafter predicts 0.5 at every depth; the target's paths reach depth 1 always, depth 2 half the time,
-    # depth 3 never: factors 2, 2 / (1 + 0.9) (the decayed share of the alternating hits, the last one a hit), 0
+    # depth 3 never: factors 2, 1, 0 (the prior decays away over 50 windows of 4 steps)
     for step in range(200):
         accepted = 1 + step % 2
         policy.update(fixed([1.0, 1.5]), fixed([0.5, 0.5, 0.5]), [accepted], step_s=0.0075, context=100)
         policy.budget = 8
-    assert policy.bias() == pytest.approx([2.0, 2 / 1.9, 0.0], abs=1e-3)
+    assert policy.bias() == pytest.approx([2.0, 1.0, 0.0], abs=1e-3)
     assert torch.allclose(scorer.bias, torch.tensor(policy.bias()), atol=1e-3)  # refreshed on the device
     assert policy.overhead_ms == pytest.approx(1.5, rel=1e-3)  # 7.5 ms measured against the table's 6
     before = policy.overhead_ms
     policy.update(fixed([1.0, 1.5]), fixed([0.5] * 3), [1], step_s=5.0)  # a capture: not an overhead sample
     assert policy.overhead_ms == before
-    capped = BudgetPolicy((4, 8), 2, table, max_bias=3.0, prior=0.0 + 1e-9)
+    capped = BudgetPolicy((4, 8), 2, table, max_bias=3.0, prior=1e-9, refresh=1)
     capped.update(fixed([0, 0]), fixed([0.01, 0.01]), [2])
     assert capped.bias() == [3.0, 3.0]
+    batch = BudgetPolicy((4, 8), 2, table, prior=1e-9, refresh=2)
+    batch.update(fixed([0, 0]), fixed([1.0, 0.5]), [2, 0])  # two live sequences: one reached both depths
+    batch.update(fixed([0, 0]), fixed([1.0, 0.5]), [1, 1])
+    assert batch.bias() == pytest.approx([3 / 2, 1 / 1])
     with pytest.raises(ValueError, match="no entry for budgets \\[16\\]"):
         BudgetPolicy((4, 16), 3, table)
     with pytest.raises(ValueError, match=">= 1"):
@@ -178,3 +183,64 @@ def test_sum_rows():
     rows = [[9, 1, 2, 3], [9, 10, 20, 30], [9, 100, 200, 300]]
     assert sum_rows(rows, [True, False, True], 1, 3) == [101, 202]
     assert sum_rows(rows, [False, True, False], 1, 4) == [10, 20, 30]
+
+
+# ---- bench/policy.py and bench/project.py ----------------------------------------------------------------------
+
+def test_replay_walks_recorded_acceptance():
+    from bench.policy import accepted_by_budget, chain_accepted, simulate
+
+    lp, tokens = random_draft(2, 3, 6, 4, seed=9)
+    tree = ops.build_tree(lp, tokens, torch.tensor([0, 0]), 4)
+    # row 0: the truth follows the rank-0 chain for 2 depths then leaves the tree; row 1: the truth is a
+    # rank-1 token at depth 1 (not in the chain)
+    truth = torch.stack([torch.cat([tokens[0, :2, 0], torch.tensor([-1])]),
+                         torch.cat([tokens[1, :1, 1], torch.tensor([-1, -1])])])
+    got = accepted_by_budget(tree, truth, (1, 2, 4))
+    nodes = [{(int(tree.parents[b, i]), int(tree.tokens[b, i])): i for i in range(1, 5)} for b in range(2)]
+    for b in range(2):
+        path, cur = [], 0
+        for t in truth[b].tolist():
+            if (cur, t) not in nodes[b]:
+                break
+            cur = nodes[b][(cur, t)]
+            path.append(cur)
+        want = [sum(1 for _ in takewhile(lambda i: i <= limit, path)) for limit in (1, 2, 4)]
+        assert got[b].tolist() == want
+    assert chain_accepted(tokens, truth).tolist() == [2, 0]
+    rec = {"meta": {"budgets": [4, 8], "depth": 3},
+           "prompts": [{"chain": [1] * 10, "accepted": [[2, 3]] * 10, "masses": [[[0.9] * 3, [0.95] * 3]] * 10}]}
+    table = LatencyTable({0: {0: 1.0, 4: 2.0, 8: 2.5}})
+    assert simulate(rec, "ar", table, 0)[:3] == (10, pytest.approx(0.010), 10)  # 10 positions, one token a 1 ms step
+    tokens_, seconds, steps, _ = simulate(rec, "8", table, 0)  # 4 tokens a step: positions 0, 4, 8
+    assert (tokens_, steps) == (12, 3) and seconds == pytest.approx(0.0075)
+    assert simulate(rec, "chain", table, 0)[:3] == (10, pytest.approx(0.010), 5)  # charged at bucket 4
+    tokens_, seconds, steps, chosen = simulate(rec, "auto", table, 0)
+    # rates: (1 + 2.7) / 2 = 1.85 for 4 against (1 + 2.85) / 2.5 = 1.54 for 8: auto starts at 4 (> L) and stays
+    assert chosen == {4: 4} and (tokens_, steps) == (12, 4)
+
+
+def test_projection_arithmetic(tmp_path, capsys):
+    from bench.project import gain_at, main
+
+    assert gain_at({16: 1.0, 64: 1.2}, 32) == pytest.approx(1.1) and gain_at({16: 1.0, 64: 1.2}, 8) == 1.0
+    rows = [dict(context=4096, budget=0, ar_step_ms=4.0), dict(context=4096, budget=8, step_ms=8.0),
+            dict(context=4096, budget=32, step_ms=12.0)]
+    path = tmp_path / "step.json"
+    path.write_text(json.dumps(dict(meta=dict(read_GBps=2000.0), rows=rows)))
+    out = tmp_path / "p.md"
+    assert main([str(path), "--pro-bw", "1000", "--bw-efficiency", "1", "--collective-us", "10", "--pcie-bw", "1000",
+                 "--logits", "local", "--acceptance-by-depth", "0.5,0.5,0.5", "--tree-gain", "4:1,32:1.2",
+                 "--out", str(out)]) == 0
+    table = out.read_text()
+    assert table == capsys.readouterr().out.rstrip("\n") + "\n"
+    # ms: compute at 2000 / 1000 GB/s, then 122 all-reduces of one row and a shard-local sample at 1 GB/ms
+    ar = 4.0 * 2 + 122 * (10e-3 + 2 * 7 / 8 * 7168 * 2 / 1e9) + 10e-3 + 7 * 8 / 1e9
+    assert f"| AR | 4.00 | 8.00 | {ar - 8:.2f} | {ar:.2f} | 1.00 | {1e3 / ar:.0f} |" in table
+    lines = {line.split(" | ")[0][2:]: line.split(" | ") for line in table.splitlines() if line.startswith("| ")}
+    assert lines["chain"][5] == "2.50"  # 1 + 0.5 x 3, charged at budget 8's 8 ms
+    assert lines["budget 8"][5] == "2.67" and lines["budget 32"][5] == "3.00"  # gains 1 + 0.2 / 3, 1.2
+    assert lines["budget 32"][2] == "24.00" and lines["chain"][1] == "8.00"
+    assert "auto (= budget 8)" in table and "92.4 tok/s" in table
+    assert main([str(tmp_path / "none.json")]) == 2 and "not a bench_step json" in capsys.readouterr().err
+    assert main([str(path), "--tree-gain", "x"]) == 2 and "--tree-gain" in capsys.readouterr().err
