@@ -1,4 +1,4 @@
-"""The tree-budget policy (spec/budget.py) on the CPU: path masses against the heapq tree, the best-first prefix
+"""The tree-budget policy (spec/budget.py) on the CPU: path masses against the built tree, the best-first prefix
 property, the chain, the scorer's fixed-point stats, latency tables, and the policy's choices and learning."""
 
 import json
@@ -11,7 +11,6 @@ import torch
 import ops
 from spec.budget import (MASS_SCALE, BudgetPolicy, LatencyTable, MassScorer, ScoredTree, TreeDraft, chain_tree,
                          path_masses, sum_rows)
-from spec.tree_ref import build_tree_heapq
 
 STEP_JSON = Path(__file__).parents[1] / "bench" / "results" / "step_h100_s27.json"
 FIELDS = ("tokens", "parents", "depths")
@@ -25,14 +24,19 @@ def random_draft(B, L, V, k, seed=0, ties=False):
     return ops.draft_topk(logits, min(k, V))
 
 
-def heapq_masses(lp, tokens, budget, L):
-    """Per depth, the sum of exp(cumulative log-prob) of the heapq tree's nodes (fp32 sums, as the build)."""
-    toks, parents, depths = build_tree_heapq(lp.numpy(), tokens.numpy(), 0, budget)
-    score, out = [torch.tensor(0.0)], torch.zeros(L, dtype=torch.float64)
-    for i in range(1, len(toks)):
-        rank = tokens[depths[i] - 1].tolist().index(toks[i])
-        score.append(score[parents[i]] + lp[depths[i] - 1, rank])
-        out[depths[i] - 1] += score[-1].double().exp()
+def tree_masses(lp, tokens, budget):
+    """Per row and depth, the sum of exp(cumulative log-prob) of the built tree's nodes (the torch build, itself
+    checked against heapq in test_tree_ops; fp32 sums parent + log-prob, as the build forms them)."""
+    B, L, _ = lp.shape
+    tree = ops.build_tree(lp, tokens, torch.zeros(B, dtype=torch.long), budget)
+    out = torch.zeros(B, L, dtype=torch.float64)
+    for b in range(B):
+        score = [torch.tensor(0.0)]
+        for i in range(1, int(tree.num_nodes[b])):
+            d = int(tree.depths[b, i])
+            rank = tokens[b, d - 1].tolist().index(int(tree.tokens[b, i]))
+            score.append(score[int(tree.parents[b, i])] + lp[b, d - 1, rank])
+            out[b, d - 1] += score[-1].double().exp()
     return out
 
 
@@ -41,14 +45,13 @@ def heapq_masses(lp, tokens, budget, L):
                                                 (2, 3, 4, (1, 5, 20, 100), False),  # fewer nodes than the budget
                                                 (4, 6, 16, (3, 9, 27), True),
                                                 (1, 1, 9, (1, 2, 9), False)])
-def test_path_masses_match_the_heapq_tree(B, L, V, budgets, ties):
+def test_path_masses_match_the_built_tree(B, L, V, budgets, ties):
     lp, tokens = random_draft(B, L, V, max(budgets), seed=B * 100 + L, ties=ties)
     masses = path_masses(lp, budgets)
     assert masses.shape == (B, len(budgets), L) and masses.dtype == torch.float32
-    for b in range(B):
-        for j, budget in enumerate(budgets):
-            want = heapq_masses(lp[b], tokens[b], budget, L)
-            assert torch.allclose(masses[b, j].double(), want, atol=1e-6, rtol=1e-5), (b, budget)
+    for j, budget in enumerate(budgets):
+        want = tree_masses(lp, tokens, budget)
+        assert torch.allclose(masses[:, j].double(), want, atol=1e-6, rtol=1e-5), budget
 
 
 def test_best_first_prefix_is_the_smaller_tree():
