@@ -269,7 +269,7 @@ def simulate(rec, name, latency, context, extra_ms=0.0):
                 masses = torch.tensor(text["masses"][pos])[columns]  # [nb, L]
                 gains = (scorer.gains(masses) * MASS_SCALE).round().long().tolist()
                 own = (masses[candidates.index(b)] * MASS_SCALE).round().long().tolist()
-                policy.update(gains, own, [accepted], step_s=ms / 1e3, context=context)
+                policy.update(gains, own, [accepted], context)
                 chosen[b] += 1
             else:
                 b = int(name)
@@ -337,7 +337,7 @@ def host_cost(args):
             total += i
 
     n = 20000
-    us = min(timeit.repeat(lambda: policy.update(gains, masses, next(accepted), 0.0095, 4096), number=n,
+    us = min(timeit.repeat(lambda: policy.update(gains, masses, next(accepted), 4096), number=n,
                            repeat=args.repeats)) / n * 1e6
     ref = min(timeit.repeat(reference, number=n, repeat=args.repeats)) / n * 1e6
     print(f"BudgetPolicy.update: {us:.2f} us a step (min of {args.repeats} x {n} calls); a loop of 100 integer "

@@ -3,7 +3,7 @@
 A step that verifies the best-b tree emits 1 + (accepted nodes) tokens a sequence and costs draft + verify(b).
 `auto` picks, before each step, the bucket b that maximises expected tokens per second:
 
-    (live sequences + E[accepted | b]) / (step ms of b + the measured overhead)
+    (live sequences + E[accepted | b]) / (step ms of b)
 
 E[accepted | b]: a node is accepted when the target agrees with its whole path, which under the drafter's
 per-depth marginals has probability exp(cumulative log-prob); the best-first tree of b nodes holds the b most
@@ -12,19 +12,19 @@ E[accepted | b] is the sum of the b largest path probabilities, for every b at o
 (`path_masses`). That is also the prefix sum of the probabilities of a budget-max build's popped nodes: a
 best-first tree cut after its first b pops is the best-b tree. The masses are kept per depth, and a per-depth
 factor learnt online (reached depth d / predicted mass at d, over recent steps) corrects the drafter's
-calibration. Step ms per bucket come from a `LatencyTable` (measured when the graphs are captured, eagerly on
-a CPU, or loaded from a file) plus an overhead learnt online (the host-clock time between the step's reads
-minus the table's entry), since the table times the verify and draft but not the rest of the step.
+calibration. Step ms per bucket come from a `LatencyTable`: whole steps timed once per batch size before a
+run's prefill (graphed where the run is), or a file.
 
 The work is split so that the step needs no extra host synchronisation and little host time. On the device,
 inside the draft pass (`MassScorer`, captured with it): the masses and, per candidate, the corrected gain
 sum_d min(1, factor[d] * mass(b, d)). They travel as fixed-point integers in the step's one device read, and
-the tree just verified predicts the next (one-step lag). On the host (`BudgetPolicy.update`): the overhead and an argmax over the
-candidates each step; every few steps the per-depth sums are folded in and the factors copied to the device.
+the tree just verified predicts the next (one-step lag). On the host (`BudgetPolicy.update`): an argmax over
+the candidates each step; every few steps the per-depth sums are folded in and the factors copied to the device.
 """
 
 import functools
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from operator import truediv
@@ -180,6 +180,19 @@ class LatencyTable:
         w = (context - c0) / (c1 - c0)
         return (1 - w) * self.by_context[c0][budget] + w * self.by_context[c1][budget]
 
+    def mean_over(self, par, device):
+        """The table averaged over the tensor-parallel ranks of `par` (one all-reduce), so that every rank
+        picks the same budgets; itself alone."""
+        if not par.joined:
+            return self
+        keys = [(c, b) for c in self.contexts for b in self.budgets]
+        values = torch.tensor([self.by_context[c][b] for c, b in keys], dtype=torch.float64, device=device)
+        values = (par.all_reduce(values) / par.tp_size).tolist()
+        table = {}
+        for (c, b), ms in zip(keys, values):
+            table.setdefault(c, {})[b] = ms
+        return LatencyTable(table, source=f"{self.source}, mean over {par.tp_size} ranks")
+
     def to_json(self):
         return {"latency_ms": {str(c): {str(b): ms for b, ms in row.items()} for c, row in self.by_context.items()},
                 "source": self.source}
@@ -213,69 +226,40 @@ def step_rows(rows, source):
     return table
 
 
-def _event_ms(fn, reps, device):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    start.record(torch.cuda.current_stream(device))
-    for _ in range(reps):
-        fn()
-    end.record(torch.cuda.current_stream(device))
-    end.synchronize()
-    return start.elapsed_time(end) / reps
-
-
-def measure_graph_replays(graphs, contexts, reps=5):
-    """A LatencyTable of a `spec.graphs.StepGraphs`: each captured verify replayed `reps` times (CUDA events)
-    with the cache's lengths set to each context (its entries are scratch: the cache is reset afterwards)."""
-    cache, device = graphs.cache, graphs.model.device
-    table = {}
-    for context in contexts:
-        cache.lens.fill_(context)
-        table[context] = {b: _event_ms(graph.replay, reps, device) for b, graph in sorted(graphs.graphs.items())}
-    cache.reset()
-    return LatencyTable(table, source="measured: verify replays")
-
-
-@torch.no_grad()
-def measure_eager(target, drafter, budgets, batch=1, reps=2, seed=0):
-    """A LatencyTable (context 0) from eager passes: per budget the drafter's pass, top-k and tree build, and
-    the target's verify of that tree, the mean of `reps` host-clock runs after one warm-up (a CPU's table)."""
-    gen = torch.Generator().manual_seed(seed)
-    device, top = target.device, max(budgets)
-    cache = target.new_cache(batch, top + 2)
-    dcache = drafter.new_cache(batch, drafter.cfg.block_size + 1)
-    bonus = torch.randint(0, target.cfg.vocab_size, (batch,), generator=gen).to(device)
-    row = {}
-    for b in budgets:
-        draft = TreeDraft("ddtree", b) if b else None
-
-        def step():
-            if draft is None:
-                target(bonus[:, None], cache.lens[:, None].long(), cache)
-                return
-            tree = draft(drafter.draft(dcache, bonus), bonus)
-            target(tree.tokens, cache.lens[:, None].long() + tree.depths.long(), cache, tree_mask=tree.mask)
-
-        step()
+def measure_steps(step, budgets, device, reps=3):
+    """A LatencyTable (context 0) of `step(budget)`, a whole decode step: host clock around a synchronised
+    step, the budgets interleaved, the median of `reps` rounds after one warm-up round (compiles, captures)."""
+    def timed(budget):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        for _ in range(reps):
-            step()
-        row[b] = (time.perf_counter() - t0) * 1e3 / reps
-    return LatencyTable({0: row}, source="measured: eager draft + verify")
+        step(budget)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) * 1e3
+
+    times = {b: [] for b in budgets}
+    for round_ in range(reps + 1):
+        for b in budgets:
+            ms = timed(b)
+            if round_:
+                times[b].append(ms)
+    return LatencyTable({0: {b: statistics.median(t) for b, t in times.items()}}, source="measured: whole steps")
 
 
 # ---- the policy -----------------------------------------------------------------------------------------------
 
 class BudgetPolicy:
-    """The host half of `auto`: learns the per-depth factors and the step overhead, picks each step's budget.
+    """The host half of `auto`: learns the per-depth factors and picks each step's budget.
 
     budgets: the buckets it may pick (each in `latency`); depth: L; scorer: the MassScorer whose factors it sets.
     After a step verified with `self.budget`, `update` takes what that step read back and returns the next
-    step's budget: argmax over b of (live + gain(b)) / (latency ms of b + overhead ms). Per step that is an
-    append and a handful of float operations; the per-depth sums are folded in (and the factors copied to the
-    device) once every `refresh` steps.
-    decay: weight of the past per step (factors and overhead); prior: steps' worth of "the drafter is
-    calibrated" each depth starts with; max_bias: cap of a factor.
+    step's budget: argmax over b of (live + gain(b)) / (step ms of b). Per step that is an append and a
+    handful of float operations; the per-depth sums are folded in (and the factors copied to the device) once
+    every `refresh` steps. No clock is read: the choices are a function of the table and of what the steps
+    read back, so a seeded run repeats itself and tensor-parallel ranks agree.
+    decay: weight of the past per step; prior: steps' worth of "the drafter is calibrated" each depth starts
+    with; max_bias: cap of a factor.
     """
 
     def __init__(self, budgets, depth, latency, scorer=None, decay=0.9, prior=2.0, max_bias=4.0, refresh=16,
@@ -294,7 +278,6 @@ class BudgetPolicy:
         self.reached = [prior] * depth  # decayed count of sequences whose accepted path reached depth d + 1
         self.predicted = [prior] * depth  # decayed drafter mass at depth d + 1 of the trees verified
         self.window = []  # (accepted, masses) of the steps since the last fold
-        self.overhead_ms = 0.0
         self._ms, self._ms_key = None, None
 
     def step_ms(self, context):
@@ -305,24 +288,18 @@ class BudgetPolicy:
             self._ms_key = key
         return self._ms
 
-    def update(self, gains, masses, accepted, step_s=None, context=0):
+    def update(self, gains, masses, accepted, context=0):
         """gains: [nb] fixed-point corrected gains of the tree just verified (summed over live sequences);
         masses: [L] its own fixed-point masses per depth (likewise); accepted: accepted draft nodes of each live
-        sequence; step_s: the step's host-clock seconds (None: not measured). Returns the next budget."""
+        sequence; context: the longest sequence's length. Returns the next budget."""
         if not accepted:
             return self.budget
         window = self.window
         window.append((accepted, masses))
         if len(window) == self.refresh:
             self.fold()
-        ms = self.step_ms(context)
-        if step_s is not None:
-            used = ms[self.budgets.index(self.budget)]
-            extra = step_s * 1e3 - used
-            if extra < 2.0 * (used + self.overhead_ms):  # not a graph capture or a stall
-                self.overhead_ms = self.decay * self.overhead_ms + (1 - self.decay) * (extra if extra > 0 else 0.0)
-        base, overhead = len(accepted) * MASS_SCALE, self.overhead_ms
-        rates = [(base + g) / (t + overhead) for g, t in zip(gains, ms)]
+        base = len(accepted) * MASS_SCALE
+        rates = [(base + g) / t for g, t in zip(gains, self.step_ms(context))]
         self.budget = self.budgets[rates.index(max(rates))]
         return self.budget
 

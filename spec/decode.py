@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import sys
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -20,9 +21,10 @@ import torch.distributed as dist
 import ops
 import spec.drafter  # noqa: F401 (registers the drafter_attention op before --kernels is read)
 from model.parallel import Parallel
-from spec.engine import MAX_BUDGET, Engine, SamplingParams
+from spec.budget import LatencyTable
+from spec.engine import MAX_BUDGET, TREES, Engine, SamplingParams
 
-DEFAULT_BUDGET = 32
+DEFAULT_BUDGET = "auto"
 
 
 class UsageError(Exception):
@@ -46,7 +48,14 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tree-budget", type=int, default=DEFAULT_BUDGET, help=f"draft tree nodes, 1..{MAX_BUDGET}")
+    p.add_argument("--tree-budget", default=DEFAULT_BUDGET,
+                   help=f"draft tree nodes, 1..{MAX_BUDGET}, or auto: each step the bucket with the most expected "
+                        "tokens per second (spec/budget.py)")
+    p.add_argument("--tree", choices=TREES, default="ddtree",
+                   help="ddtree: the best-first tree; chain: DFlash's per-depth argmax (the block's L nodes)")
+    p.add_argument("--latency-table", default=None,
+                   help="auto's step ms per budget (bench/bench_step.py json or spec.budget.LatencyTable json; "
+                        "default: measured after load)")
     p.add_argument("--no-spec", action="store_true", help="target-only autoregressive decoding")
     p.add_argument("--kernels", default=None, help="op=backend,... e.g. moe=triton,attention=torch or all=triton")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
@@ -57,8 +66,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.prompt is None and args.prompt_ids is None:
         raise UsageError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
-    if not 1 <= args.tree_budget <= MAX_BUDGET:
-        raise UsageError(f"--tree-budget must be in 1..{MAX_BUDGET}, got {args.tree_budget}")
+    args.tree_budget = parse_budget(args.tree_budget)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.draft_model_path and not args.model_path:
@@ -70,6 +78,19 @@ def parse_args(argv):
     except ValueError as err:
         raise UsageError(str(err)) from None
     return args
+
+
+def parse_budget(text):
+    """'auto' or an int in 1..MAX_BUDGET."""
+    if text == "auto":
+        return text
+    try:
+        budget = int(text)
+    except ValueError:
+        budget = None
+    if budget is None or not 1 <= budget <= MAX_BUDGET:
+        raise UsageError(f"--tree-budget must be in 1..{MAX_BUDGET} or auto, got {text}")
+    return budget
 
 
 def choose_kernels(spec, device):
@@ -209,7 +230,12 @@ def generate(args, device, parallel):
     choose_kernels(args.kernels, device)
     target, drafter, tok = load(args, device, parallel)
     ids = prompt_ids(args, tok)
-    engine = Engine(target, drafter, args.tree_budget, cuda_graphs=args.cuda_graphs)
+    try:
+        latency = LatencyTable.load(args.latency_table) if args.latency_table else None
+        engine = Engine(target, drafter, args.tree_budget, cuda_graphs=args.cuda_graphs, tree=args.tree,
+                        latency=latency)
+    except ValueError as err:
+        raise UsageError(f"--latency-table: {err}") from None
     try:
         engine.check_prompts([ids])
     except ValueError as err:
@@ -227,14 +253,24 @@ def generate(args, device, parallel):
             "output_ids": out, "text": decode_text(tok, out), "accept_lengths": accepts,
             "mean_accept_length": result.mean_accept_length, "tokens_per_s": result.tokens_per_s,
             "steps": result.steps, "prompt_tokens": len(ids), "finish_reason": result.finish_reasons[0],
-            "prefill_s": result.prefill_s, "decode_s": result.decode_s,
+            "prefill_s": result.prefill_s, "decode_s": result.decode_s, "budgets": result.budgets,
         }))
         return
     streamer.finish()
-    mode = "target only" if drafter is None else f"DDTree budget {args.tree_budget}"
-    print(f"[{mode}] {len(out)} tokens in {result.steps} steps, mean accept length {result.mean_accept_length:.2f}, "
-          f"{result.tokens_per_s:.1f} tok/s (prefill {result.prefill_s * 1e3:.0f} ms of {len(ids)} tokens, "
-          f"{result.finish_reasons[0]}) on {device.type}" + (f" x {parallel.tp_size} ranks" if parallel.joined else ""))
+    print(f"[{mode_label(args, drafter, result.budgets)}] {len(out)} tokens in {result.steps} steps, mean accept "
+          f"length {result.mean_accept_length:.2f}, {result.tokens_per_s:.1f} tok/s (prefill "
+          f"{result.prefill_s * 1e3:.0f} ms of {len(ids)} tokens, {result.finish_reasons[0]}) on {device.type}" + (f" x {parallel.tp_size} ranks" if parallel.joined else ""))
+
+
+def mode_label(args, drafter, budgets):
+    if drafter is None:
+        return "target only"
+    if args.tree == "chain":
+        return f"DFlash chain of {drafter.cfg.draft_len}"
+    if args.tree_budget != "auto":
+        return f"DDTree budget {args.tree_budget}"
+    chosen = Counter(budgets)
+    return "DDTree auto (budget " + ", ".join(f"{b} x{n}" for b, n in sorted(chosen.items())) + ")"
 
 
 def main(argv=None):
