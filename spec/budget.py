@@ -31,7 +31,6 @@ from operator import truediv
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import ops
 from ops.tree import Tree
@@ -49,12 +48,24 @@ def chain_tree(logprobs, tokens, root_tokens):
 
 
 @functools.lru_cache(maxsize=64)
-def _extension_pairs(n, prefixes, k, device):
-    """(prefix rank r, token rank s) pairs with (r+1)(s+1) <= n: the only extensions that can be among the n
-    likeliest paths one depth deeper (each (r', s') with r' <= r, s' <= s is at least as likely)."""
-    pairs = [(r, s) for r in range(prefixes) for s in range(min(k, n // (r + 1)))]
-    r, s = zip(*pairs)
-    return torch.tensor(r, device=device), torch.tensor(s, device=device)
+def _layout(budgets, L, K, device):
+    """Index tensors of `path_masses` for these shapes (made once, so that a captured pass creates none).
+
+    Per depth d >= 1, the (prefix rank r, token rank s) pairs with (r+1)(s+1) <= n, n = the largest budget:
+    the only extensions that can be among the n likeliest paths one depth deeper (each (r', s') with r' <= r,
+    s' <= s is at least as likely). Then the depth of every candidate of the final top-n, the depths 0..L-1,
+    and per budget the index of its last node in pop order.
+    """
+    n = max(budgets)
+    sizes, pairs = [min(n, K)], []
+    for _ in range(1, L):
+        rs = [(r, s) for r in range(sizes[-1]) for s in range(min(K, n // (r + 1)))]
+        pairs.append(tuple(torch.tensor(v, device=device) for v in zip(*rs)))
+        sizes.append(min(n, len(rs)))
+    depth_of = torch.tensor([d for d, m in enumerate(sizes) for _ in range(m)], device=device)
+    kept = min(n, sum(sizes))
+    last = torch.tensor([min(b, kept) - 1 for b in budgets], device=device)
+    return pairs, depth_of, torch.arange(L, device=device), last
 
 
 def path_masses(logprobs, budgets):
@@ -66,22 +77,20 @@ def path_masses(logprobs, budgets):
     Cumulative log-probs are fp32 sums parent + log-prob, as the tree build forms them; no host read.
     """
     B, L, K = logprobs.shape
-    n = max(budgets)
+    budgets = tuple(budgets)
     if min(budgets) < 1:
-        raise ValueError(f"path_masses: budgets must be >= 1, got {tuple(budgets)}")
+        raise ValueError(f"path_masses: budgets must be >= 1, got {budgets}")
+    pairs, depth_of, depths, last = _layout(budgets, L, K, logprobs.device)
+    n = max(budgets)
     level = logprobs[:, 0, : min(n, K)]  # [B, m]: the likeliest depth-1 paths, descending
     levels = [level]
-    for d in range(1, L):
-        r, s = _extension_pairs(n, level.shape[1], K, logprobs.device)
+    for d, (r, s) in enumerate(pairs, start=1):
         candidates = level[:, r] + logprobs[:, d, s]
         level = candidates.topk(min(n, candidates.shape[1]), dim=1).values
         levels.append(level)
-    depth_of = torch.cat([torch.full((lv.shape[1],), d, device=logprobs.device) for d, lv in enumerate(levels)])
     scores, idx = torch.cat(levels, 1).topk(min(n, depth_of.numel()), dim=1)  # the best-n tree, pop order
-    per_depth = F.one_hot(depth_of[idx], L).to(scores.dtype) * scores.exp()[..., None]  # [B, m, L]
-    cumulative = per_depth.cumsum(1)
-    last = torch.tensor([min(b, scores.shape[1]) - 1 for b in budgets], device=logprobs.device)
-    return cumulative[:, last]
+    per_depth = (depth_of[idx][..., None] == depths) * scores.exp()[..., None]  # [B, m, L]
+    return per_depth.cumsum(1)[:, last]
 
 
 class MassScorer:

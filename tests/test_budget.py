@@ -11,6 +11,7 @@ import torch
 import ops
 from spec.budget import (MASS_SCALE, BudgetPolicy, LatencyTable, MassScorer, ScoredTree, TreeDraft, chain_tree,
                          path_masses, sum_rows)
+from tests.conftest import requires_gpu
 
 STEP_JSON = Path(__file__).parents[1] / "bench" / "results" / "step_h100_s27.json"
 FIELDS = ("tokens", "parents", "depths")
@@ -354,3 +355,25 @@ def test_decode_cli_tree_flags(capsys, tmp_path):
     assert "error: --latency-table: latency table" in capsys.readouterr().err
     assert main(["--prompt", "Hello", "--tree-budget", "many"]) == 2
     assert "--tree-budget must be in 1..512 or auto, got many" in capsys.readouterr().err
+
+
+@requires_gpu
+@pytest.mark.parametrize("kind", ["auto", "chain"])
+def test_graphs_equal_eager_under_auto_and_the_chain_gpu(kind):
+    """With CUDA graphs (auto: a verify graph per candidate, a draft graph per candidate carrying the scorer)
+    the tokens and the budgets chosen are those of the eager run; auto's own table is measured on graphs."""
+    from spec.default_model import load_default
+    from spec.engine import Engine
+
+    target, drafter, _ = load_default(dtype=torch.float16, device="cuda")
+    tree = "ddtree" if kind == "auto" else "chain"
+    runs = [Engine(target, drafter, "auto", tree=tree, cuda_graphs=g, latency=FLAT, buckets=FLAT_BUCKETS)
+            .generate(PROMPTS, NEW) for g in (True, False)]
+    assert runs[0].output_ids == runs[1].output_ids and runs[0].budgets == runs[1].budgets
+    if kind == "auto":
+        assert len(set(runs[0].budgets)) > 1
+        engine = Engine(target, drafter)
+        result = engine.generate(PROMPTS, NEW)
+        table = engine.latencies[len(PROMPTS)]
+        assert table.budgets == engine.candidates and all(table.ms(b) > 0 for b in table.budgets)
+        assert set(result.budgets) <= set(engine.candidates) and len(result.output_ids[0]) == NEW
