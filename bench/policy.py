@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import ops
-from spec.budget import MASS_SCALE, BudgetPolicy, LatencyTable, MassScorer, path_masses
+from spec.budget import AUTO_BUDGETS, MASS_SCALE, BudgetPolicy, LatencyTable, MassScorer, path_masses
 
 DEFAULT_PROMPTS = ["The tree of thought", "Speculative decoding verifies a whole tree", "def main():\n    return",
                    "Kimi K2.6 runs on eight GPUs", "1, 2, 3, 5, 8, 13,", "Once upon a time"]
@@ -81,7 +81,8 @@ def parse_budgets(text):
 def machine(device):
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} torch thread(s)"
+    return (f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), "
+            f"{torch.get_num_threads()} torch thread(s)")
 
 
 # ---- live -----------------------------------------------------------------------------------------------------
@@ -91,17 +92,21 @@ def policies(fixed):
 
 
 def run_policy(engine_for, name, prompts, max_new):
-    """One decode of every prompt (one at a time: single-user decoding) under a policy; decode seconds,
-    tokens, accept lengths and the budget of every step."""
+    """One decode of every prompt (one at a time: single-user decoding) under a policy: decode seconds (wall),
+    this process's CPU seconds of the decode (prorated from each call's CPU time by its decode share of the
+    wall time), tokens, accept lengths and the budget of every step."""
     engine = engine_for(name)
-    seconds, tokens, accepts, budgets = 0.0, 0, [], Counter()
+    seconds = cpu = 0.0
+    tokens, accepts, budgets = 0, [], Counter()
     for prompt in prompts:
+        c0 = time.process_time()
         result = engine.generate([prompt], max_new, spec=name != "ar")
+        cpu += (time.process_time() - c0) * result.decode_s / (result.prefill_s + result.decode_s)
         seconds += result.decode_s
         tokens += len(result.output_ids[0]) - 1  # the first token comes from the prefill
         accepts += result.accept_lengths[0]
         budgets.update(result.budgets)
-    return seconds, tokens, accepts, budgets
+    return seconds, cpu, tokens, accepts, budgets
 
 
 def live(args):
@@ -112,8 +117,8 @@ def live(args):
     target, drafter, tok = load_pair(args, device)
     prompts = read_prompts(args, tok)
     fixed = parse_budgets(args.budgets)
-    auto = parse_budgets(args.auto_budgets) if args.auto_budgets else tuple(b for b in DEFAULT_BUCKETS if b)
-    buckets = tuple(sorted({0, *fixed, *auto}))
+    auto = parse_budgets(args.auto_budgets) if args.auto_budgets else AUTO_BUDGETS
+    buckets = tuple(sorted({*DEFAULT_BUCKETS, *fixed}))
     latency = LatencyTable.load(args.latency) if args.latency else None
     engines = {}
 
@@ -121,8 +126,8 @@ def live(args):
         if name not in engines:
             budget = "auto" if name == "auto" else int(name) if name.isdigit() else 8
             tree = "chain" if name == "chain" else "ddtree"
-            engines[name] = Engine(target, drafter, budget, cuda_graphs=args.cuda_graphs, tree=tree,
-                                   buckets=(0, *auto) if name == "auto" else buckets, latency=latency)
+            engines[name] = Engine(target, drafter, budget, cuda_graphs=args.cuda_graphs, tree=tree, buckets=buckets,
+                                   latency=latency, auto_budgets=auto)
         return engines[name]
 
     names = policies(fixed)
@@ -134,33 +139,47 @@ def live(args):
             runs[name].append(run_policy(engine_for, name, prompts, args.max_new_tokens))
     rows = []
     for name in names:
-        rates = [tokens / seconds for seconds, tokens, _, _ in runs[name]]
-        accepts = [a for run in runs[name] for a in run[2]]
-        budgets = sum((run[3] for run in runs[name]), Counter())
+        rates = [tokens / seconds for seconds, _, tokens, _, _ in runs[name]]
+        cpu_rates = [tokens / cpu for _, cpu, tokens, _, _ in runs[name]]
+        accepts = [a for run in runs[name] for a in run[3]]
+        budgets = sum((run[4] for run in runs[name]), Counter())
         rows.append(dict(policy=name, tokens_per_s=statistics.median(rates), spread=(min(rates), max(rates)),
+                         tokens_per_cpu_s=statistics.median(cpu_rates), cpu_spread=(min(cpu_rates), max(cpu_rates)),
                          mean_accept=sum(accepts) / len(accepts), steps=len(accepts) // args.repeats,
                          budgets=dict(sorted(budgets.items()))))
         print(json.dumps(rows[-1]), flush=True)
     meta = dict(machine=machine(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 pair=args.model_path or "embedded default (spec/default_model.py)", prompts=len(prompts),
                 max_new_tokens=args.max_new_tokens, repeats=args.repeats, cuda_graphs=args.cuda_graphs and device.type == "cuda",
-                auto_budgets=auto, latency=args.latency or "measured by the engine", kernels=ops.table())
+                auto_budgets=auto, latency=args.latency or "measured by the engine", kernels=ops.table(),
+                load_average=os.getloadavg()[0])
+    auto_engine = engines["auto"]
+    table = auto_engine.latency or auto_engine.latencies.get(1)
+    meta["auto_latency_ms"] = {b: round(table.ms(b), 3) for b in table.budgets}
     write(args.out, meta, rows, live_markdown(meta, rows))
 
 
 def live_markdown(meta, rows):
-    chain = next(r["tokens_per_s"] for r in rows if r["policy"] == "chain")
+    """Tokens per wall second (decode), and on a CPU per CPU second of this process (steadier on a shared
+    machine: other processes' work does not count), medians over repeats, relative to the chain's."""
+    cpu = meta["machine"].startswith("CPU")
+    key = "tokens_per_cpu_s" if cpu else "tokens_per_s"
+    chain = next(r[key] for r in rows if r["policy"] == "chain")
+    best = max(r[key] for r in rows if r["policy"].isdigit())
     lines = [f"# Tree-budget policies, live ({meta['machine']}, {meta['date']})", "",
              f"Pair: {meta['pair']}; {meta['prompts']} prompts x {meta['max_new_tokens']} new tokens, one at a time, "
              f"greedy; median of {meta['repeats']} interleaved repeats (decode only); CUDA graphs "
              f"{'on' if meta['cuda_graphs'] else 'off'}; auto's candidates {list(meta['auto_budgets'])}, latency "
-             f"{meta['latency']}; torch {meta['torch']}.", "",
-             "| policy | tokens/s | min-max | vs chain | mean accept length | steps / repeat | budgets chosen |",
-             "|---|---|---|---|---|---|---|"]
+             f"{meta['latency']}: {meta['auto_latency_ms']} ms; torch {meta['torch']}; load average "
+             f"{meta['load_average']:.1f} at the end.", ""]
+    cpu_cols = "tokens / CPU s | min-max | " if cpu else ""
+    lines += [f"| policy | {cpu_cols}tokens / s (wall) | min-max | vs chain | vs best fixed | mean accept length | "
+              "steps / repeat | budgets chosen |", "|---|" + "---|" * (9 if cpu else 7)]
     for r in rows:
         chosen = ", ".join(f"{b}: {n}" for b, n in r["budgets"].items()) if r["policy"] == "auto" else "-"
-        lines.append(f"| {r['policy']} | {r['tokens_per_s']:.1f} | {r['spread'][0]:.1f}-{r['spread'][1]:.1f} | "
-                     f"{r['tokens_per_s'] / chain:.2f} | {r['mean_accept']:.2f} | {r['steps']} | {chosen} |")
+        cpu_vals = f"{r['tokens_per_cpu_s']:.1f} | {r['cpu_spread'][0]:.1f}-{r['cpu_spread'][1]:.1f} | " if cpu else ""
+        lines.append(f"| {r['policy']} | {cpu_vals}{r['tokens_per_s']:.1f} | {r['spread'][0]:.1f}-{r['spread'][1]:.1f} | "
+                     f"{r[key] / chain:.2f} | {r[key] / best:.2f} | {r['mean_accept']:.2f} | {r['steps']} | {chosen} |")
     return "\n".join(lines) + "\n"
 
 
@@ -281,9 +300,20 @@ def simulate(rec, name, latency, context, extra_ms=0.0):
     return tokens, seconds, steps, chosen
 
 
+def scaled_trees(latency, scale):
+    """The table with each tree budget's extra over the smallest tree budget scaled (0: trees cost alike;
+    the autoregressive step unchanged): a target whose bigger trees cost less, to exercise the choice."""
+    trees = [b for b in latency.budgets if b]
+    return LatencyTable({c: {b: ms if b == 0 else row[trees[0]] + scale * (ms - row[trees[0]])
+                             for b, ms in row.items()} for c, row in latency.by_context.items()},
+                        source=f"{latency.source}, tree extras x {scale}")
+
+
 def replay(args):
     rec = json.loads(Path(args.record).read_text())
     latency = LatencyTable.load(args.steps)
+    if args.tree_cost_scale != 1:
+        latency = scaled_trees(latency, args.tree_cost_scale)
     context = args.context if args.context is not None else latency.contexts[0]
     L = rec["meta"]["depth"]
     fixed = [b for b in rec["meta"]["budgets"] if b in latency.budgets]
@@ -295,7 +325,7 @@ def replay(args):
         rows.append(dict(policy=name, tokens_per_s=tokens / seconds, mean_accept=tokens / steps, steps=steps,
                          budgets=dict(sorted(chosen.items()))))
         print(json.dumps(rows[-1]), flush=True)
-    meta = dict(record=args.record, pair=rec["meta"]["pair"], steps_file=args.steps, context=context, depth=L,
+    meta = dict(record=args.record, pair=rec["meta"]["pair"], steps_file=latency.source, context=context, depth=L,
                 positions=sum(len(p["chain"]) for p in rec["prompts"]), prompts=len(rec["prompts"]),
                 auto_extra_ms=args.auto_extra_ms, chain_bucket=min(b for b in latency.budgets if b >= L))
     write(args.out, meta, rows, replay_markdown(meta, rows))
@@ -362,7 +392,7 @@ def main(argv=None):
                        help="fixed budgets to run (live) / to record")
         s.add_argument("--out", default=None, required=name == "record")
     s = sub.choices["live"]
-    s.add_argument("--auto-budgets", default=None, help="auto's candidate buckets (default: spec.graphs' buckets)")
+    s.add_argument("--auto-budgets", default=None, help="auto's candidates (default: spec.budget.AUTO_BUDGETS)")
     s.add_argument("--latency", default=None, help="a latency table for auto (default: measured by the engine)")
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
@@ -371,6 +401,8 @@ def main(argv=None):
     s.add_argument("steps", help="bench_step json or LatencyTable json")
     s.add_argument("--context", type=int, default=None, help="context of the table to charge (default: its first)")
     s.add_argument("--auto-extra-ms", type=float, default=0.0, help="auto's own cost a step (its scorer)")
+    s.add_argument("--tree-cost-scale", type=float, default=1.0,
+                   help="scale each budget's step ms above the smallest budget's (a what-if: cheaper trees)")
     s.add_argument("--out", default=None)
     s = sub.add_parser("host-cost")
     s.add_argument("--repeats", type=int, default=7)

@@ -24,10 +24,8 @@ the candidates each step; every few steps the per-depth sums are folded in and t
 
 import functools
 import json
-import statistics
 import time
 from dataclasses import dataclass
-from operator import truediv
 from pathlib import Path
 
 import torch
@@ -36,6 +34,9 @@ import ops
 from ops.tree import Tree
 
 MASS_SCALE = 1 << 24  # masses travel to the host as int64 in units of 1/MASS_SCALE (error < 6e-8 a value)
+# auto's candidates: spec.graphs' buckets and 4, the best fixed budget of the default pair on a CPU
+# (bench/results/policy_cpu.md); each is a captured verify and draft graph on a GPU
+AUTO_BUDGETS = (4, 8, 16, 32, 64, 128)
 
 
 # ---- trees ---------------------------------------------------------------------------------------------------
@@ -237,7 +238,8 @@ def step_rows(rows, source):
 
 def measure_steps(step, budgets, device, reps=3):
     """A LatencyTable (context 0) of `step(budget)`, a whole decode step: host clock around a synchronised
-    step, the budgets interleaved, the median of `reps` rounds after one warm-up round (compiles, captures)."""
+    step, the budgets interleaved, the least of `reps` rounds after one warm-up round (compiles, captures;
+    the least, since whatever else runs on the machine only adds time)."""
     def timed(budget):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -253,7 +255,7 @@ def measure_steps(step, budgets, device, reps=3):
             ms = timed(b)
             if round_:
                 times[b].append(ms)
-    return LatencyTable({0: {b: statistics.median(t) for b, t in times.items()}}, source="measured: whole steps")
+    return LatencyTable({0: {b: min(t) for b, t in times.items()}}, source="measured: whole steps")
 
 
 # ---- the policy -----------------------------------------------------------------------------------------------
@@ -264,14 +266,14 @@ class BudgetPolicy:
     budgets: the buckets it may pick (each in `latency`); depth: L; scorer: the MassScorer whose factors it sets.
     After a step verified with `self.budget`, `update` takes what that step read back and returns the next
     step's budget: argmax over b of (live + gain(b)) / (step ms of b). Per step that is an append and a
-    handful of float operations; the per-depth sums are folded in (and the factors copied to the device) once
-    every `refresh` steps. No clock is read: the choices are a function of the table and of what the steps
+    handful of float operations; the per-depth sums are folded in (and the factors copied to the device) after
+    1, 2, 4 and 8 steps, then every `refresh` steps. No clock is read: the choices are a function of the table and of what the steps
     read back, so a seeded run repeats itself and tensor-parallel ranks agree.
-    decay: weight of the past per step; prior: steps' worth of "the drafter is calibrated" each depth starts
-    with; max_bias: cap of a factor.
+    decay: weight of the past per step; prior: steps' worth of "the drafter is calibrated" the sums start with
+    (in the first step's masses); max_bias: cap of a factor.
     """
 
-    def __init__(self, budgets, depth, latency, scorer=None, decay=0.9, prior=2.0, max_bias=4.0, refresh=16,
+    def __init__(self, budgets, depth, latency, scorer=None, decay=0.97, prior=2.0, max_bias=16.0, refresh=16,
                  start=None):
         self.budgets = tuple(sorted(set(budgets)))
         if not self.budgets or self.budgets[0] < 1:
@@ -282,11 +284,10 @@ class BudgetPolicy:
         if scorer is not None and scorer.budgets != self.budgets:
             raise ValueError(f"auto budget: scorer budgets {scorer.budgets} differ from {self.budgets}")
         self.depth, self.latency, self.scorer = depth, latency, scorer
-        self.decay, self.max_bias, self.refresh = decay, max_bias, refresh
+        self.decay, self.prior, self.max_bias, self.refresh = decay, prior, max_bias, refresh
         self.budget = start if start is not None else next((b for b in self.budgets if b > depth), self.budgets[-1])
-        self.reached = [prior] * depth  # decayed count of sequences whose accepted path reached depth d + 1
-        self.predicted = [prior] * depth  # decayed drafter mass at depth d + 1 of the trees verified
-        self.window = []  # (accepted, masses) of the steps since the last fold
+        self.reached = self.predicted = None  # per depth d + 1: decayed sequences that reached it, drafter mass
+        self.window, self.folded = [], 0  # (accepted, masses) of the steps since the last fold; steps folded
         self._ms, self._ms_key = None, None
 
     def step_ms(self, context):
@@ -305,7 +306,7 @@ class BudgetPolicy:
             return self.budget
         window = self.window
         window.append((accepted, masses))
-        if len(window) == self.refresh:
+        if len(window) >= self.refresh or len(window) > self.folded:  # folds after 1, 2, 4, 8, then every refresh
             self.fold()
         base = len(accepted) * MASS_SCALE
         rates = [(base + g) / t for g, t in zip(gains, self.step_ms(context))]
@@ -314,8 +315,12 @@ class BudgetPolicy:
 
     def fold(self):
         """Fold the window's observations into the per-depth sums (the past decayed by decay^steps) and copy
-        the new factors to the device."""
+        the new factors to the device. The sums start as `prior` steps of the first step's masses, reached
+        as predicted."""
         L, keep = self.depth, self.decay ** len(self.window)
+        if self.reached is None:
+            first = [m / MASS_SCALE * self.prior for m in self.window[0][1]]
+            self.reached, self.predicted = first, list(first)
         ended = [0] * (L + 1)  # sequences by accepted nodes
         for accepted, _ in self.window:
             for a in accepted:
@@ -327,14 +332,18 @@ class BudgetPolicy:
         reached = [keep * r + n for r, n in zip(self.reached, reversed(reached))]
         masses = map(sum, zip(*(m for _, m in self.window)))
         predicted = [keep * p + m / MASS_SCALE for p, m in zip(self.predicted, masses)]
+        self.folded += len(self.window)
         self.reached, self.predicted, self.window = reached, predicted, []
         if self.scorer is not None:
             self.scorer.set_bias(self.bias())
 
     def bias(self):
-        """Per depth: sequences that reached it over the drafter's mass there, capped at max_bias."""
+        """Per depth: sequences that reached it over the drafter's mass there, capped at max_bias (1 before any
+        step, and where the drafter put no mass)."""
+        if self.reached is None:
+            return [1.0] * self.depth
         cap = self.max_bias
-        return [x if x < cap else cap for x in map(truediv, self.reached, self.predicted)]
+        return [min(r / p, cap) if p > 0 else 1.0 for r, p in zip(self.reached, self.predicted)]
 
 
 def sum_rows(rows, live, start, stop):

@@ -18,7 +18,7 @@ import torch
 
 import ops
 from ops.tree import Tree
-from spec.budget import BudgetPolicy, LatencyTable, MassScorer, TreeDraft, measure_steps, sum_rows
+from spec.budget import AUTO_BUDGETS, BudgetPolicy, LatencyTable, MassScorer, TreeDraft, measure_steps, sum_rows
 from spec.graphs import DEFAULT_BUCKETS, DraftGraphs, StepGraphs, bucket_for, draft_eligibility, eligibility
 
 MAX_BUDGET = 512
@@ -78,23 +78,25 @@ def root_tree(tokens):
 class Engine:
     """Speculative (DDTree) or target-only decoding of batches of token prompts with a KimiModel target.
 
-    budget: "auto" (each step's tree budget chosen among the positive `buckets`, those of `latency` if given;
-    spec/budget.py) or a fixed 1..MAX_BUDGET. tree: "ddtree" (best-first) or "chain" (DFlash's per-depth argmax, L nodes, any budget
+    budget: "auto" (each step's tree budget chosen among `auto_budgets`, those of `latency` if given;
+    spec/budget.py; each gets a graph bucket) or a fixed 1..MAX_BUDGET. tree: "ddtree" (best-first) or "chain" (DFlash's per-depth argmax, L nodes, any budget
     ignored). latency: auto's step-time table (a LatencyTable or its file); None measures one per batch size:
     graph replays on a GPU, eager passes elsewhere.
     """
 
     def __init__(self, target, drafter=None, budget="auto", cuda_graphs=True, buckets=DEFAULT_BUCKETS, tree="ddtree",
-                 latency=None):
+                 latency=None, auto_budgets=AUTO_BUDGETS):
         if tree not in TREES:
             raise ValueError(f"tree must be one of {', '.join(TREES)}, got {tree!r}")
         self.latency = LatencyTable.load(latency) if isinstance(latency, str) else latency
         self.auto = budget == "auto" and tree == "ddtree"
-        self.candidates = tuple(b for b in sorted(set(buckets)) if 0 < b <= MAX_BUDGET and
+        self.candidates = tuple(b for b in sorted(set(auto_budgets)) if 0 < b <= MAX_BUDGET and
                                 (self.latency is None or b in self.latency.budgets)) if self.auto else ()
         if self.auto and not self.candidates:
-            raise ValueError(f"tree budget auto needs a positive bucket to choose, got buckets {tuple(buckets)}"
-                             + (f" and latency table {self.latency.source}" if self.latency else ""))
+            raise ValueError(f"tree budget auto needs a budget in 1..{MAX_BUDGET} to choose, got "
+                             f"{tuple(auto_budgets)}" + (f" and latency table {self.latency.source}"
+                                                         if self.latency else ""))
+        buckets = tuple(sorted({*buckets, *self.candidates}))
         if budget != "auto" and not (isinstance(budget, int) and 1 <= budget <= MAX_BUDGET):
             raise ValueError(f"tree budget must be 'auto' or in 1..{MAX_BUDGET}, got {budget!r}")
         if tree == "chain":

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ops
-from spec.budget import (MASS_SCALE, BudgetPolicy, LatencyTable, MassScorer, ScoredTree, TreeDraft, chain_tree,
+from spec.budget import (AUTO_BUDGETS, MASS_SCALE, BudgetPolicy, LatencyTable, MassScorer, ScoredTree, TreeDraft, chain_tree,
                          path_masses, sum_rows)
 from tests.conftest import requires_gpu
 
@@ -168,10 +168,13 @@ def test_policy_learns_per_depth_factors():
     capped = BudgetPolicy((4, 8), 2, table, max_bias=3.0, prior=1e-9, refresh=1)
     capped.update(fixed([0, 0]), fixed([0.01, 0.01]), [2])
     assert capped.bias() == [3.0, 3.0]
-    batch = BudgetPolicy((4, 8), 2, table, prior=1e-9, refresh=2)
+    batch = BudgetPolicy((4, 8), 2, table, prior=1e-9, refresh=2, decay=1.0)
+    assert batch.bias() == [1.0, 1.0]  # nothing seen yet
     batch.update(fixed([0, 0]), fixed([1.0, 0.5]), [2, 0])  # two live sequences: one reached both depths
-    batch.update(fixed([0, 0]), fixed([1.0, 0.5]), [1, 1])
-    assert batch.bias() == pytest.approx([3 / 2, 1 / 1])
+    assert batch.bias() == pytest.approx([1 / 1, 1 / 0.5])  # the first step is folded in at once
+    for _ in range(2):  # then a window of 2 (refresh): both sequences reach depth 1 only
+        batch.update(fixed([0, 0]), fixed([1.0, 0.5]), [1, 1])
+    assert batch.bias() == pytest.approx([5 / 3, 1 / 1.5])
     with pytest.raises(ValueError, match="no entry for budgets \\[16\\]"):
         BudgetPolicy((4, 16), 3, table)
     with pytest.raises(ValueError, match=">= 1"):
@@ -262,7 +265,6 @@ def default_pair():
 
 # step ms that make the choice follow the drafter's confidence from step to step
 FLAT = LatencyTable({0: {8: 10.0, 16: 10.6, 32: 11.5}})
-FLAT_BUCKETS = (0, 8, 16, 32)
 
 
 @pytest.mark.parametrize("kind", ["auto", "chain"])
@@ -270,8 +272,7 @@ def test_greedy_is_lossless_under_auto_and_the_chain(default_pair, kind):
     from spec.engine import Engine
 
     target, drafter, reference = default_pair
-    engine = Engine(target, drafter, "auto", tree="ddtree" if kind == "auto" else "chain", latency=FLAT,
-                    buckets=FLAT_BUCKETS)
+    engine = Engine(target, drafter, "auto", tree="ddtree" if kind == "auto" else "chain", latency=FLAT)
     result = engine.generate(PROMPTS, NEW)
     assert result.output_ids == reference
     assert len(result.budgets) == result.steps
@@ -294,7 +295,7 @@ def test_auto_reads_the_device_once_a_step(default_pair, monkeypatch):
     target, drafter, _ = default_pair
     engine = Engine(target, drafter, "auto")
     engine.generate(PROMPTS[:2], 4)  # measures the latency table for batch 2
-    assert engine.latencies[2].budgets == engine.candidates == (8, 16, 32, 64, 128)
+    assert engine.latencies[2].budgets == engine.candidates == AUTO_BUDGETS
     reads = []
     for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
         def counting(self, *args, _original=getattr(torch.Tensor, name), _name=name, **kwargs):
@@ -310,7 +311,7 @@ def test_auto_sampling_is_reproducible(default_pair):
     from spec.engine import Engine, SamplingParams
 
     target, drafter, reference = default_pair
-    engine = Engine(target, drafter, "auto", latency=FLAT, buckets=FLAT_BUCKETS)
+    engine = Engine(target, drafter, "auto", latency=FLAT)
 
     def run(seed):
         return engine.generate(PROMPTS[:2], 40, SamplingParams(temperature=0.9, seed=seed))
@@ -325,7 +326,7 @@ def test_engine_tree_arguments(default_pair):
     from spec.engine import Engine
 
     target, drafter, _ = default_pair
-    assert Engine(target, drafter).auto and Engine(target, drafter).budget == 128  # the default: auto
+    assert Engine(target, drafter).auto and Engine(target, drafter).budget == max(AUTO_BUDGETS)  # the default
     assert Engine(target, drafter, 16).budget == 16 and not Engine(target, drafter, 16).auto
     chain = Engine(target, drafter, 64, tree="chain")
     assert chain.budget == 7 and not chain.auto and 7 in chain.buckets
@@ -333,9 +334,11 @@ def test_engine_tree_arguments(default_pair):
         Engine(target, drafter, tree="bush")
     with pytest.raises(ValueError, match="tree budget must be 'auto' or in 1..512"):
         Engine(target, drafter, "many")
-    with pytest.raises(ValueError, match="auto needs a positive bucket"):
-        Engine(target, drafter, "auto", buckets=(0,))
-    assert Engine(target, drafter, "auto", buckets=(0, 4, 12)).candidates == (4, 12)
+    with pytest.raises(ValueError, match="auto needs a budget in 1..512"):
+        Engine(target, drafter, "auto", auto_budgets=(0,))
+    engine = Engine(target, drafter, "auto", auto_budgets=(0, 4, 12))
+    assert engine.candidates == (4, 12) and engine.buckets == (0, 4, 8, 12, 16, 32, 64, 128)
+    assert Engine(target, drafter, latency=FLAT).candidates == (8, 16, 32)  # those the table has
 
 
 def test_decode_cli_tree_flags(capsys, tmp_path):
@@ -367,8 +370,8 @@ def test_graphs_equal_eager_under_auto_and_the_chain_gpu(kind):
 
     target, drafter, _ = load_default(dtype=torch.float16, device="cuda")
     tree = "ddtree" if kind == "auto" else "chain"
-    runs = [Engine(target, drafter, "auto", tree=tree, cuda_graphs=g, latency=FLAT, buckets=FLAT_BUCKETS)
-            .generate(PROMPTS, NEW) for g in (True, False)]
+    runs = [Engine(target, drafter, "auto", tree=tree, cuda_graphs=g, latency=FLAT).generate(PROMPTS, NEW)
+            for g in (True, False)]
     assert runs[0].output_ids == runs[1].output_ids and runs[0].budgets == runs[1].budgets
     if kind == "auto":
         assert len(set(runs[0].budgets)) > 1
