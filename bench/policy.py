@@ -351,27 +351,41 @@ def replay_markdown(meta, rows):
 # ---- host cost ------------------------------------------------------------------------------------------------
 
 def host_cost(args):
-    """Microseconds of one BudgetPolicy.update (B = 1, the default buckets, L = 7; the fold and the factors'
-    copy every `refresh` steps included), min over repeats; with a fixed pure-Python loop timed in the same run
-    to show how loaded the machine is."""
-    budgets, L = (8, 16, 32, 64, 128), 7
+    """Microseconds a step of auto's host work: BudgetPolicy.update alone, and the engine's `choose` (parsing
+    the step's read, then update) at B = 1, the default candidates, L = 7 (the folds and the factors' copy
+    included); min over repeats, with a fixed pure-Python loop timed in the same run to show the machine's
+    load."""
+    from types import SimpleNamespace
+
+    from spec.engine import _Run
+
+    budgets, L = AUTO_BUDGETS, 7
     table = LatencyTable({4096: {b: 9.0 + b / 10 for b in budgets}})
-    policy = BudgetPolicy(budgets, L, table, scorer=MassScorer(budgets, L, "cpu"))
-    gains = [round(x * MASS_SCALE) for x in (2.1, 2.5, 2.8, 3.0, 3.1)]
+
+    def policy():
+        return BudgetPolicy(budgets, L, table, scorer=MassScorer(budgets, L, "cpu"))
+
+    gains = [round(x * MASS_SCALE) for x in (1.8, 2.1, 2.5, 2.8, 3.0, 3.1)]
     masses = [round(0.3 * MASS_SCALE)] * L
-    accepted = itertools.cycle([[a] for a in range(L + 1)])
+    accepted = itertools.cycle(range(L + 1))
+    alone = policy()
+    run = SimpleNamespace(policy=policy(), cache=SimpleNamespace(host_lens=[4096]))
+    rows = [[[a + 1] + list(range(L + 2)) + gains + masses] for a in range(L + 1)]
+    start, live = L + 3, [True]
 
     def reference():
         total = 0
         for i in range(100):
             total += i
 
-    n = 20000
-    us = min(timeit.repeat(lambda: policy.update(gains, masses, next(accepted), 4096), number=n,
-                           repeat=args.repeats)) / n * 1e6
-    ref = min(timeit.repeat(reference, number=n, repeat=args.repeats)) / n * 1e6
-    print(f"BudgetPolicy.update: {us:.2f} us a step (min of {args.repeats} x {n} calls); a loop of 100 integer "
-          f"additions: {ref:.2f} us in the same run (Python {platform.python_version()}, "
+    def best(fn, n=20000):
+        return min(timeit.repeat(fn, number=n, repeat=args.repeats)) / n * 1e6
+
+    update = best(lambda: alone.update(gains, masses, [next(accepted)], 4096))
+    choose = best(lambda: _Run.choose(run, rows[next(accepted)], live, start))
+    print(f"auto's host work a step: BudgetPolicy.update {update:.2f} us, the engine's choose (read parsing + "
+          f"update) {choose:.2f} us (min of {args.repeats} x 20000 calls); a loop of 100 integer additions: "
+          f"{best(reference):.2f} us in the same run (Python {platform.python_version()}, "
           f"{platform.processor() or platform.machine()}, load average {os.getloadavg()[0]:.1f})")
 
 
