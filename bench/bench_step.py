@@ -1,47 +1,45 @@
 """One TP8 rank of K2.6 on one GPU: the verify pass per tree-size bucket, with and without CUDA graphs, the
 whole DDTree step and the autoregressive step, each against its memory floor.
 
-Standalone: `python bench/bench_step.py --out DIR [--quick]`. Builds KimiModel(kimi-k2.6, Parallel(8, 0))
-in bf16 with random weights made on the GPU (INT4 experts included, no checkpoint), and a drafter of the
-Kimi-K2.5-DFlash shape sharded the same way (rank 0 of 8: 8 query heads, 1 key/value head, 1/8 of the MLP),
-scoring with the target's lm_head shard. Per context {4k, 32k} and bucket it times (host clock around
-synchronised back-to-back calls, so host overhead shows): the verify eagerly and as a graph replay, the sum of
-its kernels (profiler, eager run), the whole step (draft, top-k, tree build, verify, accept, compact, drafter
-context append) eagerly and graphed (draft + top-k + build one replay, the verify another) and the
-autoregressive step (root-only verify replay + accept), and the draft + top-k + build replay alone with the
-kernels of its eager run (draft_tree_ms, draft_top_kernels). Each is divided by
-its floor: the bytes it must read (`floor_bytes`) over the read bandwidth measured in the same run
-(a sum over 4 GiB). Writes step.json and step.md to --out; prints a short table last.
+    python -m bench.bench_step --out DIR [--quick] [--contexts 4096,32768] [--buckets 0,8,...] [--long-buckets 0,32]
+
+Builds KimiModel(kimi-k2.6, Parallel(8, 0)) in bf16 with random weights made on the GPU (INT4 experts included,
+no checkpoint), and a drafter of the Kimi-K2.5-DFlash shape sharded the same way (rank 0 of 8: 8 query heads, 1
+key/value head, 1/8 of the MLP), scoring with the target's lm_head shard. Per context and bucket it times
+back-to-back calls between two CUDA events (so the GPU's waits on the host show): the verify eagerly and as a
+graph replay, the sum of its kernels (profiler, eager run), the whole step (draft, top-k, tree build, verify,
+accept, compact, drafter context append) eagerly and graphed (draft + top-k + build one replay, the verify
+another) and the autoregressive step (root-only verify replay + accept), and the draft + top-k + build replay
+alone with the kernels of its eager run. Each is divided by its floor: the bytes it must read (`floor_bytes`)
+over the read bandwidth measured in the same run. Writes step.json and step.md to --out; prints the table last.
 
 The CPU-side pieces (model and drafter building, floor arithmetic, expert counting) run on any preset and
-device; tests/test_graphs.py smoke-tests them on 'tiny'.
+device; tests/test_graphs.py checks them on 'tiny'.
 """
 
 import argparse
 import json
-import platform
-import re
 import time
 from pathlib import Path
 
 import torch
 
 import ops
+from bench.common import GpuStamp, metadata, read_gbs
 from model.config import preset
-import model.model as model_module
 from model.model import KimiModel, MoE
 from model.parallel import Parallel
 from spec.drafter import DFlashDrafter, DrafterConfig
 from spec.engine import root_tree
 from spec.graphs import DEFAULT_BUCKETS, DraftGraphs, StepGraphs, draft_eligibility, eligibility, parse_buckets
-from triton_kernels import absorb, linear, mla_attention, moe_configs, pdl, router
 
 CONTEXTS = (4096, 32768)
-MAX_TOKENS = 1 << 20  # --moe-variant-upto's stand-in for the MoE table's last entry (no max)
 DFLASH_K25 = dict(num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
                   intermediate_size=18432, block_size=8, target_layer_ids=(1, 12, 24, 35, 47, 58))
 DFLASH_TINY = dict(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                    intermediate_size=256, block_size=4, target_layer_ids=(0, 2))
+DRAFTER_NOTE = ("Kimi-K2.5-DFlash shape, TP8 rank 0 like the target (8 of 64 query heads, 1 of 8 key/value heads, "
+                "1/8 of the MLP), scoring with the target's lm_head shard")
 
 
 # ---- building ---------------------------------------------------------------------------------------------
@@ -163,20 +161,16 @@ def count_experts(model, tokens, positions, cache, tree_mask=None):
 
 # ---- timing (GPU) -----------------------------------------------------------------------------------------
 
-def sync():
-    torch.cuda.synchronize()
-
-
-def wall_ms(fn, iters, warmup=2):
-    """Host-clock ms per call of back-to-back calls (the GPU waits on the host when launches are slow)."""
+def loop_ms(fn, iters, warmup=2):
+    """GPU ms per call of `iters` back-to-back calls between two CUDA events (the GPU waits when the host's
+    launches are slow, so host overhead shows)."""
     for _ in range(warmup):
         fn()
-    sync()
-    t0 = time.perf_counter()
+    torch.cuda.synchronize()
+    start = GpuStamp()
     for _ in range(iters):
         fn()
-    sync()
-    return (time.perf_counter() - t0) * 1e3 / iters
+    return 1e3 * (GpuStamp() - start) / iters
 
 
 def kernel_ms(fn, top=25):
@@ -185,10 +179,10 @@ def kernel_ms(fn, top=25):
     from torch.profiler import ProfilerActivity, profile
 
     fn()
-    sync()
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
-        sync()
+        torch.cuda.synchronize()
     cuda = torch.autograd.DeviceType.CUDA
     by_name = {}
     for evt in prof.events():
@@ -197,13 +191,6 @@ def kernel_ms(fn, top=25):
             by_name[evt.name] = (calls + 1, us + evt.device_time_total)
     ranked = sorted(([name[:90], calls, round(us, 1)] for name, (calls, us) in by_name.items()), key=lambda r: -r[2])
     return sum(us for _, us in by_name.values()) / 1e3 or None, ranked[:top]
-
-
-def read_GBps(gib=4):
-    x = torch.empty(gib << 29, dtype=torch.bfloat16, device="cuda").normal_()
-    ms = wall_ms(lambda: x.sum(), 20, warmup=5)
-    del x
-    return (gib << 30) / ms / 1e6
 
 
 # ---- the measured pieces ------------------------------------------------------------------------------------
@@ -297,8 +284,8 @@ def measure(bench, budget, context, bw, iters):
     experts = count_experts(t, tokens, positions, bench.cache, mask)
     floor = floor_bytes(t, bench.batch, nodes, context, experts)
     floor_ms = sum(floor.values()) / bw / 1e6
-    eager = wall_ms(bench.verify_eager(budget), max(3, iters // 4))
-    graph = wall_ms(bench.verify_graph(budget), iters)
+    eager = loop_ms(bench.verify_eager(budget), max(3, iters // 4))
+    graph = loop_ms(bench.verify_graph(budget), iters)
     kernels, top_kernels = kernel_ms(bench.verify_eager(budget))
     row = dict(context=context, budget=budget, nodes=nodes, distinct_experts=sum(experts) / len(experts),
                floor_MB=sum(floor.values()) / 1e6, floor_parts_MB={k: v / 1e6 for k, v in floor.items()},
@@ -313,15 +300,15 @@ def measure(bench, budget, context, bw, iters):
     if budget:
         draft = drafter_floor_bytes(bench.drafter, bench.batch, context)
         step_floor_ms = (sum(floor.values()) + sum(draft.values())) / bw / 1e6
-        row["step_ms"] = wall_ms(bench.spec_step(budget), iters)
-        row["step_eager_ms"] = wall_ms(bench.spec_step(budget, graphed=False), max(3, iters // 4))
+        row["step_ms"] = loop_ms(bench.spec_step(budget), iters)
+        row["step_eager_ms"] = loop_ms(bench.spec_step(budget, graphed=False), max(3, iters // 4))
         row["step_floor_ms"] = step_floor_ms
         row["step_over_floor"] = row["step_ms"] / step_floor_ms
-        row["draft_tree_ms"] = wall_ms(lambda: bench.draft_tree(budget, graphed=True), iters)
+        row["draft_tree_ms"] = loop_ms(lambda: bench.draft_tree(budget, graphed=True), iters)
         row["draft_floor_ms"] = sum(draft.values()) / bw / 1e6
         row["draft_kernels_ms"], row["draft_top_kernels"] = kernel_ms(lambda: bench.draft_tree(budget, False), 12)
     else:
-        row["ar_step_ms"] = wall_ms(bench.ar_step(), iters)
+        row["ar_step_ms"] = loop_ms(bench.ar_step(), iters)
         row["ar_step_over_floor"] = row["ar_step_ms"] / floor_ms
     return row
 
@@ -345,27 +332,6 @@ def markdown(meta, rows):
     return "\n".join(lines) + "\n"
 
 
-def linear_config(spec):
-    """A linear.Config from 'kind,block_n,block_k,warps,stages,waves[,tma]', or None from 'none'."""
-    if spec == "none":
-        return None
-    kind, *nums = spec.split(",")
-    return linear.Config(kind, *(int(v) for v in nums[:4]), float(nums[4]), tma="tma" in nums[5:])
-
-
-def skip_ops(names):
-    """Replace ops.mla_attention and/or ops.moe by zeros of their outputs' shapes (`--skip`): the verify without
-    them, so that the difference is what they cost on the replay's critical path (no correctness is left)."""
-    for name in filter(None, names.split(",")):
-        if name == "attention":
-            ops.mla_attention = lambda q, kv, *args: q.new_zeros(*q.shape[:-1], args[-1])
-        elif name == "moe":
-            ops.moe = lambda x, ids, weights, experts, keep_sums=False: x.new_zeros(
-                x.shape, dtype=torch.float32 if keep_sums else x.dtype)
-        else:
-            raise SystemExit(f"--skip: unknown op {name!r} (attention, moe)")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
@@ -375,101 +341,24 @@ def main():
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--long-buckets", default=None,
                         help="buckets to time at contexts after the first (default: all of --buckets)")
-    parser.add_argument("--no-overlap", action="store_true", help="the shared expert on the main stream")
-    parser.add_argument("--skip", default="", metavar="OPS",
-                        help="comma list of 'attention' (split and merge) and 'moe' (the routed experts' GEMMs): "
-                             "those ops return zeros (one memset) instead of running, to time what the rest costs")
-    parser.add_argument("--no-pdl", action="store_true", help="plain launches (triton_kernels.pdl.ENABLED off)")
-    parser.add_argument("--router-dot", action="store_true",
-                        help="one token's router logits on the dot kernel (not router.ONE_ROW_GEMV)")
-    parser.add_argument("--moe-adds-shared", action="store_true",
-                        help="a MoE layer adds its shared expert itself (not in the next norm's launch)")
-    parser.add_argument("--moe-variant", default=None,
-                        help="moe_configs.VARIANTS[NAME] on the sm_90 MoE entries up to --moe-variant-upto tokens")
-    parser.add_argument("--moe-variant-upto", type=int, default=33,
-                        help=f"the entries for at most this many tokens ({MAX_TOKENS}: the last entry too)")
-    parser.add_argument("--newer-triton-variant", default=None,
-                        help="moe_configs.VARIANTS[NAME] on every sm_90 MoE entry where the Triton is newer than the "
-                             "one the table was tuned on, in place of moe_configs.NEWER_TRITON's")
-    parser.add_argument("--router-many", default=None,
-                        help="router.MANY_ROWS as kind,block_n,block_k,warps,stages,waves[,tma] (the router's 2-128 "
-                             "token logits on the skinny GEMM), or none (the logits kernel)")
-    parser.add_argument("--linear-entry", action="append", default=[],
-                        help="NxK@BUCKET=kind,block_n,block_k,warps,stages,waves[,tma]: a linear.ADOPTED['sm_90'] entry "
-                             "for this run (repeatable; 'cublas' as the config removes the entry)")
-    parser.add_argument("--absorb-output-tile", default=None,
-                        help="BLOCK_DxBLOCK_KxSTAGES: absorb.OUTPUT_TILES at every row count (e.g. 32x128x2)")
-    parser.add_argument("--no-tail-split", action="store_true",
-                        help="the attention's splits over the whole length (mla_attention.TAIL_SPLIT off)")
-    parser.add_argument("--attention-gluon", choices=("on", "off"), default=None,
-                        help="the attention's split kernel in Gluon on sm_90 (mla_attention.GLUON) on or off")
-    parser.add_argument("--attention-gluon-module", default=None, metavar="FILE",
-                        help="the Gluon split kernel's launcher (`split`) from FILE, a copy of mla_gluon.py (e.g. "
-                             "another commit's), for a same-call A/B")
     args = parser.parse_args()
-    import triton
-
-    model_module.OVERLAP_SHARED_EXPERT = not args.no_overlap
-    model_module.SUM_SHARED_IN_NORM = not args.moe_adds_shared
-    if args.router_dot:
-        router.ONE_ROW_GEMV = None
-    if args.router_many:
-        router.MANY_ROWS = linear_config(args.router_many)
-    for entry in args.linear_entry:
-        shape, bucket, cfg = re.fullmatch(r"(\d+x\d+)@(\d+)=(.+)", entry).groups()
-        table = linear.ADOPTED["sm_90"].setdefault(tuple(int(v) for v in shape.split("x")), {})
-        if cfg == "cublas":
-            table.pop(int(bucket), None)
-        else:
-            table[int(bucket)] = linear_config(cfg)
-    pdl.ENABLED = not args.no_pdl
-    skip_ops(args.skip)
-    if args.absorb_output_tile:
-        absorb.OUTPUT_TILES = ((None, *(int(v) for v in args.absorb_output_tile.split("x"))),)
-    if args.no_tail_split:
-        mla_attention.TAIL_SPLIT = dict.fromkeys(mla_attention.TAIL_SPLIT, 0)
-    if args.attention_gluon:
-        mla_attention.GLUON[90] = args.attention_gluon == "on"
-    if args.attention_gluon_module:
-        from bench_attention import module_from_file  # bench/ is on sys.path when this file runs as a script
-        from triton_kernels import mla_gluon
-        mla_gluon.split = module_from_file(args.attention_gluon_module).split
-    if args.moe_variant:
-        moe_configs.CONFIGS["sm_90"] = [
-            (max_m, moe_configs.with_variant(cfg, args.moe_variant)
-             if (max_m or MAX_TOKENS) <= args.moe_variant_upto else cfg)
-            for max_m, cfg in moe_configs.CONFIGS["sm_90"]]
-    if args.newer_triton_variant:
-        moe_configs.NEWER_TRITON["sm_90"] = dict.fromkeys(moe_configs.NEWER_TRITON["sm_90"], args.newer_triton_variant)
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     buckets = (0, 32) if args.quick else parse_buckets(args.buckets)
     contexts = CONTEXTS[:1] if args.quick else tuple(int(c) for c in args.contexts.split(","))
     long_buckets = buckets if args.long_buckets is None else parse_buckets(args.long_buckets)
     iters = 5 if args.quick else args.iters
-    meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
-                python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                drafter_note="Kimi-K2.5-DFlash shape, TP8 rank 0 like the target (8 of 64 query heads, 1 of 8 "
-                             "key/value heads, 1/8 of the MLP), scoring with the target's lm_head shard",
-                overlap_shared_expert=not args.no_overlap, pdl=not args.no_pdl, skipped=args.skip,
-                sum_shared_in_norm=not args.moe_adds_shared, router_gemv=router.ONE_ROW_GEMV is not None,
-                router_many=router.MANY_ROWS and list(router.MANY_ROWS), linear_entries=args.linear_entry,
-                moe_variant=args.moe_variant and f"{args.moe_variant} up to M = {args.moe_variant_upto}",
-                newer_triton_moe=moe_configs.NEWER_TRITON["sm_90"],
-                attention_tail_split=not args.no_tail_split, absorb_output_tiles=absorb.OUTPUT_TILES,
-                attention_gluon=mla_attention.GLUON[90], attention_gluon_module=args.attention_gluon_module)
-    meta["read_GBps"] = bw = read_GBps()
+    meta = dict(metadata(), drafter_note=DRAFTER_NOTE, read_GBps=read_gbs())
     t0 = time.perf_counter()
     target = build_target()
     drafter = build_drafter(target)
-    sync()
+    torch.cuda.synchronize()
     meta["build_s"] = time.perf_counter() - t0
     meta["gpu_GB_after_build"] = torch.cuda.memory_allocated() / 1e9
     print(f"built one TP8 rank + drafter in {meta['build_s']:.1f} s, {meta['gpu_GB_after_build']:.1f} GB", flush=True)
     ok, why = eligibility(target)
     if not ok:
-        raise SystemExit(f"cuda graphs not available: {why}")
+        raise SystemExit(f"error: cuda graphs not available: {why}")
     bench = Bench(target, drafter, buckets, max(contexts))
     bench.set_context(contexts[0])
     t0 = time.perf_counter()
@@ -479,13 +368,9 @@ def main():
     for context in contexts:
         bench.set_context(context)
         for budget in buckets if context == contexts[0] else long_buckets:
-            rows.append(measure(bench, budget, context, bw, iters))
+            rows.append(measure(bench, budget, context, meta["read_GBps"], iters))
             brief = {k: v for k, v in rows[-1].items() if not k.endswith(("parts_MB", "top_kernels"))}
             print(json.dumps(brief), flush=True)
-            for name, calls, us in rows[-1]["top_kernels"][:12]:
-                print(f"  {us:9.1f} us {calls:5d}x  {name}", flush=True)
-            for name, calls, us in rows[-1].get("draft_top_kernels", [])[:8]:
-                print(f"  draft {us:9.1f} us {calls:5d}x  {name}", flush=True)
             (out / "step.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     table = markdown(meta, rows)
     (out / "step.md").write_text(table)

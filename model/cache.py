@@ -9,11 +9,15 @@ before a kernel writes out of range, without a device sync.
 
 import torch
 
+from model.memory import check_fits, tensor_bytes
+
 
 class LatentCache:
     def __init__(self, num_layers, batch, max_len, entry_dim, dtype, device):
         if batch < 1 or max_len < 1:
             raise ValueError(f"cache: batch {batch} and max_len {max_len} must be positive")
+        shape = (num_layers, batch, max_len, entry_dim)
+        check_fits(f"the latent cache ({batch} x {max_len} entries)", tensor_bytes(shape, dtype), device)
         self.kv = torch.zeros(num_layers, batch, max_len, entry_dim, dtype=dtype, device=device)
         self.lens = torch.zeros(batch, dtype=torch.int32, device=device)
         self.host_lens = [0] * batch

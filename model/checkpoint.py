@@ -1,22 +1,25 @@
 """Streaming loader for K2.6-format checkpoints (safetensors shards + index json, compressed-tensors INT4 experts).
 
 Names in the checkpoint are `<body>layers.N...` and `<head>` where (body, head) is ("model.", "lm_head.weight")
-for K2-Thinking or ("language_model.model.", "language_model.lm_head.weight") for K2.5/K2.6. Every tensor's
-shape and dtype are checked against the config before it is read; each rank reads only its slice (`get_slice`),
-and routed experts stay packed INT4 all the way into the model's stacked buffers.
+for K2-Thinking or ("language_model.model.", "language_model.lm_head.weight") for K2.5/K2.6. Every file an
+index names must lie inside the model folder (`shard_path`). Every tensor's shape and dtype are checked against
+the config, and the weights' size against free memory, before anything is allocated or read; each rank reads
+only its slice (`get_slice`), and routed experts stay packed INT4 all the way into the model's stacked buffers.
 """
 
-import json
+import os
 import re
+import stat
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 import ops
-from model.config import ModelConfig
+from model.config import ModelConfig, config_file, describe, read_json
+from model.memory import check_fits
 from model.model import KimiModel
 from model.parallel import Parallel
 
@@ -25,6 +28,7 @@ SINGLE_FILE = "model.safetensors"
 PREFIXES = (("language_model.model.", "language_model.lm_head.weight"), ("model.", "lm_head.weight"))
 GROUP = 32
 PACK = 8
+LAYER = re.compile(r"layers\.(\d+)\.")
 EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight_(packed|scale|shape)$")
 
 
@@ -114,33 +118,106 @@ def quantize_int4(w):
 # ---------------------------------------------------------------------------------------------- reading files
 
 
-def checkpoint_files(path):
+def shard_path(folder, written, what, listed_in):
+    """The file named `written` (a path from an index, relative to the model folder) as a Path in `folder`.
+
+    The name must be a relative path that stays below the folder (not absolute, no '..'), and the file it
+    resolves to, through any symlink, must lie in the folder, or in the repository folder of an HF hub cache
+    when `folder` is one of its snapshots (snapshots/<rev>/x.safetensors -> ../../blobs/<hash>). Outside is one
+    error whether or not such a file exists; inside, the file must exist and be a regular file.
+    """
+    folder = Path(folder)
+    where = f"{what}: {listed_in} lists {written if isinstance(written, str) else describe(written)}"
+    if not isinstance(written, str) or written.strip() in ("", ".") or "\0" in written:
+        raise ValueError(f"{where}, which is not a file name")
+    name = PurePosixPath(written)
+    outside = name.is_absolute() or ".." in name.parts
+    real = folder if outside else Path(os.path.realpath(folder / written))
+    if outside or not any(real.is_relative_to(root) for root in _roots(folder)):
+        raise ValueError(f"{where}, which is outside the model folder {folder}")
+    try:
+        mode = os.stat(real).st_mode
+    except OSError:
+        raise FileNotFoundError(f"{where}, which does not exist") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{where}, which is {'a directory' if stat.S_ISDIR(mode) else 'not a regular file'}")
+    return folder / written
+
+
+def _roots(folder):
+    """Where a model folder's files may resolve to: the folder, and for an HF hub cache snapshot its repo."""
+    real = Path(os.path.realpath(folder))
+    roots = [real]
+    if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
+        roots.append(real.parent.parent)
+    return roots
+
+
+def read_index(folder, what="checkpoint"):
+    """{tensor name: shard Path} from `folder`/model.safetensors.index.json (its `weight_map`)."""
+    index = Path(folder) / INDEX_FILE
+    weight_map = read_json(index, what).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{what}: {index} has no weight_map (an object: tensor name -> shard file), got "
+                         f"{describe(weight_map)}")
+    files = {}
+    for written in weight_map.values():
+        if not isinstance(written, str) or written not in files:
+            files[written] = shard_path(folder, written, what, index)  # raises for a name that is not a str
+    return {name: files[written] for name, written in weight_map.items()}
+
+
+def checkpoint_files(path, what="checkpoint"):
     """{tensor name: file path} for a checkpoint directory (index json or one model.safetensors)."""
     path = Path(path)
-    index = path / INDEX_FILE
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ValueError(f"checkpoint: {index} is not a valid safetensors index ({err!r})") from None
-        files = {name: path / file for name, file in weight_map.items()}
-        for file in sorted(set(files.values())):
-            if not file.exists():
-                raise FileNotFoundError(f"checkpoint: {index} lists {file.name}, which does not exist")
-        return files
-    single = path / SINGLE_FILE
-    if not single.exists():
-        raise FileNotFoundError(f"checkpoint: {path} has neither {INDEX_FILE} nor {SINGLE_FILE}")
-    with _open(single) as f:
+    if os.path.lexists(path / INDEX_FILE):
+        return read_index(path, what)
+    if not os.path.lexists(path / SINGLE_FILE):
+        raise FileNotFoundError(f"{what}: {path} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+    single = shard_path(path, SINGLE_FILE, what, path)
+    with _open(single, what) as f:
         return {name: single for name in f.keys()}
 
 
-def _open(file):
+def _open(file, what="checkpoint"):
     try:
         return safe_open(str(file), framework="pt")
-    except SafetensorError as err:
-        raise ValueError(f"checkpoint: {file} is not a readable safetensors file (truncated or corrupt?): {err}") \
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{what}: {file} is not a readable safetensors file (truncated or corrupt?): {err}") \
             from None
+
+
+def read_headers(files, what="checkpoint"):
+    """{tensor name: (shape, safetensors dtype)} for `files` ({name: file}), from the shards' headers only."""
+    by_file = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    out = {}
+    for file in sorted(by_file):
+        with _open(file, what) as f:
+            present = set(f.keys())
+            for name in by_file[file]:
+                if name not in present:
+                    raise ValueError(f"{what}: {name} is listed for {file.name} but not stored there")
+                view = f.get_slice(name)
+                out[name] = (tuple(view.get_shape()), view.get_dtype())
+    return out
+
+
+def check_counts(cfg, names, body, where):
+    """The config's layer and expert counts must not pass what the checkpoint holds (checked on names, before
+    any per-layer or per-expert table is built from the config)."""
+    layers = {int(m[1]) for n in names if n.startswith(body) and (m := LAYER.match(n[len(body):]))}
+    held = max(layers) + 1 if layers else 0
+    if cfg.num_hidden_layers > held:
+        raise ValueError(f"checkpoint: {where} says num_hidden_layers {cfg.num_hidden_layers}, but the shards hold "
+                         f"{held} layers")
+    if cfg.has_moe:
+        experts = {int(m[2]) for n in names if (m := EXPERT.search(n)) and int(m[1]) == cfg.first_k_dense_replace}
+        held = max(experts) + 1 if experts else 0
+        if cfg.n_routed_experts > held:
+            raise ValueError(f"checkpoint: {where} says n_routed_experts {cfg.n_routed_experts}, but the shards hold "
+                             f"{held} experts in layer {cfg.first_k_dense_replace}")
 
 
 def detect_prefix(names):
@@ -215,31 +292,37 @@ def load_model(path, parallel=None, dtype=torch.bfloat16, device="cpu", progress
 
     Reads config.json (flat or with `text_config`), `model.safetensors.index.json` or one `model.safetensors`,
     either name prefix; ignores vision tower / projector / rotary_emb.inv_freq and anything else outside the
-    text model. Raises ValueError naming the tensor (or file) on a wrong shape, dtype, weight_shape, a missing
-    tensor, or an unreadable file.
+    text model. Before anything is allocated, the config's counts are checked against the tensor names, every
+    header against the config, and the weights' size against the device's free memory. Raises ValueError naming
+    the tensor, file or key on a wrong shape, dtype, weight_shape, a missing tensor, an unreadable file, a path
+    outside the folder or a NaN/inf weight; OutOfMemory (a MemoryError) with the sizes when the weights do not fit.
     """
     path = Path(path)
     cfg = ModelConfig.from_file(path)
+    where = config_file(path)
     if cfg.has_moe and cfg.quantization is None:
-        raise ValueError(f"checkpoint: {path / 'config.json'} has no quantization_config; only compressed-tensors "
+        raise ValueError(f"checkpoint: {where} has no quantization_config; only compressed-tensors "
                          "pack-quantized (INT4) routed experts are supported")
     if cfg.tie_word_embeddings:
-        raise ValueError("checkpoint: tie_word_embeddings is not supported (K2.6 keeps a separate lm_head)")
+        raise ValueError(f"checkpoint: {where}: tie_word_embeddings is not supported (K2.6 keeps a separate lm_head)")
     files = checkpoint_files(path)
     body, head = detect_prefix(files)
+    check_counts(cfg, files, body, where)
     entries = checkpoint_entries(cfg)
     local = {(head if name == "lm_head.weight" else body + name): name for name in entries}
-    model = KimiModel(cfg, parallel or Parallel(), dtype, device)
-    place = Placer(model)
-    by_file = {}
-    for full, file in files.items():
-        if full in local:
-            by_file.setdefault(file, []).append(full)
     missing = [n for n in local if n not in files]
     if missing:
         raise ValueError(f"checkpoint: {len(missing)} tensors missing from {path}, e.g. {missing[:5]}")
-    for file in sorted(by_file):  # headers only: a bad shape or dtype fails before any data is read
-        _validate(file, by_file[file], local, entries)
+    headers = read_headers({full: files[full] for full in local})  # a bad shape or dtype fails before any read
+    for full, (shape, dtype_name) in headers.items():
+        _check(full, entries[local[full]], shape, dtype_name)
+    parallel = parallel or Parallel()
+    check_fits("the model's weights", model_bytes(KimiModel(cfg, parallel, dtype, "meta")), device)
+    model = KimiModel(cfg, parallel, dtype, device)
+    place = Placer(model)
+    by_file = {}
+    for full in local:
+        by_file.setdefault(files[full], []).append(full)
     with tqdm(total=len(local), unit="tensor", desc="loading", disable=not progress) as bar:
         for file in sorted(by_file):
             bar.set_postfix_str(file.name)
@@ -247,17 +330,13 @@ def load_model(path, parallel=None, dtype=torch.bfloat16, device="cpu", progress
     return model.prepare()
 
 
-def _validate(file, names, local, entries):
-    with _open(file) as f:
-        present = set(f.keys())
-        for full in names:
-            if full not in present:
-                raise ValueError(f"checkpoint: {full} is listed for {file.name} but not stored there")
-            view = f.get_slice(full)
-            _check(full, entries[local[full]], view.get_shape(), view.get_dtype())
+def model_bytes(model):
+    """Bytes of a module's own buffers (views of another buffer not counted): its size, built on "meta"."""
+    return sum(b.numel() * b.element_size() for b in model.buffers() if b._base is None)
 
 
 def _load_file(file, names, local, entries, place, bar):
+    loaded = []  # (name, its float target): checked for NaN/inf with one device read per file
     with _open(file) as f:
         for full in names:
             name = local[full]
@@ -266,7 +345,21 @@ def _load_file(file, names, local, entries, place, bar):
                 _check_weight_shape(full, f.get_tensor(full), entries, name)
             else:
                 target.copy_(_read(full, f.get_slice(full), index))
+                if target.is_floating_point():
+                    loaded.append((full, target))
             bar.update()
+    check_finite(loaded, file)
+
+
+def check_finite(tensors, file, what="checkpoint"):
+    """ValueError naming the first of `tensors` ((name, tensor) pairs read from `file`) holding NaN or inf."""
+    if not tensors:
+        return
+    finite = torch.stack([t.isfinite().all() for _, t in tensors]).tolist()
+    bad = [name for (name, _), ok in zip(tensors, finite) if not ok]
+    if bad:
+        raise ValueError(f"{what}: {bad[0]} in {file} holds NaN or inf" +
+                         (f" ({len(bad) - 1} more tensors there too)" if len(bad) > 1 else ""))
 
 
 def _read(full, view, index):

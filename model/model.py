@@ -25,9 +25,10 @@ class Tensors(nn.Module):
         for name, tensor in tensors.items():
             self.register_buffer(name, tensor)
 
-
-def _empty(shape, dtype, device):
-    return torch.empty(shape, dtype=dtype, device=device)
+    @classmethod
+    def empty(cls, shape, dtype, device):
+        """A leaf holding one uninitialised `weight` of `shape` (the loader or `init_random_` fills it)."""
+        return cls(weight=torch.empty(shape, dtype=dtype, device=device))
 
 
 class Attention(nn.Module):
@@ -40,22 +41,21 @@ class Attention(nn.Module):
         D, H, R = cfg.hidden_size, self.heads, cfg.kv_lora_rank
         # The down-projections that read x ([q_a ;] kv_a) are views of one buffer, so one GEMM reads both;
         # state_dict and the loader see the two views (the joint buffer is not persistent).
-        self.register_buffer("down_proj_weight", _empty(((cfg.q_lora_rank or 0) + cfg.cache_entry_dim, D), dtype,
-                                                        device), persistent=False)
+        down = torch.empty((cfg.q_lora_rank or 0) + cfg.cache_entry_dim, D, dtype=dtype, device=device)
+        self.register_buffer("down_proj_weight", down, persistent=False)
         if cfg.q_lora_rank:
             self.q_a_proj = Tensors(weight=None)
-            self.q_a_layernorm = Tensors(weight=_empty((cfg.q_lora_rank,), dtype, device))
-            self.q_b_proj = Tensors(weight=_empty((H * cfg.qk_head_dim, cfg.q_lora_rank), dtype, device))
+            self.q_a_layernorm = Tensors.empty((cfg.q_lora_rank,), dtype, device)
+            self.q_b_proj = Tensors.empty((H * cfg.qk_head_dim, cfg.q_lora_rank), dtype, device)
         else:
-            self.q_proj = Tensors(weight=_empty((H * cfg.qk_head_dim, D), dtype, device))
+            self.q_proj = Tensors.empty((H * cfg.qk_head_dim, D), dtype, device)
         self.kv_a_proj_with_mqa = Tensors(weight=None)
         self._bind_down_views()
-        self.kv_a_layernorm = Tensors(weight=_empty((R,), dtype, device))
-        self.kv_b_proj = Tensors(weight=_empty((H * (cfg.qk_nope_head_dim + cfg.v_head_dim), R), dtype, device))
-        self.o_proj = Tensors(weight=_empty((D, H * cfg.v_head_dim), dtype, device))
+        self.kv_a_layernorm = Tensors.empty((R,), dtype, device)
+        self.kv_b_proj = Tensors.empty((H * (cfg.qk_nope_head_dim + cfg.v_head_dim), R), dtype, device)
+        self.o_proj = Tensors.empty((D, H * cfg.v_head_dim), dtype, device)
         inv_freq, self.rope_factor = ops.yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-        self.naive = False  # tests flip this to compare with the expanded (non-absorbed) form
 
     def _bind_down_views(self):
         q_lora = self.cfg.q_lora_rank or 0
@@ -84,51 +84,30 @@ class Attention(nn.Module):
         q = q.view(x.shape[0], self.heads, cfg.qk_head_dim)
         return q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
 
+    def absorption_weights(self):
+        """(W_UK [H, 128, 512], W_UV [H, 128, 512]): views of kv_b_proj, which maps a latent c to k_nope and v."""
+        cfg = self.cfg
+        w_kv = self.kv_b_proj.weight.view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w_kv[:, : cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim :]
+
     def forward(self, x, meta, kv):
         """x: [N = B*T, D] normed hidden; kv: this layer's cache [B, L_max, 576]. Returns [N, D] (partial)."""
         cfg, N = self.cfg, x.shape[0]
         q_nope, q_pe = self.project(x, meta, kv)
-        w_kv = self.kv_b_proj.weight.view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        w_uk, w_uv = w_kv[:, : cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim :]
-        if self.naive:
-            q_pe = ops.apply_rope(q_pe, meta.positions, self.inv_freq, self.rope_factor)
-            o_lat = naive_latent_attention(q_nope, q_pe, w_uk, kv, meta, cfg.softmax_scale, cfg.kv_lora_rank)
-        else:
-            q = ops.absorb_query(q_nope, q_pe, w_uk, meta.positions, self.inv_freq, self.rope_factor)
-            o_lat = ops.mla_attention(q.view(meta.B, meta.T, self.heads, cfg.cache_entry_dim), kv, meta.lens_after,
-                                      meta.tree_mask, cfg.softmax_scale, cfg.kv_lora_rank)
+        w_uk, w_uv = self.absorption_weights()
+        q = ops.absorb_query(q_nope, q_pe, w_uk, meta.positions, self.inv_freq, self.rope_factor)
+        o_lat = ops.mla_attention(q.view(meta.B, meta.T, self.heads, cfg.cache_entry_dim), kv, meta.lens_after,
+                                  meta.tree_mask, cfg.softmax_scale, cfg.kv_lora_rank)
         o = ops.absorb_output(o_lat.reshape(N, self.heads, cfg.kv_lora_rank), w_uv)
         return ops.linear(o, self.o_proj.weight)
-
-
-def naive_latent_attention(q_nope, q_pe, w_uk, kv, meta, scale, rank):
-    """The expanded MLA of the paper: per-head keys k_nope = W_UK c, scores q_nope.k_nope + q_pe.k_pe, in fp32.
-
-    Returns the latent context sum_j p_j c_j [N, H, rank], which W_UV maps to the head output in both forms.
-    """
-    H = q_nope.shape[1]
-    out = torch.empty(meta.B, meta.T, H, rank, dtype=q_nope.dtype, device=q_nope.device)
-    visible_new = ops.tree_mask_dense(meta.tree_mask, meta.T) if meta.tree_mask is not None else None
-    for b, length in enumerate(meta.lens_after.tolist()):
-        c, k_pe = kv[b, :length, :rank].float(), kv[b, :length, rank:].float()
-        k_nope = torch.einsum("hdc,lc->lhd", w_uk.float(), c)
-        rows = slice(b * meta.T, (b + 1) * meta.T)
-        scores = (torch.einsum("thd,lhd->htl", q_nope[rows].float(), k_nope)
-                  + torch.einsum("thr,lr->htl", q_pe[rows].float(), k_pe)) * scale
-        visible = torch.ones(meta.T, length, dtype=torch.bool, device=c.device)
-        new = visible_new[b] if visible_new is not None else torch.ones(meta.T, meta.T, dtype=torch.bool).tril()
-        visible[:, length - meta.T :] = new.to(c.device)
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        out[b] = torch.einsum("htl,lc->thc", probs, c).to(out.dtype)
-    return out.view(-1, H, rank)
 
 
 class DenseMLP(nn.Module):
     def __init__(self, hidden, intermediate, par, dtype, device, what):
         super().__init__()
         _, local = par.shard(intermediate, what)
-        self.gate_up = Tensors(weight=_empty((2 * local, hidden), dtype, device))
-        self.down_proj = Tensors(weight=_empty((hidden, local), dtype, device))
+        self.gate_up = Tensors.empty((2 * local, hidden), dtype, device)
+        self.down_proj = Tensors.empty((hidden, local), dtype, device)
 
     def forward(self, x):
         return ops.mlp(x, self.gate_up.weight, self.down_proj.weight)
@@ -141,10 +120,11 @@ class Experts(nn.Module):
         super().__init__()
         E, D = cfg.n_routed_experts, cfg.hidden_size
         _, local = par.shard(cfg.moe_intermediate_size, "moe_intermediate_size", multiple=32)
-        self.register_buffer("gate_up_packed", _empty((E, 2 * local, D // 8), torch.int32, device))
-        self.register_buffer("gate_up_scale", _empty((E, 2 * local, D // 32), torch.bfloat16, device))
-        self.register_buffer("down_packed", _empty((E, D, local // 8), torch.int32, device))
-        self.register_buffer("down_scale", _empty((E, D, local // 32), torch.bfloat16, device))
+        int32, bf16 = dict(dtype=torch.int32, device=device), dict(dtype=torch.bfloat16, device=device)
+        self.register_buffer("gate_up_packed", torch.empty(E, 2 * local, D // 8, **int32))
+        self.register_buffer("gate_up_scale", torch.empty(E, 2 * local, D // 32, **bf16))
+        self.register_buffer("down_packed", torch.empty(E, D, local // 8, **int32))
+        self.register_buffer("down_scale", torch.empty(E, D, local // 32, **bf16))
         self.prepared = None
 
     def prepare(self, activation_dtype, keep_checkpoint_form=True):
@@ -161,8 +141,8 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         E = cfg.n_routed_experts
-        self.gate = Tensors(weight=_empty((E, cfg.hidden_size), dtype, device),
-                            e_score_correction_bias=_empty((E,), torch.float32, device))
+        self.gate = Tensors(weight=torch.empty(E, cfg.hidden_size, dtype=dtype, device=device),
+                            e_score_correction_bias=torch.empty(E, dtype=torch.float32, device=device))
         self.experts = Experts(cfg, par, device)
         self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, par,
                                        dtype, device, "shared expert intermediate")
@@ -210,8 +190,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg, layer, par, dtype, device):
         super().__init__()
         self.eps, self.par = cfg.rms_norm_eps, par
-        self.input_layernorm = Tensors(weight=_empty((cfg.hidden_size,), dtype, device))
-        self.post_attention_layernorm = Tensors(weight=_empty((cfg.hidden_size,), dtype, device))
+        self.input_layernorm = Tensors.empty((cfg.hidden_size,), dtype, device)
+        self.post_attention_layernorm = Tensors.empty((cfg.hidden_size,), dtype, device)
         self.self_attn = Attention(cfg, par, dtype, device)
         if cfg.is_moe_layer(layer):
             self.mlp = MoE(cfg, par, dtype, device)
@@ -266,10 +246,10 @@ class KimiModel(nn.Module):
         self.dtype, self.device = dtype, torch.device(device)
         V, D = cfg.vocab_size, cfg.hidden_size
         _, v_local = self.par.shard(V, "vocab_size")
-        self.embed_tokens = Tensors(weight=_empty((V, D), dtype, device))
+        self.embed_tokens = Tensors.empty((V, D), dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.par, dtype, device) for i in range(cfg.num_hidden_layers))
-        self.norm = Tensors(weight=_empty((D,), dtype, device))
-        self.lm_head = Tensors(weight=_empty((v_local, D), dtype, device))
+        self.norm = Tensors.empty((D,), dtype, device)
+        self.lm_head = Tensors.empty((v_local, D), dtype, device)
 
     def moe_layers(self):
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
@@ -279,10 +259,6 @@ class KimiModel(nn.Module):
         for moe in self.moe_layers():
             moe.experts.prepare(self.dtype, keep_checkpoint_form)
         return self
-
-    def set_naive_attention(self, naive):
-        for layer in self.layers:
-            layer.self_attn.naive = naive
 
     def new_cache(self, batch, max_len, dtype=None):
         return LatentCache.for_model(self.cfg, batch, max_len, dtype or self.dtype, self.device)
@@ -320,23 +296,29 @@ class KimiModel(nn.Module):
         hidden = torch.cat([kept[i] for i in hidden_layers], -1).view(B, T, -1) if hidden_layers else None
         return ForwardOutput(logits, hidden)
 
-    @torch.no_grad()
     def init_random_(self, seed=0, std=0.02):
         """Fill every weight with seeded random values (benchmarks and tests without a checkpoint)."""
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        for name, buf in self.state_dict(keep_vars=True).items():  # persistent buffers (not joint views)
-            if buf is None:
-                continue
-            like = dict(generator=gen, device=self.device)
-            if name.endswith("_packed"):
-                src = torch.randint(-2**31, 2**31, buf.shape, dtype=torch.int64, **like).to(torch.int32)
-            elif name.endswith("_scale"):
-                src = torch.rand(buf.shape, **like) * 0.004 + 0.001
-            elif "norm" in name:
-                src = 1.0 + 0.1 * torch.randn(buf.shape, **like)
-            elif name.endswith("e_score_correction_bias"):
-                src = 0.1 * torch.randn(buf.shape, **like)
-            else:
-                src = std * torch.randn(buf.shape, **like)
-            buf.copy_(src)
-        return self
+        return fill_random_(self, seed, std)
+
+
+@torch.no_grad()
+def fill_random_(module, seed=0, std=0.02):
+    """Fill the persistent buffers of `module` (a model or a drafter) with seeded random values: INT4 words,
+    small positive scales, norms near 1, a small router bias, other weights N(0, std^2)."""
+    gen = torch.Generator(device=module.device).manual_seed(seed)
+    like = dict(generator=gen, device=module.device)
+    for name, buf in module.state_dict(keep_vars=True).items():  # persistent buffers (not joint views)
+        if buf is None:
+            continue
+        if name.endswith("_packed"):
+            src = torch.randint(-2**31, 2**31, buf.shape, dtype=torch.int64, **like).to(torch.int32)
+        elif name.endswith("_scale"):
+            src = torch.rand(buf.shape, **like) * 0.004 + 0.001
+        elif "norm" in name:
+            src = 1.0 + 0.1 * torch.randn(buf.shape, **like)
+        elif name.endswith("e_score_correction_bias"):
+            src = 0.1 * torch.randn(buf.shape, **like)
+        else:
+            src = std * torch.randn(buf.shape, **like)
+        buf.copy_(src)
+    return module

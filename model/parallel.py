@@ -1,9 +1,27 @@
-"""Tensor parallelism: which slice of the model this rank holds, and the two collectives that join ranks."""
+"""Tensor parallelism: which slice of the model this rank holds, and the two collectives that join ranks.
 
+A collective that fails (a peer rank died, or did not answer within the group's timeout, set where the group is
+made: `spec.decode --collective-timeout`) raises CollectiveError naming this rank and the collective, so the
+surviving ranks end with one line instead of hanging or printing a backend traceback.
+"""
+
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+class CollectiveError(RuntimeError):
+    """A collective across tensor-parallel ranks failed: a peer died, hung past the timeout, or closed the group."""
+
+
+def collective_failure(par, what, err):
+    """A CollectiveError for `what` on rank `par`, from the backend's error (its first line, source path cut)."""
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", (str(err).strip().splitlines() or [""])[0])
+    detail = detail.split(". This is typically")[0]
+    return CollectiveError(f"tensor-parallel rank {par.rank} of {par.tp_size}: {what} failed, a peer rank died or "
+                           f"stopped answering ({detail})")
 
 
 @dataclass(frozen=True)
@@ -19,6 +37,8 @@ class Parallel:
     group: object = None
 
     def __post_init__(self):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (self.tp_size, self.rank)):
+            raise TypeError(f"parallel: tp_size and rank must be integers, got {self.tp_size!r}, {self.rank!r}")
         if self.tp_size < 1 or not 0 <= self.rank < self.tp_size:
             raise ValueError(f"parallel: rank {self.rank} out of range for tp_size {self.tp_size}")
 
@@ -33,7 +53,10 @@ class Parallel:
     def all_reduce(self, x):
         """Sum partial results over ranks (in place where possible); identity alone."""
         if self.joined:
-            dist.all_reduce(x, group=self.group)
+            try:
+                dist.all_reduce(x, group=self.group)
+            except RuntimeError as err:
+                raise collective_failure(self, "all_reduce", err) from None
         return x
 
     def all_gather_last(self, x):
@@ -41,8 +64,19 @@ class Parallel:
         if not self.joined:
             return x
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        try:
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+        except RuntimeError as err:
+            raise collective_failure(self, "all_gather", err) from None
         return torch.cat(parts, dim=-1)
+
+    def barrier(self):
+        """Wait for every rank (no-op alone)."""
+        if self.joined:
+            try:
+                dist.barrier(group=self.group)
+            except RuntimeError as err:
+                raise collective_failure(self, "barrier", err) from None
 
     def shard(self, size, what, multiple=1):
         """(start, length) of this rank's slice of a dim of `size`."""

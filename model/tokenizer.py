@@ -6,11 +6,14 @@ Both share the special-token handling and the Kimi chat format:
 """
 
 import base64
-import json
+import operator
+import os
 import re
 from pathlib import Path
 
 import tiktoken
+
+from model.config import describe, read_json, regular_file
 
 # Kimi's pre-tokenizer (tokenization_kimi.py of the K2 / K2.5 / K2.6 repositories): Han runs split off first,
 # letters without Han, numbers in runs of at most three, punctuation, newlines, whitespace.
@@ -75,8 +78,11 @@ class Tokenizer:
     def stop_ids(self):
         return (self.im_end_id, self.eos_id)
 
-    def encode(self, text, allow_special=True):
-        """Token ids of `text`; special-token names in it become their ids unless allow_special is False."""
+    def encode(self, text, allow_special=False):
+        """Token ids of `text`, all of it plain text by default; with allow_special=True the names of special
+        tokens in it (`<|im_end|>`) become their ids: only for trusted text, never for a user's."""
+        if not isinstance(text, str):
+            raise TypeError(f"tokenizer: encode takes a str, got {type(text).__name__}")
         if not allow_special:
             return self.encode_ordinary(text)
         ids, start = [], 0
@@ -86,9 +92,11 @@ class Tokenizer:
         return ids + self.encode_ordinary(text[start:])
 
     def decode(self, ids, skip_special=False):
+        """Text of `ids` (integers: a float id is a TypeError, not truncated); bytes that are not UTF-8 show
+        as U+FFFD."""
         parts = []
         for i in ids:
-            i = int(i)
+            i = token_id(i)
             if i in self.special_names:
                 if not skip_special:
                     parts.append(self.special_names[i].encode())
@@ -102,6 +110,9 @@ class Tokenizer:
         optional "name": shown instead of the role}]."""
         ids = []
         for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("content") or "", str) or \
+                    not isinstance(m.get("name") or "", str):
+                raise TypeError(f"chat template: a message is a dict with str role, content and name, got {m!r:.80}")
             if m.get("role") not in ROLE_TOKENS:
                 raise ValueError(f"chat template: unknown role {m.get('role')!r} "
                                  f"(want one of {', '.join(ROLE_TOKENS)})")
@@ -155,8 +166,7 @@ class KimiTokenizer(Tokenizer):
 
 def load_ranks(file):
     """Parse a tiktoken rank file: one `<base64 token> <rank>` per line, ranks 0..n-1 each used once."""
-    if not Path(file).exists():
-        raise FileNotFoundError(f"tokenizer: {file} does not exist")
+    regular_file(file, "tokenizer")
     ranks = {}
     for n, line in enumerate(Path(file).read_bytes().splitlines(), 1):
         if not line.strip():
@@ -173,13 +183,19 @@ def load_ranks(file):
 
 def _config_specials(file, base):
     """{id: name} of the added tokens in tokenizer_config.json within the reserved block, if the file exists."""
-    if not file.exists():
+    if not os.path.lexists(file):
         return {}
-    try:
-        added = json.loads(file.read_text()).get("added_tokens_decoder", {})
-    except json.JSONDecodeError as err:
-        raise ValueError(f"tokenizer: {file} is not valid JSON: {err}") from None
-    return {int(i): t["content"] for i, t in added.items() if base <= int(i) < base + NUM_RESERVED}
+    added = read_json(file, "tokenizer").get("added_tokens_decoder", {})
+    if not isinstance(added, dict):
+        raise ValueError(f"tokenizer: {file}: added_tokens_decoder must be an object, got {describe(added)}")
+    out = {}
+    for key, token in added.items():
+        if not key.isdigit() or not isinstance(token, dict) or not isinstance(token.get("content"), str):
+            raise ValueError(f"tokenizer: {file}: added_tokens_decoder.{key} must map an id to "
+                             f'{{"content": "<name>", ...}}, got {describe(token)}')
+        if base <= int(key) < base + NUM_RESERVED:
+            out[int(key)] = token["content"]
+    return out
 
 
 def _chunks(text):
@@ -217,7 +233,7 @@ class ByteTokenizer(Tokenizer):
         self.vocab_size = vocab_size
 
     def encode_ordinary(self, text):
-        return list(text.encode("utf-8"))
+        return list(text_bytes(text))
 
     def token_bytes(self, i):
         if not 0 <= i < 256:
@@ -225,9 +241,28 @@ class ByteTokenizer(Tokenizer):
         return bytes([i])
 
 
+def token_id(value):
+    """`value` as a Python int token id: ints, numpy/torch integer scalars; TypeError for a float or a bool."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        raise TypeError(f"token ids must be integers, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"token ids must be integers, got {value!r} ({type(value).__name__})") from None
+
+
+def text_bytes(text):
+    """The UTF-8 bytes of `text`. Undecodable bytes of a command line (kept by Python as surrogates U+DC80..
+    U+DCFF) come back as the bytes they were; any other lone surrogate becomes U+FFFD, as tiktoken does."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
+
+
 def load_tokenizer(model_dir, vocab_size):
     """KimiTokenizer when `model_dir` holds tiktoken.model, else ByteTokenizer(vocab_size)."""
-    if model_dir is not None and (Path(model_dir) / "tiktoken.model").exists():
+    if model_dir is not None and os.path.lexists(Path(model_dir) / "tiktoken.model"):
         tok = KimiTokenizer.from_dir(model_dir)
         if tok.vocab_size > vocab_size:
             raise ValueError(f"tokenizer: {tok.vocab_size} tokens do not fit the model's vocab_size {vocab_size}")

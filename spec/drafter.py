@@ -21,9 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ops
-from ops._backend import dispatch, register
-from model.config import read_config_json
-from model.model import Tensors
+from model.config import (ConfigError, check_positive, check_rope_scaling, check_types, config_file, describe,
+                          is_int, read_json)
+from model.memory import check_fits, tensor_bytes
+from model.model import Tensors, fill_random_
 from model.parallel import Parallel
 
 
@@ -55,25 +56,32 @@ class DrafterConfig:
     extra: dict = field(default_factory=dict, compare=False)  # other config.json keys, written back as they were
 
     def __post_init__(self):
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "intermediate_size", "vocab_size"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"drafter config: {name} must be positive, got {getattr(self, name)}")
-        if self.block_size < 2:
-            raise ValueError(f"drafter config: block_size must be at least 2, got {self.block_size}")
+        try:
+            self._check()
+        except ConfigError as err:
+            raise err.located("drafter config") from None
+
+    def _check(self):
+        check_types(self)
+        check_positive(self, ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                              "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+                              "num_target_layers"))
+        if not 2 <= self.block_size <= self.max_position_embeddings:
+            raise ConfigError("block_size", f"must be in 2..max_position_embeddings ({self.max_position_embeddings}), "
+                              f"got {self.block_size}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"drafter config: {self.num_attention_heads} heads do not group over "
-                             f"{self.num_key_value_heads} key/value heads")
+            raise ConfigError("num_key_value_heads", f"{self.num_key_value_heads} does not divide the "
+                              f"{self.num_attention_heads} attention heads")
         if self.head_dim % 2:
-            raise ValueError(f"drafter config: head_dim must be even, got {self.head_dim}")
-        if not self.target_layer_ids:
-            raise ValueError("drafter config: target_layer_ids is empty")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"drafter config: mask_token_id {self.mask_token_id} outside the vocabulary "
-                             f"of {self.vocab_size}")
-        kind = (self.rope_scaling or {}).get("type", (self.rope_scaling or {}).get("rope_type", "default"))
-        if kind not in ("default", "yarn"):
-            raise ValueError(f"drafter config: unsupported rope_scaling type {kind!r} (default or yarn)")
+            raise ConfigError("head_dim", f"must be even, got {self.head_dim}")
+        if not self.target_layer_ids or not all(is_int(i) and i >= 0 for i in self.target_layer_ids):
+            raise ConfigError("target_layer_ids", f"must be a non-empty list of layer indices >= 0, got "
+                              f"{list(self.target_layer_ids)}")
+        if not is_int(self.mask_token_id) or not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError("mask_token_id", f"{self.mask_token_id} outside the vocabulary of {self.vocab_size}")
+        if not self.rope_theta > 1:
+            raise ConfigError("rope_theta", f"must be greater than 1, got {self.rope_theta}")
+        check_rope_scaling(self.rope_scaling)
 
     @property
     def draft_len(self):
@@ -81,49 +89,73 @@ class DrafterConfig:
         return self.block_size - 1
 
     @classmethod
-    def from_hf(cls, hf):
+    def from_hf(cls, hf, where="drafter config"):
         """From z-lab's config.json: block_size top-level or in dflash_config; mask_token_id and
-        target_layer_ids in dflash_config; head_dim and num_key_value_heads optional."""
-        dflash = hf.get("dflash_config") or {}
+        target_layer_ids in dflash_config; head_dim and num_key_value_heads optional. `where` names the file
+        in errors."""
+        if not isinstance(hf, dict):
+            raise ValueError(f"{where}: must hold a JSON object, got {describe(hf)}")
+        dflash = {} if hf.get("dflash_config") is None else hf["dflash_config"]
+        if not isinstance(dflash, dict):
+            raise ConfigError("dflash_config", f"must be an object, got {describe(dflash)}", where)
+        keys = {}  # field -> where its value was found, for errors
 
         def need(key, *sources):
             for source in sources:
                 if source.get(key) is not None:
+                    keys[key] = ("dflash_config." if source is dflash and source is not hf else "") + key
                     return source[key]
-            raise ValueError(f"drafter config: missing {key!r}")
+            raise ConfigError(key, None, where)
 
         if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise ValueError("drafter config: attention_bias / mlp_bias are not supported (DFlash has none)")
-        if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
-            raise ValueError("drafter config: sliding-window attention layers are not supported")
-        heads = need("num_attention_heads", hf)
-        layers = need("num_hidden_layers", hf)
+            raise ConfigError("attention_bias", "/ mlp_bias are not supported (DFlash has none)", where)
+        layer_types = hf.get("layer_types") or ()
+        if hf.get("use_sliding_window") or isinstance(layer_types, (list, str)) and "sliding_attention" in layer_types:
+            raise ConfigError("layer_types", "name sliding-window attention layers, which are not supported", where)
+        heads, layers, hidden = need("num_attention_heads", hf), need("num_hidden_layers", hf), need("hidden_size", hf)
         ids = dflash.get("target_layer_ids", hf.get("target_layer_ids"))
-        if ids is None:
-            ids = default_target_layer_ids(need("num_target_layers", hf), layers)
-        rope = hf.get("rope_scaling") or hf.get("rope_parameters")
+        keys["target_layer_ids"] = ("dflash_config." if "target_layer_ids" in dflash else "") + "target_layer_ids"
+        if ids is None:  # z-lab's default spread over the target's layers
+            target_layers = need("num_target_layers", hf)
+            for key, value in (("num_target_layers", target_layers), ("num_hidden_layers", layers)):
+                if not (is_int(value) and value > 0):
+                    raise ConfigError(key, f"must be a positive integer, got {describe(value)}", where)
+            ids = default_target_layer_ids(target_layers, layers)
+        if not isinstance(ids, (list, tuple)):
+            raise ConfigError(keys["target_layer_ids"], f"must be a list of layer indices, got {describe(ids)}", where)
+        rope_key = "rope_scaling" if hf.get("rope_scaling") is not None else "rope_parameters"
+        rope, keys["rope_scaling"] = hf.get(rope_key), rope_key
+        try:
+            check_rope_scaling(rope)
+        except ConfigError as err:
+            raise err.located(where, keys) from None
         theta = hf.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
         if rope and rope.get("rope_type", rope.get("type")) in (None, "default"):
             rope = None
+        evenly = is_int(hidden) and is_int(heads) and heads > 0
         known = {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "intermediate_size", "vocab_size", "block_size", "dflash_config", "rms_norm_eps", "rope_theta",
                  "rope_scaling", "rope_parameters", "max_position_embeddings", "num_target_layers"}
-        return cls(
-            hidden_size=need("hidden_size", hf), num_hidden_layers=layers, num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or need("hidden_size", hf) // heads,
-            intermediate_size=need("intermediate_size", hf), vocab_size=need("vocab_size", hf),
-            block_size=need("block_size", hf, dflash), mask_token_id=need("mask_token_id", dflash, hf),
-            target_layer_ids=tuple(int(i) for i in ids), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta), rope_scaling=dict(rope) if rope else None,
-            max_position_embeddings=hf.get("max_position_embeddings", 262144),
-            num_target_layers=hf.get("num_target_layers"),
-            extra={k: v for k, v in hf.items() if k not in known},
-        )
+        try:
+            return cls(
+                hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=hf.get("num_key_value_heads") or heads,
+                head_dim=hf.get("head_dim") or (hidden // heads if evenly else None),
+                intermediate_size=need("intermediate_size", hf), vocab_size=need("vocab_size", hf),
+                block_size=need("block_size", hf, dflash), mask_token_id=need("mask_token_id", dflash, hf),
+                target_layer_ids=tuple(ids), rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
+                rope_scaling=dict(rope) if rope else None,
+                max_position_embeddings=hf.get("max_position_embeddings", 262144),
+                num_target_layers=hf.get("num_target_layers"),
+                extra={k: v for k, v in hf.items() if k not in known},
+            )
+        except ConfigError as err:
+            raise err.located(where, keys) from None
 
     @classmethod
     def from_file(cls, path):
-        return cls.from_hf(read_config_json(path, "drafter config"))
+        file = config_file(path)
+        return cls.from_hf(read_json(file, "drafter config"), str(file))
 
     def to_hf(self, block_size_in_dflash_config=False):
         """z-lab's config.json layout (Qwen3 keys plus block_size and dflash_config)."""
@@ -150,57 +182,6 @@ def check_drafter_fits(dcfg, tcfg):
                          f"{tcfg.num_hidden_layers} layers")
 
 
-# --- the drafter's attention op -------------------------------------------------------------------------------
-
-def drafter_attention(q, k_cache, v_cache, lens, max_len, scale):
-    """Non-causal GQA attention of a block of queries over each sequence's first lens[b] cache entries.
-
-    q: [B, S, H, hd]; k_cache, v_cache: [B, L_max, KVH, hd] (H a multiple of KVH; query head h reads kv head
-    h // (H/KVH)); lens: [B] int32 entries visible to every query of row b (context then the block itself);
-    max_len: host int >= max(lens) bounding the work without a device sync; scale: softmax scale.
-    Returns [B, S, H, hd] in q's dtype.
-    """
-    B, S, H, hd = q.shape
-    if k_cache.shape != v_cache.shape or k_cache.shape[0] < B or k_cache.shape[-1] != hd or H % k_cache.shape[2]:
-        raise ValueError(f"drafter_attention: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
-                         f"{tuple(v_cache.shape)} do not fit")
-    if lens.shape != (B,) or lens.dtype != torch.int32 or not 0 < max_len <= k_cache.shape[1]:
-        raise ValueError(f"drafter_attention: lens {tuple(lens.shape)} {lens.dtype} / max_len {max_len} do not fit")
-    return dispatch("drafter_attention", q.device)(q, k_cache, v_cache, lens, max_len, scale)
-
-
-def drafter_attention_torch(q, k_cache, v_cache, lens, max_len, scale):
-    """Each key/value head's query heads and block positions folded into one [G*S, hd] matrix: two batched GEMMs
-    over the context, which keep every SM streaming it. (A flash-attention forward, SDPA's fused kernel,
-    parallelises over heads and 64-query tiles only: 4 programs for one TP8 rank's block, 0.66 ms a layer at 32k
-    on an H200.) On CUDA, half inputs go into the GEMMs as they are, with fp32 accumulation and fp32 scores and
-    softmax, and the probabilities are rounded to the input dtype for the second GEMM, as flash attention does
-    (upcasting the context to fp32 instead cost a copy and a SIMT GEMM: 0.2 ms a layer at 32k); elsewhere all
-    of it is fp32. Temporaries: the [G*S, M] scores and probabilities per key/value head."""
-    B, S, H, hd = q.shape
-    kvh = k_cache.shape[2]
-    group = H // kvh
-    half = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-    dtype = q.dtype if half else torch.float32
-    k = k_cache[:B, :max_len].transpose(1, 2).to(dtype).reshape(B * kvh, max_len, hd)
-    v = v_cache[:B, :max_len].transpose(1, 2).to(dtype).reshape(B * kvh, max_len, hd)
-    rows = q.view(B, S, kvh, group, hd).permute(0, 2, 3, 1, 4).reshape(B * kvh, group * S, hd).to(dtype)
-    scores = _bmm_fp32(rows, k.transpose(1, 2)).view(B, kvh, group * S, max_len)
-    visible = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [B, M]
-    scores = torch.where(visible[:, None, None, :], scores * scale, float("-inf"))
-    probs = scores.softmax(-1).to(dtype).view(B * kvh, group * S, max_len)
-    out = _bmm_fp32(probs, v).view(B, kvh, group, S, hd)
-    return out.permute(0, 3, 1, 2, 4).reshape(B, S, H, hd).to(q.dtype)
-
-
-def _bmm_fp32(a, b):
-    """a @ b batched, in fp32 (half inputs on CUDA: fp32 accumulation and output without upcasting them)."""
-    return torch.bmm(a, b) if a.dtype == torch.float32 else torch.bmm(a, b, out_dtype=torch.float32)
-
-
-register("drafter_attention", drafter_attention_torch)
-
-
 # --- the context cache ----------------------------------------------------------------------------------------
 
 class DraftCache:
@@ -214,6 +195,7 @@ class DraftCache:
     def empty(cls, cfg, batch, max_len, dtype, device, kv_heads=None):
         """kv_heads: this rank's key/value heads (all of them by default)."""
         shape = (cfg.num_hidden_layers, batch, max_len, kv_heads or cfg.num_key_value_heads, cfg.head_dim)
+        check_fits(f"the drafter's cache ({batch} x {max_len} entries)", 2 * tensor_bytes(shape, dtype), device)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                    torch.zeros(batch, dtype=torch.int32, device=device), [0] * batch)
 
@@ -240,17 +222,7 @@ def write_rows(k_cache, v_cache, k, v, B, starts):
         ops.write_kv(cache.flatten(2), new.reshape(B, -1, cache.shape[2] * cache.shape[3]), starts)
 
 
-def add_rms_norm(x, residual, weight, eps):
-    """ops.add_rms_norm over [B, S, D] (it takes rows): (x + residual, its norm), both [B, S, D]."""
-    h, normed = ops.add_rms_norm(x.flatten(0, 1), residual.flatten(0, 1), weight, eps)
-    return h.view_as(x), normed.view_as(x)
-
-
 # --- the model ------------------------------------------------------------------------------------------------
-
-def _empty(shape, dtype, device):
-    return torch.empty(shape, dtype=dtype, device=device)
-
 
 class DrafterAttention(nn.Module):
     """GQA attention; under tensor parallelism this rank holds heads / tp query and key/value heads."""
@@ -261,12 +233,12 @@ class DrafterAttention(nn.Module):
         _, H = par.shard(cfg.num_attention_heads, "drafter attention heads")
         _, KVH = par.shard(cfg.num_key_value_heads, "drafter key/value heads")
         self.cfg, self.par, self.heads, self.kv_heads = cfg, par, H, KVH
-        self.q_proj = Tensors(weight=_empty((H * hd, D), dtype, device))
-        self.k_proj = Tensors(weight=_empty((KVH * hd, D), dtype, device))
-        self.v_proj = Tensors(weight=_empty((KVH * hd, D), dtype, device))
-        self.o_proj = Tensors(weight=_empty((D, H * hd), dtype, device))
-        self.q_norm = Tensors(weight=_empty((hd,), dtype, device))
-        self.k_norm = Tensors(weight=_empty((hd,), dtype, device))
+        self.q_proj = Tensors.empty((H * hd, D), dtype, device)
+        self.k_proj = Tensors.empty((KVH * hd, D), dtype, device)
+        self.v_proj = Tensors.empty((KVH * hd, D), dtype, device)
+        self.o_proj = Tensors.empty((D, H * hd), dtype, device)
+        self.q_norm = Tensors.empty((hd,), dtype, device)
+        self.k_norm = Tensors.empty((hd,), dtype, device)
 
     def keys_values(self, x, positions, rope):
         """x: [N, D] -> roped, k-normed keys [N, KVH, hd] and values [N, KVH, hd]."""
@@ -284,7 +256,7 @@ class DrafterAttention(nn.Module):
         q = ops.linear(flat, self.q_proj.weight).view(B * S, self.heads, cfg.head_dim)
         q = ops.head_norm_rope(q, self.q_norm.weight, cfg.rms_norm_eps, positions, *rope)
         write_rows(k_cache, v_cache, *self.keys_values(flat, positions, rope), B, starts)
-        o = drafter_attention(q.view(B, S, *q.shape[1:]), k_cache, v_cache, lens_after, max_len,
+        o = ops.drafter_attention(q.view(B, S, *q.shape[1:]), k_cache, v_cache, lens_after, max_len,
                               cfg.head_dim ** -0.5)
         return self.par.all_reduce(ops.linear(o.reshape(B, S, -1), self.o_proj.weight))
 
@@ -295,12 +267,12 @@ class DrafterLayer(nn.Module):
         D = cfg.hidden_size
         _, inter = par.shard(cfg.intermediate_size, "drafter intermediate_size")
         self.cfg, self.par = cfg, par
-        self.input_layernorm = Tensors(weight=_empty((D,), dtype, device))
-        self.post_attention_layernorm = Tensors(weight=_empty((D,), dtype, device))
+        self.input_layernorm = Tensors.empty((D,), dtype, device)
+        self.post_attention_layernorm = Tensors.empty((D,), dtype, device)
         self.self_attn = DrafterAttention(cfg, par, dtype, device)
         self.mlp = nn.Module()
-        self.mlp.gate_up = Tensors(weight=_empty((2 * inter, D), dtype, device))
-        self.mlp.down_proj = Tensors(weight=_empty((D, inter), dtype, device))
+        self.mlp.gate_up = Tensors.empty((2 * inter, D), dtype, device)
+        self.mlp.down_proj = Tensors.empty((D, inter), dtype, device)
 
     def forward(self, h, delta, positions, rope, k_cache, v_cache, starts, lens_after, max_len):
         """The residual stream arrives as h + delta (delta: the previous layer's MLP output, or None) and leaves
@@ -309,9 +281,9 @@ class DrafterLayer(nn.Module):
         if delta is None:
             x = ops.rms_norm(h, self.input_layernorm.weight, eps)
         else:
-            h, x = add_rms_norm(delta, h, self.input_layernorm.weight, eps)
+            h, x = ops.add_rms_norm(delta, h, self.input_layernorm.weight, eps)
         attn = self.self_attn(x, positions, rope, k_cache, v_cache, starts, lens_after, max_len)
-        h, x = add_rms_norm(attn, h, self.post_attention_layernorm.weight, eps)
+        h, x = ops.add_rms_norm(attn, h, self.post_attention_layernorm.weight, eps)
         mlp = ops.mlp(x.reshape(-1, x.shape[-1]), self.mlp.gate_up.weight, self.mlp.down_proj.weight)
         return h, self.par.all_reduce(mlp).view_as(h)
 
@@ -325,10 +297,10 @@ class DFlashDrafter(nn.Module):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.par = parallel or Parallel()
         D, n = cfg.hidden_size, len(cfg.target_layer_ids)
-        self.fc = Tensors(weight=_empty((D, n * D), dtype, device))
-        self.hidden_norm = Tensors(weight=_empty((D,), dtype, device))
+        self.fc = Tensors.empty((D, n * D), dtype, device)
+        self.hidden_norm = Tensors.empty((D,), dtype, device)
         self.layers = nn.ModuleList(DrafterLayer(cfg, self.par, dtype, device) for _ in range(cfg.num_hidden_layers))
-        self.norm = Tensors(weight=_empty((D,), dtype, device))
+        self.norm = Tensors.empty((D,), dtype, device)
         inv_freq, factor = ops.yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq.to(self.device), persistent=False)
         self.rope_factor = factor
@@ -408,15 +380,9 @@ class DFlashDrafter(nn.Module):
         delta = None
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, positions, rope, cache.k[i], cache.v[i], starts, lens_after, max_len)
-        h = add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[1][:, 1:]
+        h = ops.add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[1][:, 1:]
         return self.target.par.all_gather_last(ops.linear(h, self.target.lm_head.weight))
 
     def init_random_(self, seed=0, std=0.02):
         """Seeded random weights (tests and the embedded default)."""
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        for name, buf in self.named_buffers():
-            if name == "inv_freq":
-                continue
-            noise = torch.randn(buf.shape, generator=gen, device=self.device)
-            buf.copy_(1.0 + 0.1 * noise if "norm" in name else std * noise)
-        return self
+        return fill_random_(self, seed, std)

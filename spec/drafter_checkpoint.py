@@ -11,8 +11,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from model.checkpoint import LAYER, check_finite, checkpoint_files, model_bytes, read_headers
+from model.config import config_file
+from model.memory import check_fits
 from model.parallel import Parallel
-from spec.drafter import DFlashDrafter, DrafterConfig
+from spec.drafter import DFlashDrafter, DrafterConfig, check_drafter_fits
 
 _IGNORED = ("rotary_emb.inv_freq",)
 
@@ -39,15 +42,22 @@ def write_drafter_checkpoint(path, cfg, tensors, dtype=torch.bfloat16, block_siz
               str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _shard_files(path):
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return sorted({path / f for f in weight_map.values()})
-    single = path / "model.safetensors"
-    if not single.exists():
-        raise FileNotFoundError(f"drafter checkpoint: no model.safetensors or index in {path}")
-    return [single]
+def drafter_entries(cfg):
+    """{checkpoint name: full (unsharded) shape} of every tensor a drafter checkpoint for `cfg` holds."""
+    D, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    out = {"fc.weight": (D, len(cfg.target_layer_ids) * D), "hidden_norm.weight": (D,), "norm.weight": (D,)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        out.update({
+            p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+            p + "self_attn.q_proj.weight": (q, D), p + "self_attn.k_proj.weight": (kv, D),
+            p + "self_attn.v_proj.weight": (kv, D), p + "self_attn.o_proj.weight": (D, q),
+            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (inter, D), p + "mlp.up_proj.weight": (inter, D),
+            p + "mlp.down_proj.weight": (D, inter),
+        })
+    return out
 
 
 _ROW_SPLIT = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.gate_proj.weight",
@@ -66,44 +76,54 @@ def _rank_index(name, shape, par):
     return (slice(None),)
 
 
-def _read_file(file, expected, par):
-    out = {}
-    with safe_open(str(file), framework="pt") as f:
-        for name in f.keys():
-            if name.endswith(_IGNORED):
-                continue
-            if name not in expected:
-                raise ValueError(f"drafter checkpoint: unexpected tensor {name!r} in {file.name}")
-            full = f.get_slice(name)
-            if tuple(full.get_shape()) != tuple(expected[name]):
-                raise ValueError(f"drafter checkpoint: {name} has shape {tuple(full.get_shape())}, config wants "
-                                 f"{tuple(expected[name])}")
-            out[name] = full[_rank_index(name, expected[name], par)]
-    return out
+FLOAT = ("BF16", "F16", "F32")
+WHAT = "drafter checkpoint"
 
 
 def load_drafter(path, target=None, dtype=torch.bfloat16, device="cpu"):
     """Load a z-lab DFlash checkpoint directory; with `target`, check it fits and bind it.
 
-    Every expected tensor must be present with the expected shape; unknown tensors are an error. Under the
-    target's tensor parallelism only this rank's slices are read (heads and the MLP intermediate split).
+    Every expected tensor must be listed, with the expected shape and a float dtype (checked on the headers,
+    and the config's layer count against the tensor names, before anything is allocated), and hold no NaN or
+    inf; unknown tensors are an error, and an index may name only files inside the folder. Under the target's
+    tensor parallelism only this rank's slices are read (heads and the MLP intermediate split).
     """
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"drafter checkpoint: {path} is not a directory")
+        raise FileNotFoundError(f"{WHAT}: {path} is not a directory")
     cfg = DrafterConfig.from_file(path)
+    if target is not None:
+        check_drafter_fits(cfg, target.cfg)
+        if cfg.block_size > target.cfg.max_position_embeddings:
+            raise ValueError(f"{WHAT}: block_size {cfg.block_size} does not fit the target's context of "
+                             f"{target.cfg.max_position_embeddings}")
+    files = {name: file for name, file in checkpoint_files(path, WHAT).items() if not name.endswith(_IGNORED)}
+    layers = {int(m[1]) for name in files if (m := LAYER.match(name))}
+    held = max(layers) + 1 if layers else 0
+    if cfg.num_hidden_layers > held:
+        raise ValueError(f"{WHAT}: {config_file(path)} says num_hidden_layers {cfg.num_hidden_layers}, but the "
+                         f"shards hold {held} layers")
     par = target.par if target is not None else Parallel()
-    drafter = DFlashDrafter(cfg, dtype=dtype, device=device, parallel=par)
-    expected = {name: buf.shape for name, buf in checkpoint_tensors(DFlashDrafter(cfg, dtype, "meta")).items()}
-    loaded = {}
-    for file in _shard_files(path):
-        try:
-            loaded.update(_read_file(file, expected, par))
-        except SafetensorError as err:
-            raise ValueError(f"drafter checkpoint: cannot read {file}: {err}") from None
-    missing = sorted(set(expected) - set(loaded))
+    expected = drafter_entries(cfg)
+    unexpected = sorted(set(files) - set(expected))
+    if unexpected:
+        raise ValueError(f"{WHAT}: unexpected tensor {unexpected[0]!r} in {files[unexpected[0]].name}")
+    missing = sorted(set(expected) - set(files))
     if missing:
-        raise ValueError(f"drafter checkpoint: missing {len(missing)} tensors, e.g. {missing[0]!r}")
+        raise ValueError(f"{WHAT}: missing {len(missing)} tensors in {path}, e.g. {missing[0]!r}")
+    for name, (shape, dtype_name) in read_headers(files, WHAT).items():
+        if shape != expected[name]:
+            raise ValueError(f"{WHAT}: {name} in {files[name].name} has shape {shape}, config wants {expected[name]}")
+        if dtype_name not in FLOAT:
+            raise ValueError(f"{WHAT}: {name} in {files[name].name} has dtype {dtype_name}, expected "
+                             f"{' or '.join(FLOAT)}")
+    drafter = DFlashDrafter(cfg, dtype=dtype, device="meta", parallel=par)
+    check_fits("the drafter's weights", model_bytes(drafter), device)
+    drafter = DFlashDrafter(cfg, dtype=dtype, device=device, parallel=par)
+    loaded = {}
+    for file in sorted(set(files.values())):
+        names = [name for name in files if files[name] == file]
+        loaded.update(_read_file(file, names, expected, par))
     state = {}
     for name, tensor in loaded.items():
         if name.endswith("mlp.gate_proj.weight"):
@@ -113,3 +133,16 @@ def load_drafter(path, target=None, dtype=torch.bfloat16, device="cpu"):
             state[name] = tensor
     drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()})
     return drafter.bind(target) if target is not None else drafter
+
+
+def _read_file(file, names, expected, par):
+    """This rank's slices of `names` from one shard, checked for NaN and inf."""
+    out = {}
+    with safe_open(str(file), framework="pt") as f:
+        for name in names:
+            try:
+                out[name] = f.get_slice(name)[_rank_index(name, expected[name], par)]
+            except SafetensorError as err:
+                raise ValueError(f"{WHAT}: cannot read {name} from {file}: {err}") from None
+    check_finite(list(out.items()), file, WHAT)
+    return out

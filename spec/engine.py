@@ -1,15 +1,17 @@
 """The DDTree engine: prefill, then per step for the whole batch: draft, tree build, verify, accept, compact, emit.
 
 Each sequence of a batch owns one row of the target's latent cache and of the drafter's context cache, its
-own tree and its own length. A step reads the device once (tokens emitted and how many); everything else
-stays on the device. A sequence that finishes (stop token, max tokens, context end) stays in the batch as
-padding until all have finished: its rows are still drafted and verified but its lengths no longer advance
-and nothing more is emitted for it.
+own tree and its own length. A step reads the device once (tokens emitted and how many, and whether the
+target's logits were finite); everything else stays on the device. A sequence that finishes (stop token, max
+tokens, context end) stays in the batch as padding until all have finished: its rows are still drafted and
+verified but its lengths no longer advance and nothing more is emitted for it.
 
 Sampling goes through `ops.accept` everywhere (also for the first token after prefill and for target-only
 decoding, as a tree of one node), so a run is a deterministic function of (seed, step, node).
 """
 
+import math
+import numbers
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,12 +19,32 @@ from dataclasses import dataclass, field
 import torch
 
 import ops
+from model.generate import count, token_prompts
+from model.tokenizer import token_id
 from ops.tree import Tree
 from spec.budget import AUTO_BUDGETS, BudgetPolicy, LatencyTable, MassScorer, TreeDraft, measure_steps, sum_rows
 from spec.graphs import DEFAULT_BUCKETS, DraftGraphs, StepGraphs, bucket_for, draft_eligibility, eligibility
 
 MAX_BUDGET = 512
 TREES = ("ddtree", "chain")
+
+
+class SamplingError(ValueError):
+    """A sampling value out of range: `field problem`; `field` names the SamplingParams field."""
+
+    def __init__(self, field, problem):
+        self.field, self.problem = field, problem
+        super().__init__(f"{field} {problem}")
+
+
+class NonFiniteLogits(RuntimeError):
+    """The target produced NaN or inf logits (its weights or activations are not finite)."""
+
+
+SEED_LIMIT = 2**63  # seeds are int64 on the device: each sequence's seed + b must stay below this
+# The smallest temperature that samples: below it logits / T overflows fp32 or T rounds to 0 there (1e-320
+# sampled noise); 0 is greedy.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -33,12 +55,27 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.check()
+
+    def check(self):
+        """SamplingError (a ValueError) for a value out of range, of the wrong type, or not finite."""
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise SamplingError(name, f"must be a finite number, got {value!r}")
+        for name in ("top_k", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise SamplingError(name, f"must be an integer, got {value!r}")
+        if self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+            raise SamplingError("temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got "
+                                f"{self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise SamplingError("top_k", f"must be >= 0, got {self.top_k}")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise SamplingError("seed", f"must be in 0..{SEED_LIMIT - 1}, got {self.seed}")
 
 
 @dataclass
@@ -78,10 +115,10 @@ def root_tree(tokens):
 class Engine:
     """Speculative (DDTree) or target-only decoding of batches of token prompts with a KimiModel target.
 
-    budget: "auto" (each step's tree budget chosen among `auto_budgets`, those of `latency` if given;
-    spec/budget.py; each gets a graph bucket) or a fixed 1..MAX_BUDGET. tree: "ddtree" (best-first) or "chain" (DFlash's per-depth argmax, L nodes, any budget
-    ignored). latency: auto's step-time table (a LatencyTable or its file); None measures one per batch size:
-    graph replays on a GPU, eager passes elsewhere.
+    budget: "auto" (each step's tree budget chosen among `auto_budgets`, those of `latency` if given, each with
+    its graph bucket; spec/budget.py) or a fixed 1..MAX_BUDGET. tree: "ddtree" (best-first) or "chain" (DFlash's
+    per-depth argmax, L nodes; any budget ignored). latency: auto's step-time table (a LatencyTable or its file);
+    None times whole steps once per batch size, before the first run's prefill.
     """
 
     def __init__(self, target, drafter=None, budget="auto", cuda_graphs=True, buckets=DEFAULT_BUCKETS, tree="ddtree",
@@ -97,7 +134,8 @@ class Engine:
                              f"{tuple(auto_budgets)}" + (f" and latency table {self.latency.source}"
                                                          if self.latency else ""))
         buckets = tuple(sorted({*buckets, *self.candidates}))
-        if budget != "auto" and not (isinstance(budget, int) and 1 <= budget <= MAX_BUDGET):
+        if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or
+                                 not 1 <= budget <= MAX_BUDGET):
             raise ValueError(f"tree budget must be 'auto' or in 1..{MAX_BUDGET}, got {budget!r}")
         if tree == "chain":
             budget = drafter.cfg.draft_len if drafter is not None else 1
@@ -155,30 +193,45 @@ class Engine:
         return self.target.cfg.max_position_embeddings
 
     def check_prompts(self, prompts):
-        if not prompts:
-            raise ValueError("no prompt given")
-        vocab = self.target.cfg.vocab_size
+        """The prompts as lists of ints (see `token_prompts`), each leaving room for one new token in the context;
+        TypeError or ValueError naming the prompt otherwise."""
+        prompts = token_prompts(prompts, self.target.cfg.vocab_size)
         for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
             if len(p) >= self.context_len:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; the context holds {self.context_len} "
                                  "(a prompt must leave room for at least one new token)")
-            bad = [t for t in p if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary of {vocab}: {bad[:5]}")
+        return prompts
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, sampling=None, stop_ids=(), spec=True, on_tokens=None):
-        """Generate for a batch of token-id prompts. on_tokens(b, new_ids) is called as tokens are emitted."""
-        sampling = sampling or SamplingParams()
+        """Generate for a batch of token-id prompts. on_tokens(b, new_ids) is called as tokens are emitted.
+
+        Bad arguments raise TypeError or ValueError before anything runs; NaN or inf logits from the target raise
+        NonFiniteLogits at the step that produced them."""
+        sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        sampling.check()  # again: its fields may have been set after it was made
+        if not isinstance(spec, bool):
+            raise TypeError(f"spec must be True or False, got {spec!r}")
         if spec and self.drafter is None:
             raise ValueError("speculative decoding needs a drafter")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        self.check_prompts(prompts)
-        run = _Run(self, prompts, max_new_tokens, sampling, set(stop_ids), spec, on_tokens)
+        if on_tokens is not None and not callable(on_tokens):
+            raise TypeError(f"on_tokens must be callable, got {type(on_tokens).__name__}")
+        max_new_tokens = count(max_new_tokens, "max_new_tokens", 1)
+        stop_ids = {token_id(t) for t in stop_ids}
+        prompts = self.check_prompts(prompts)
+        if sampling.seed + len(prompts) > SEED_LIMIT:
+            raise SamplingError("seed", f"{sampling.seed} + {len(prompts) - 1} (one seed per sequence) passes "
+                                f"{SEED_LIMIT - 1}")
+        run = _Run(self, prompts, max_new_tokens, sampling, stop_ids, spec, on_tokens)
         return run.execute()
+
+
+def nonfinite_rows(logits):
+    """[B] int64 on the device: 1 where logits [B, ..., V] hold NaN or +inf (or a row all -inf), else 0.
+    Read with the step's tokens, so detecting costs a reduction, not a host sync."""
+    return (~logits.amax(-1).isfinite()).flatten(1).any(1).long()
 
 
 class _Run:
@@ -286,8 +339,11 @@ class _Run:
                 self.dcache.host_lens[b] = P
             last.append(out.logits)
         bonus_holder = torch.zeros(len(self.prompts), dtype=torch.int64, device=self.e.device)
-        _, _, first = self.sample(root_tree(bonus_holder), torch.cat(last), 0)
-        for b, token in enumerate(first.tolist()):
+        logits = torch.cat(last)
+        _, _, first = self.sample(root_tree(bonus_holder), logits, 0)
+        host = torch.stack([first, nonfinite_rows(logits)], 1).tolist()
+        self.check_finite([row.pop() for row in host], 0)
+        for b, (token,) in enumerate(host):
             self.emit(b, [token])
         return first
 
@@ -305,7 +361,9 @@ class _Run:
         e.drafter.append_context(self.dcache, hidden_path, commit)
         path_tokens = tree.tokens.gather(1, path.long().clamp(min=0))  # [B, L+1], root first
         stats = [tree.stats] if self.policy is not None else []  # auto: its scorer's gains and masses
-        host = torch.cat([commit[:, None].long(), path_tokens, nxt[:, None], *stats], 1).tolist()  # the step's one read
+        host = torch.cat([commit[:, None].long(), path_tokens, nxt[:, None], *stats,
+                          nonfinite_rows(out.logits)[:, None]], 1).tolist()  # the step's one read
+        self.check_finite([row.pop() for row in host], step)
         counts = [row[0] for row in host]
         cache.set_host_lens([n + c for n, c in zip(cache.host_lens, counts)])
         self.dcache.set_host_lens([n + c for n, c in zip(self.dcache.host_lens, counts)])
@@ -332,7 +390,9 @@ class _Run:
         out = self.verify(bonus[:, None], cache.lens[:B, None].long(), None)
         _, _, nxt = self.sample(root_tree(bonus), out.logits, step)
         cache.lens[:B] += self.live_dev
-        host = nxt.tolist()  # the step's one read
+        host = torch.stack([nxt, nonfinite_rows(out.logits)], 1).tolist()  # the step's one read
+        self.check_finite([row.pop() for row in host], step)
+        host = [token for (token,) in host]
         self.budgets.append(0)
         cache.set_host_lens([n + int(alive) for n, alive in zip(cache.host_lens, self.live)])
         for b, token in enumerate(host):
@@ -340,6 +400,13 @@ class _Run:
                 self.accept[b].append(1)
                 self.emit(b, [token])
         return nxt
+
+    def check_finite(self, flags, step):
+        """NonFiniteLogits if a live sequence's flag (from `nonfinite_rows`) is set."""
+        bad = [b for b, flag in enumerate(flags) if flag and self.live[b]]
+        if bad:
+            raise NonFiniteLogits(f"the target's logits are NaN or inf (sequence {bad[0]}, step {step}): its weights "
+                                  "or activations are not finite")
 
     def emit(self, b, tokens):
         """Append tokens to sequence b up to its stop token, max tokens or context end; retire it when done."""

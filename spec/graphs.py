@@ -57,34 +57,6 @@ def self_mask(B, nodes, device):
     return ops.pack_tree_mask(dense)
 
 
-def pad_mask(mask, nodes):
-    """Pad a packed tree mask [B, T, W] to [B, nodes, words(nodes)]: old rows keep their bits, new rows self only."""
-    B, T, W = mask.shape
-    out = self_mask(B, nodes, mask.device)
-    out[:, :T] = 0
-    out[:, :T, :W] = mask
-    return out
-
-
-def pad_tree(tree, budget):
-    """The tree padded to budget + 1 nodes (token 0, parent -1, depth 0, no children, mask self only);
-    num_nodes and max_depth unchanged. A tree already of that size is returned as is."""
-    B, T = tree.tokens.shape
-    nodes = budget + 1
-    if nodes < T:
-        raise ValueError(f"pad_tree: a tree of {T} nodes does not fit budget {budget}")
-    if nodes == T:
-        return tree
-    extra = nodes - T
-
-    def fill(x, value):
-        return torch.cat([x, torch.full((B, extra), value, dtype=x.dtype, device=x.device)], 1)
-
-    return type(tree)(tokens=fill(tree.tokens, 0), parents=fill(tree.parents, -1), depths=fill(tree.depths, 0),
-                      mask=pad_mask(tree.mask, nodes), first_child=fill(tree.first_child, -1),
-                      next_sibling=fill(tree.next_sibling, -1), num_nodes=tree.num_nodes, max_depth=tree.max_depth)
-
-
 def eligibility(model):
     """(True, '') when the verify pass of `model` can be captured; else (False, why)."""
     dev, dtype = model.device, model.dtype
@@ -95,8 +67,6 @@ def eligibility(model):
     torch_ops = [name for name in VERIFY_KERNEL_OPS if ops.current(name, dev, dtype) != "triton"]
     if torch_ops:
         return False, f"ops {', '.join(torch_ops)} run their torch references, which synchronise the host"
-    if any(layer.self_attn.naive for layer in model.layers):
-        return False, "the naive attention form synchronises the host"
     return True, ""
 
 
@@ -174,7 +144,7 @@ class StepGraphs:
         self.pool = None
         self.key = None  # what the owner built it for (the engine reuses it while the key matches)
 
-    def _run_static(self, bucket):
+    def run_static(self, bucket):
         """The captured body: forward over the bucket's static inputs, results copied into the static outputs."""
         tokens, positions, mask, logits, hidden = self.bufs.views(bucket + 1)
         out = self.model(tokens, positions, self.cache, tree_mask=mask if bucket else None,
@@ -190,7 +160,7 @@ class StepGraphs:
         for bucket in reversed(self.buckets):
             t0 = time.perf_counter()
             self._reset_inputs(bucket)
-            graph = capture_graph(lambda: self._run_static(bucket), dev, self.pool)
+            graph = capture_graph(lambda: self.run_static(bucket), dev, self.pool)
             self.pool = graph.pool()
             self.graphs[bucket] = graph
             torch.cuda.synchronize(dev)
@@ -263,7 +233,8 @@ class DraftGraphs:
         need = max(self.cache.host_lens[: self.batch]) + self.drafter.cfg.block_size
         return min(-(-need // self.granularity) * self.granularity, self.cache.max_len)
 
-    def _run_static(self, span):
+    def run_static(self, span):
+        """The captured body: draft, top-k and tree build over `span` entries, the tree copied into the outputs."""
         S = self.drafter.cfg.block_size
         view = type(self.cache)(self.cache.k, self.cache.v, self.cache.lens, [span - S] * self.batch)
         tree = self.make_tree(self.drafter.draft(view, self.bonus), self.bonus)
@@ -276,8 +247,8 @@ class DraftGraphs:
     def capture(self, span):
         dev, t0 = self.drafter.device, time.perf_counter()
         if self.outputs is None:
-            self._run_static(span)  # allocates the static outputs on this stream
-        graph = capture_graph(lambda: self._run_static(span), dev, self.pool)
+            self.run_static(span)  # allocates the static outputs on this stream
+        graph = capture_graph(lambda: self.run_static(span), dev, self.pool)
         self.pool, self.graphs[span] = graph.pool(), graph
         self.log(f"cuda graph: draft + tree of budget {self.budget} over {span} context entries captured "
                  f"in {time.perf_counter() - t0:.2f} s")

@@ -1,5 +1,6 @@
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -26,11 +27,9 @@ def nan_empty(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def restore_backends():
-    """Each test starts from the default backend table."""
-    saved = dict(ops._backend._choice)
-    yield
-    ops._backend._choice.clear()
-    ops._backend._choice.update(saved)
+    """Each test's backend choices are undone after it."""
+    with ops.using():
+        yield
 
 
 def interpreting():
@@ -49,6 +48,13 @@ def kernel_dtypes():
     return [torch.bfloat16, torch.float16] if gpu() else [torch.float16, torch.float32]
 
 
+def free_port():
+    """A TCP port free on this host now (for a gloo process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
@@ -59,8 +65,10 @@ requires_gpu = pytest.mark.skipif(not gpu(), reason="needs CUDA")
 
 def compiled_in_child(code, *args, env=None):
     """Run the Python program `code` (with args) in a child process without TRITON_INTERPRET, where kernels compile
-    ahead of time (under the interpreter they are interpreter objects), and return its last stdout line as JSON."""
-    child_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    ahead of time (under the interpreter they are interpreter objects), and without an arch override (SPEC_ARCH and
+    the DISABLE_MMA_V3 it sets: the child compiles for the targets it names) unless `env` sets them, and return its
+    last stdout line as JSON."""
+    child_env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SPEC_ARCH", "DISABLE_MMA_V3")}
     child_env.update(env or {})
     proc = subprocess.run([sys.executable, "-c", code, *args], env=child_env, capture_output=True, text=True,
                           timeout=300)

@@ -1,7 +1,5 @@
 """Triton MLA attention (+ write_kv) vs the fp32 torch reference: random trees, ragged batches, splits, sm_120 fit."""
 
-import functools
-import json
 import random
 import sys
 
@@ -11,6 +9,8 @@ import torch
 import ops
 from ops.attention import mla_attention_torch, pack_tree_mask, write_kv_torch
 from tests.conftest import compiled_in_child, gpu, kernel_dtypes, rel_err, requires_gpu, requires_triton
+from triton_kernels import arch
+from triton_kernels.mla_attention import Config, Tiles
 
 SCALE = 0.1446802  # K2.6 softmax scale (ModelConfig.softmax_scale)
 
@@ -61,9 +61,9 @@ def bound(dtype):
     return 1e-4 if dtype == torch.float32 and not gpu() else 1e-2
 
 
-BIG = (64, 64, 4, 2, 512, False)  # larger tiles for the larger cases: fewer interpreted steps
-UNCHAINED = (64, 64, 8, 2, 512, True)  # QK^T once per program (the softmax behind a branch)
-CASES = [  # B, T, H, lens, tree kind, num_splits (None: the launcher's choice), config (None: the launcher's)
+BIG = Tiles(64, 64, 4, 2, False)  # larger tiles for the larger cases: fewer interpreted steps
+UNCHAINED = Tiles(64, 64, 8, 2, True)  # QK^T once per program (the softmax behind a branch)
+CASES = [  # B, T, H, lens, tree kind, num_splits (None: the launcher's choice), tiles (None: the launcher's)
     (1, 1, 8, [37], "chain", None, None),
     (3, 2, 16, [5, 70, 133], "wide", 3, None),
     (2, 7, 1, [7, 100], "star", None, None),
@@ -73,27 +73,27 @@ CASES = [  # B, T, H, lens, tree kind, num_splits (None: the launcher's choice),
     (2, 16, 16, [90, 161], "chain", 1, BIG),
     (2, 33, 8, [33, 90], "causal", 1, BIG),
     (2, 33, 2, [40, 131], "causal", 3, None),
-    (2, 9, 8, [50, 120], "deep", 2, (32, 32, 4, 2, 256, False)),  # values split over two programs per query tile
-    (1, 20, 4, [77], "causal", 1, (64, 32, 4, 2, 256, False)),
+    (2, 9, 8, [50, 120], "deep", 2, Tiles(32, 32, 4, 2, False)),
+    (1, 20, 4, [77], "causal", 1, Tiles(64, 32, 4, 2, False)),
     (2, 16, 8, [200, 17], "wide", 2, UNCHAINED),
     (1, 5, 3, [70], "chain", None, UNCHAINED),
     (2, 33, 2, [40, 131], "causal", 1, UNCHAINED),
-    (1, 7, 8, [90], "deep", 3, (32, 32, 4, 2, 256, True)),
+    (1, 7, 8, [90], "deep", 3, Tiles(32, 32, 4, 2, True)),
 ]
 
 
 @requires_triton
 @pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
-@pytest.mark.parametrize("B,T,H,lens,kind,splits,config", CASES,
-                         ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-{c[4]}-S{c[5]}" + ("-unchained" if c[6] and c[6][5] else "")
-                              for c in CASES])
-def test_mla_attention_matches_reference(B, T, H, lens, kind, splits, config, dtype):
+@pytest.mark.parametrize("B,T,H,lens,kind,splits,tiles", CASES,
+                         ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-{c[4]}-S{c[5]}" + ("-unchained" if c[6] and c[6].unchain else "")
+                              + (f"-{c[6].block_m}x{c[6].block_n}" if c[6] else "") for c in CASES])
+def test_mla_attention_matches_reference(B, T, H, lens, kind, splits, tiles, dtype):
     from triton_kernels.mla_attention import mla_attention
 
     q, kv, cache_lens, mask = make_case(B, T, H, lens, kind, dtype, device(), seed=B * 1000 + T * 10 + H)
-    if gpu() and config is not None and config[4] == 512 and not config[5]:
-        config = None  # on the GPU the launcher's own configs; the value-split and unchained cases keep theirs
-    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=splits, config=config)
+    if gpu() and tiles is not None and not tiles.unchain:
+        tiles = None  # on the GPU the launcher's own tiles; the unchained cases keep theirs
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, config=Config(tiles=tiles, splits=splits))
     ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
     assert out.shape == (B, T, H, 512) and out.dtype == dtype
     assert not out.isnan().any()
@@ -107,12 +107,12 @@ def test_partials_in_the_inputs_dtype(dtype):
     from triton_kernels.mla_attention import mla_attention
 
     q, kv, cache_lens, mask = make_case(2, 7, 8, [90, 161], "wide", dtype, device(), seed=11)
-    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=4, partials=dtype)
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, config=Config(splits=4, partials=dtype))
     ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
     assert not out.isnan().any()
     assert rel_err(out, ref) < bound(dtype)
     with pytest.raises(ValueError, match="partials"):
-        mla_attention(q, kv, cache_lens, mask, SCALE, partials=torch.int32)
+        mla_attention(q, kv, cache_lens, mask, SCALE, config=Config(partials=torch.int32))
 
 
 @requires_triton
@@ -127,9 +127,9 @@ def test_tail_split_takes_the_tree_tiles(splits):
     for b, length in enumerate(cache_lens.tolist()):
         kv[b, length:] = float("nan")
     ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
-    config = (16, 16, 4, 2, 512, False)
     for tail in (True, False):
-        out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=splits, config=config, tail_split=tail)
+        config = Config(tiles=Tiles(16, 16, 4, 2, False), splits=splits, tail_split=tail)
+        out = mla_attention(q, kv, cache_lens, mask, SCALE, config=config)
         assert not out.isnan().any()
         assert rel_err(out, ref) < bound(dtype)
 
@@ -142,13 +142,13 @@ def test_merge_of_many_splits(splits):
 
     dtype = kernel_dtypes()[0]
     q, kv, cache_lens, mask = make_case(1, 2, 4, [700], "chain", dtype, device(), seed=splits)
-    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=splits, config=(16, 16, 4, 2, 512, False))
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, config=Config(tiles=Tiles(16, 16, 4, 2, False), splits=splits))
     ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
     assert rel_err(out, ref) < bound(dtype)
 
 
 # (T*H, cache entries L_max, splits) measured fastest on the H200 (bench/results/attention_h200_run5.md), where the
-# split rule picks it: 20 of the run's 25 cases (in the other 5 its pick is within 4.3% of the fastest); L_max 32,898
+# split rule picks it (20 of the run's 25 cases; in the other 5 its pick is within 4.3% of the fastest); L_max 32,898
 # is the verify step's padded cache
 H200_SPLITS = [(8, 32768, 256), (64, 32768, 128), (512, 32768, 16), (1024, 32768, 8), (2048, 32768, 4),
                (4096, 32768, 2), (8192, 32768, 1), (256, 131072, 33), (512, 131072, 16), (2048, 131072, 4),
@@ -157,31 +157,31 @@ H200_SPLITS = [(8, 32768, 256), (64, 32768, 128), (512, 32768, 16), (1024, 32768
 
 @pytest.mark.parametrize("rows,L,splits", H200_SPLITS, ids=[f"R{r}-L{L}" for r, L, _ in H200_SPLITS])
 def test_split_rule_picks_the_h200_winners(rows, L, splits):
-    from triton_kernels.mla_attention import default_splits, entry_for
+    from triton_kernels.mla_attention import entry_for
+    from triton_kernels.mla_splits import default_splits
 
-    entry = entry_for(rows, 90)
-    assert default_splits(entry, rows, 1, L, 132, 90, (entry.partials or torch.bfloat16).itemsize) == splits
+    entry = entry_for(rows, "sm_90")
+    assert default_splits(entry, rows, 1, L, 132, "sm_90", (entry.partials or torch.bfloat16).itemsize) == splits
 
 
-# (T*H, cache entries L_max, splits) on short caches, where the 4-tile floor of a split left most of the GPU idle:
-# the rule's count now (up to one wave of splits, down to one tile each) measured 7-33% faster than the floor's in
-# all 14 cases timed (bench/results/attention_h200_s7_short_splits.json, H200 2026-11-30)
+# (T*H, cache entries L_max, splits) on short caches, where a split's 4-tile floor would leave most of the GPU idle:
+# the rule's count (up to one wave of splits, down to one tile each) measured 7-33% faster than the floor's in all
+# 14 cases timed (bench/results/attention_h200_s7_short_splits.json)
 H200_SHORT_SPLITS = [(8, 1024, 32), (64, 1024, 16), (8, 4096, 128), (64, 4096, 64), (8, 8192, 256),
                      (64, 8192, 128), (8, 16384, 264), (64, 16384, 132), (8, 4227, 133), (72, 4235, 66)]
 
 
 @pytest.mark.parametrize("rows,L,splits", H200_SHORT_SPLITS, ids=[f"R{r}-L{L}" for r, L, _ in H200_SHORT_SPLITS])
 def test_split_rule_fills_a_wave_on_short_caches(rows, L, splits):
-    from triton_kernels.mla_attention import default_splits, entry_for
+    from triton_kernels.mla_attention import entry_for
+    from triton_kernels.mla_splits import default_splits
 
-    entry = entry_for(rows, 90)
-    assert default_splits(entry, rows, 1, L, 132, 90, (entry.partials or torch.bfloat16).itemsize) == splits
+    entry = entry_for(rows, "sm_90")
+    assert default_splits(entry, rows, 1, L, 132, "sm_90", (entry.partials or torch.bfloat16).itemsize) == splits
 
 
 # (T*H, T, cache entries L_max, splits) with the tail split, where its pick was measured faster than the count
-# next to it (bench/results/attention_h200_s10_tail_split{,_b}.json, H200 2026-11-30): 32k H 8 T 1 257 against
-# 256 splits 18.27 / 18.53 us, H 8 T 64 and H 64 T 8 17 against 16, H 64 T 32 5 against 4 (370 / 480 us), the
-# verify step's T 33 (cache sized 32,898) 27 against 26 at 4k and at 32k
+# next to it (bench/results/attention_h200_s10_tail_split.json)
 H200_TAIL_SPLITS = [(8, 1, 32768, 257), (512, 64, 32768, 17), (512, 8, 32768, 17), (2048, 32, 32768, 5),
                     (264, 33, 32898, 27)]
 
@@ -189,11 +189,12 @@ H200_TAIL_SPLITS = [(8, 1, 32768, 257), (512, 64, 32768, 17), (512, 8, 32768, 17
 @pytest.mark.parametrize("rows,T,L,splits", H200_TAIL_SPLITS,
                          ids=[f"R{r}-T{t}-L{L}" for r, t, L, _ in H200_TAIL_SPLITS])
 def test_tail_split_rule_picks_the_h200_winners(rows, T, L, splits):
-    from triton_kernels.mla_attention import default_splits, entry_for, tail_split_default
+    from triton_kernels.mla_attention import entry_for
+    from triton_kernels.mla_splits import default_splits, tail_split_default
 
-    entry = entry_for(rows, 90)
-    assert tail_split_default(T, entry.config[1], 90)
-    assert default_splits(entry, rows, 1, L, 132, 90, (entry.partials or torch.bfloat16).itemsize, tree=T,
+    entry = entry_for(rows, "sm_90")
+    assert tail_split_default(T, entry.tiles.block_n, "sm_90")
+    assert default_splits(entry, rows, 1, L, 132, "sm_90", (entry.partials or torch.bfloat16).itemsize, tree=T,
                           tail=True) == splits
 
 
@@ -201,36 +202,35 @@ def test_tail_split_work_and_default():
     """The split model's work per split: the tail split holds the tree's tiles at TAIL_TILE_COST each, the others
     the prefix's; without it the last split holds both. A tree over three tiles keeps the whole-length splits
     (the 4k step's T 129 measured 4-9% slower with the tail split)."""
-    from triton_kernels.mla_attention import TAIL_TILE_COST, split_work, tail_split_default
+    from triton_kernels.mla_splits import TAIL_TILE_COST, split_work, tail_split_default
 
     assert split_work(3, 200, 64, tree=8, tail=True) == [2, 1, TAIL_TILE_COST]  # prefix [0, 192): 3 tiles
     assert split_work(2, 200, 64, tree=8, tail=False) == [2, 1 + TAIL_TILE_COST]  # [0, 128), [128, 200)
     assert split_work(3, 200, 64, tree=9, tail=True) == [1, 1, 2 * TAIL_TILE_COST]  # the tree from entry 191
     assert split_work(2, 200, 64, tree=0) == [2, 2]  # no tree: every tile alike
-    assert tail_split_default(65, 64, 90) and not tail_split_default(129, 64, 90)
+    assert tail_split_default(65, 64, "sm_90") and not tail_split_default(129, 64, "sm_90")
 
 
 def kernel_programs(splits, rows, length, entry):
     """Non-empty programs the split kernel runs for a length-entry sequence (its device-side split rule)."""
     from triton import cdiv
 
-    block_m, block_n = entry.config[:2]
+    block_m, block_n = entry.tiles.block_m, entry.tiles.block_n
     split_len = cdiv(cdiv(length, splits), block_n) * block_n
     return sum(1 for s in range(splits) if s * split_len < length) * cdiv(rows, block_m)
 
 
 @pytest.mark.parametrize("length", [32898, 32801, 32770], ids=["at-L_max", "step-T33", "L_max-2-tiles"])
 def test_split_rule_keeps_the_step_shape_in_one_wave(length):
-    """The verify step's shape (T 33 x H 8 at 32k, cache sized 32,898): costed at L_max alone (rule (1, False), the
-    rule before run 5) the model picks 27 splits, whose last is empty at L_max but not at the lengths the step runs
-    (135 programs, two waves on 132 SMs: 142 us on the H200); the default rule (costs averaged over 8 lengths,
-    whole-wave counts) stays within one wave at every length (26 splits: 80 us)."""
-    from triton_kernels.mla_attention import default_splits, entry_for
+    """The verify step's shape (T 33 x H 8 at 32k, cache sized 32,898): the split rule (costs averaged over 8
+    lengths below L_max, whole-wave counts) keeps the split kernel within one wave of 132 SMs at every length the
+    step runs (one more split, 27, takes two waves at 32,801 entries: 142 us against 80 on the H200)."""
+    from triton_kernels.mla_attention import entry_for
+    from triton_kernels.mla_splits import default_splits
 
-    entry = entry_for(264, 90)
-    assert default_splits(entry, 264, 1, 32898, 132, 90, 4, rule=(1, False)) == 27
-    assert kernel_programs(27, 264, 32801, entry) == 135 and kernel_programs(27, 264, 32898, entry) == 130
-    assert kernel_programs(default_splits(entry, 264, 1, 32898, 132, 90, 4), 264, length, entry) <= 132
+    entry = entry_for(264, "sm_90")
+    assert kernel_programs(27, 264, 32801, entry) == 135
+    assert kernel_programs(default_splits(entry, 264, 1, 32898, 132, "sm_90", 4), 264, length, entry) <= 132
 
 
 @requires_triton
@@ -238,12 +238,12 @@ def test_more_splits_than_tiles_leaves_empty_splits_harmless():
     from triton_kernels.mla_attention import mla_attention
 
     q, kv, cache_lens, mask = make_case(2, 3, 4, [3, 40], "wide", torch.float16, device(), seed=7)
-    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=6)
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, config=Config(splits=6))
     ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
     assert rel_err(out, ref) < 1e-2
 
 
-LOAD_CASES = [  # B, T, H, lens, tree kind, num_splits, config (None: the launcher's)
+LOAD_CASES = [  # B, T, H, lens, tree kind, num_splits, tiles (None: the launcher's)
     (2, 16, 8, [200, 17], "deep", 2, BIG),
     (2, 5, 3, [150, 70], "wide", 3, UNCHAINED),
 ]
@@ -252,16 +252,16 @@ LOAD_CASES = [  # B, T, H, lens, tree kind, num_splits, config (None: the launch
 @requires_triton
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
-@pytest.mark.parametrize("B,T,H,lens,kind,splits,config", LOAD_CASES,
+@pytest.mark.parametrize("B,T,H,lens,kind,splits,tiles", LOAD_CASES,
                          ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-S{c[5]}" for c in LOAD_CASES])
-def test_both_tile_load_paths_match_reference(B, T, H, lens, kind, splits, config, dtype, tma):
+def test_both_tile_load_paths_match_reference(B, T, H, lens, kind, splits, tiles, dtype, tma):
     """tma=True: the tiles wholly inside the prefix come through tensor descriptors over the cache's rows (a larger
     cache's first B sequences, so the descriptor spans rows of another sequence too); False: pointer loads."""
     from triton_kernels.mla_attention import mla_attention
 
     q, kv, cache_lens, mask = make_case(B, T, H, lens, kind, dtype, device(), seed=B * 10 + T)
-    config = None if gpu() and dtype != torch.float32 else config
-    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=splits, config=config, tma=tma)
+    tiles = None if gpu() and dtype != torch.float32 else tiles
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, config=Config(tiles=tiles, splits=splits, tma=tma))
     ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
     assert not out.isnan().any()
     assert rel_err(out, ref) < bound(dtype)
@@ -290,8 +290,6 @@ def test_rejects_other_value_dims():
 @requires_triton
 @pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
 def test_write_kv_exact(dtype):
-    from triton_kernels.mla_attention import write_kv
-
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(3, 40, 576, generator=gen).to(device=device(), dtype=dtype)
     entries = torch.randn(3, 7, 576, generator=gen).to(device=device(), dtype=dtype)
@@ -306,89 +304,34 @@ def test_write_kv_exact(dtype):
 AOT_CHECK = """
 import json, sys
 from triton_kernels.aot import compile_for
-from triton_kernels.mla_attention import CONFIGS, TAIL_STAGES, _mla_split_kernel
-sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "lens_ptr": "*i32", "mask_ptr": "*i32", "out_ptr": "*bf16",
-       "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "T": "i32", "rows_kb": "i32", "sm_scale_log2": "fp32"}
-causal, arch = sys.argv[1] == "causal", int(sys.argv[2])
-configs = ([tuple(c) for c in json.loads(sys.argv[3])] if len(sys.argv) > 3 else
-           [(*e.config, e.tma) for e in CONFIGS[arch]])
+from triton_kernels.mla_attention import CONFIGS, split_kernel_spec
+causal, key = sys.argv[1] == "causal", sys.argv[2]
 report = []
-for block_m, block_n, warps, stages, block_dv, unchain, tma in configs:
-    descs = ({"lat_desc": f"tensordesc<bf16[{block_n}, 512]>", "pe_desc": f"tensordesc<bf16[{block_n}, 64]>"} if tma
-             else {"lat_desc": "constexpr", "pe_desc": "constexpr"})
-    res = compile_for(_mla_split_kernel, {**sig, **descs},
-                      {"H": 8, "CAUSAL": causal, "DIRECT": causal, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                       "BLOCK_DV": block_dv, "BLOCK_DO": 512 - block_dv if block_dv < 512 else 16,
-                       "TAIL_STAGES": TAIL_STAGES[arch] or stages, "UNCHAIN": unchain, "TMA": tma,
-                       "TAIL_SPLIT": not causal, "PDL": True,
-                       **({} if tma else {"lat_desc": None, "pe_desc": None})},
-                      arch=arch, num_warps=warps, num_stages=stages, aligned=True)
-    report.append([block_m, block_n, res.shared, res.registers, res.spill_bytes])
+for entry in CONFIGS[key]:
+    kernel, signature, constexprs, options = split_kernel_spec(entry, key, causal)
+    res = compile_for(kernel, signature, constexprs, **options)
+    report.append([entry.tiles.block_m, entry.tiles.block_n, res.shared, res.registers, res.spill_bytes])
 print(json.dumps(report))
 """
-SM90_SHARED_LIMIT = 232_448  # bytes of shared memory per block on sm_90 (227 KB)
 
 
-def aot_report(mode, arch, configs=None):
-    """Compile configs of the split kernel for sm_<arch> in a child process (the interpreter cannot compile)."""
-    return compiled_in_child(AOT_CHECK, mode, str(arch), *([json.dumps(configs)] if configs else []))
+def aot_report(mode, key):
+    """Compile each entry of the split kernel for arch `key` in a child process (the interpreter cannot compile)."""
+    return compiled_in_child(AOT_CHECK, mode, key)
 
 
 @pytest.mark.parametrize("mode", ["tree", "causal"])
 def test_sm120_configs_fit_shared_memory(mode):
-    """Compile every sm_120 config ahead of time: within its shared memory, no spills."""
-    from triton_kernels.aot import SM120_SHARED_LIMIT
-
-    for block_m, block_n, shared, registers, spills in aot_report(mode, 120):
-        assert shared <= SM120_SHARED_LIMIT and spills == 0, (block_m, block_n, shared, registers, spills)
+    """Compile every sm_120 entry ahead of time: within its shared memory, no spills."""
+    for block_m, block_n, shared, registers, spills in aot_report(mode, "sm_120"):
+        assert shared <= arch.SHARED_LIMIT["sm_120"] and spills == 0, (block_m, block_n, shared, registers, spills)
 
 
 def test_sm90_configs_fit_shared_memory():
-    """Every sm_90 config (the 64x64 ones unchained, P moved between warpgroups through shared memory, and with
+    """Every sm_90 entry (the 64x64 ones unchained, P moved between warpgroups through shared memory, and with
     TMA tiles) fits 227 KB."""
-    for block_m, block_n, shared, _, _ in aot_report("tree", 90):
-        assert shared <= SM90_SHARED_LIMIT, (block_m, block_n, shared)
-
-
-@requires_triton
-def test_timeline_probe_stamps_the_committed_kernels(monkeypatch):
-    """bench/probe_attention_timeline.py patches the kernels' source at anchor lines: they still match, and the
-    stamped kernels (Triton's split and merge, Gluon's split) take times_ptr (the patched modules are written and
-    imported, not compiled)."""
-    import inspect
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
-    import probe_attention_timeline
-
-    module = probe_attention_timeline.stamped_module()
-    assert "times_ptr" in module._mla_split_kernel.arg_names and "times_ptr" in module._merge_kernel.arg_names
-    source = inspect.getsource(module._mla_split_kernel.fn)
-    assert sum(line.strip().startswith("_stamp(") for line in source.split("\n")) == 6
-    sys.modules.pop("stamped_attention", None)
-    gluon_module = probe_attention_timeline.stamped_gluon_module()
-    assert "times_ptr" in gluon_module._split_kernel.arg_names
-    source = inspect.getsource(gluon_module)  # the kernel's stamps and its partitions'
-    assert sum(line.strip().startswith("_stamp(") for line in source.split("\n")) == 7
-    sys.modules.pop("stamped_gluon", None)
-
-
-def test_ab_probe_options_set_module_settings_for_a_variant(monkeypatch):
-    """bench/probe_attention_ab.py: an --option's tuple values keep their commas, and a dotted name is set on
-    triton_kernels' module only while its variant runs."""
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
-    import probe_attention_ab
-    from triton_kernels import mla_attention as mk
-
-    option = "mla_attention.TAIL_SPLIT={90: (1, 2)},tail_split=False"
-    variant = dict(probe_attention_ab._option(part) for part in probe_attention_ab._split_option(option))
-    assert variant == {"mla_attention.TAIL_SPLIT": {90: (1, 2)}, "tail_split": False}
-    before = mk.TAIL_SPLIT
-    with probe_attention_ab.module_settings({"mla_attention.TAIL_SPLIT": {90: (1, 2)}}):
-        assert mk.TAIL_SPLIT == {90: (1, 2)}
-    assert mk.TAIL_SPLIT is before
+    for block_m, block_n, shared, _, _ in aot_report("tree", "sm_90"):
+        assert shared <= arch.SHARED_LIMIT["sm_90"], (block_m, block_n, shared)
 
 
 GLUON_CASES = [  # B, T, H, lens, tree kind, num_splits (None: the launcher's), tail split
@@ -404,28 +347,22 @@ GLUON_CASES = [  # B, T, H, lens, tree kind, num_splits (None: the launcher's), 
 ]
 
 
-GLUON_RINGS = [(64, 2), (32, 4)]  # mla_gluon.RINGS's
-
-
 @requires_gpu
-@pytest.mark.parametrize("ring", GLUON_RINGS, ids=[f"ring{n}x{s}" for n, s in GLUON_RINGS])
 @pytest.mark.parametrize("B,T,H,lens,kind,splits,tail", GLUON_CASES,
                          ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-{c[4]}-S{c[5]}-tail{c[6]}" for c in GLUON_CASES])
-def test_gluon_split_kernel_matches_reference(B, T, H, lens, kind, splits, tail, ring, monkeypatch):
-    """The split kernel hand-scheduled in Gluon (`mla_gluon`, Hopper) with each ring: ragged batches, trees and causal
-    rows, the tail split, one split and several, odd and even tile counts a split (its pairs), the cache past each
-    length NaN (never read)."""
-    from triton_kernels import mla_gluon
+def test_gluon_split_kernel_matches_reference(B, T, H, lens, kind, splits, tail):
+    """The split kernel hand-scheduled in Gluon (`mla_gluon`, Hopper), with both rings (T*H up to 64 and above):
+    ragged batches, trees and causal rows, the tail split, one split and several, odd and even tile counts a split
+    (its pairs), the cache past each length NaN (never read)."""
     from triton_kernels.mla_attention import mla_attention
 
-    if torch.cuda.get_device_capability()[0] != 9:
+    if not arch.hopper_features(torch.device("cuda")):
         pytest.skip("the Gluon kernel is Hopper's (wgmma)")
-    monkeypatch.setattr(mla_gluon, "split", functools.partial(mla_gluon.split, ring=ring))
     q, kv, cache_lens, mask = make_case(B, T, H, lens, kind, torch.bfloat16, "cuda", seed=B * 100 + T + H)
     for b, length in enumerate(lens):
         kv[b, length:] = float("nan")
-    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=splits, config=UNCHAINED, tail_split=tail,
-                        gluon=True)
+    out = mla_attention(q, kv, cache_lens, mask, SCALE,
+                        config=Config(tiles=UNCHAINED, splits=splits, tail_split=tail, gluon=True))
     ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
     assert not out.isnan().any()
     assert rel_err(out, ref) < 1e-2
@@ -437,32 +374,32 @@ def test_gluon_split_kernel_is_refused_where_it_cannot_run():
 
     q, kv, cache_lens, mask = make_case(1, 2, 8, [40], "chain", torch.float16, device(), seed=3)
     with pytest.raises(ValueError, match="gluon"):
-        mla_attention(q, kv, cache_lens, mask, SCALE, config=UNCHAINED, gluon=True)
+        mla_attention(q, kv, cache_lens, mask, SCALE, config=Config(tiles=UNCHAINED, gluon=True))
 
 
 def test_gluon_default_falls_back_where_triton_lacks_gluon(monkeypatch):
     """With a Triton whose Gluon cannot be imported the sm_90 default runs the Triton kernel; gluon=True says why."""
     import triton_kernels
-    from triton_kernels.mla_attention import _gluon_split
+    from triton_kernels.mla_attention import gluon_launcher
 
     monkeypatch.delattr(triton_kernels, "mla_gluon", raising=False)  # imported by an earlier test
     monkeypatch.setitem(sys.modules, "triton_kernels.mla_gluon", None)  # its import raises ImportError
     q, kv = torch.zeros(1, 1, 8, 576), torch.zeros(1, 4, 576)
-    assert _gluon_split(None, 90, q, kv, UNCHAINED, torch.bfloat16) is None
+    assert gluon_launcher(None, "sm_90", q, kv, UNCHAINED, torch.bfloat16) is None
     with pytest.raises(ValueError, match="Gluon"):
-        _gluon_split(True, 90, q, kv, UNCHAINED, torch.bfloat16)
+        gluon_launcher(True, "sm_90", q, kv, UNCHAINED, torch.bfloat16)
 
 
 def test_gluon_partials_fit_their_ring_slot():
-    """A warpgroup stages its [64, 256] partials in one ring slot: bf16 ones fit both rings, fp32 ones only the
-    64-entry one (the 32-entry slots are half their size)."""
+    """A warpgroup stages its [64, 256] partials in one ring slot: bf16 ones fit every ring, fp32 ones only a ring of
+    64-entry tiles (a slot of 32 entries is half their size)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    from triton_kernels.mla_gluon import RINGS, ROWS, ring_for, stages_partials
+    from triton_kernels.mla_gluon import RINGS, ring_for, stages_partials
 
-    assert [ring for _, ring in RINGS] == [(32, 4), (64, 2)]
-    assert all(stages_partials(ring, torch.bfloat16) for _, ring in RINGS)
-    assert not stages_partials(ring_for(ROWS), torch.float32)
-    assert stages_partials(ring_for(ROWS + 1), torch.float32)
+    for max_rows, ring in RINGS:
+        assert stages_partials(ring, torch.bfloat16)
+        assert stages_partials(ring, torch.float32) == (ring[0] >= 64), ring
+        assert ring_for(max_rows or 10_000) == ring
 
 
 @requires_gpu
@@ -471,14 +408,14 @@ def test_fp32_partials_beyond_gluon_slots_run_the_triton_kernel():
     answer), and gluon=True is refused."""
     from triton_kernels.mla_attention import mla_attention
 
-    if torch.cuda.get_device_capability()[0] != 9:
+    if not arch.hopper_features(torch.device("cuda")):
         pytest.skip("the Gluon kernel is Hopper's (wgmma)")
     q, kv, cache_lens, mask = make_case(1, 8, 8, [3000], "deep", torch.bfloat16, "cuda", seed=11)
-    out = mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=6, partials=torch.float32)
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, config=Config(splits=6, partials=torch.float32))
     assert rel_err(out, mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)) < 1e-2
     with pytest.raises(ValueError, match="partials"):
-        mla_attention(q, kv, cache_lens, mask, SCALE, num_splits=6, partials=torch.float32, config=UNCHAINED,
-                      gluon=True)
+        mla_attention(q, kv, cache_lens, mask, SCALE,
+                      config=Config(tiles=UNCHAINED, splits=6, partials=torch.float32, gluon=True))
 
 
 GLUON_AOT = """
@@ -494,4 +431,4 @@ def test_gluon_split_kernel_fits_sm90():
     Q and the ring fit 227 KB, and nothing spills (Triton 3.6 and 3.9: 0 bytes; the MMAs' descriptors are addressed
     in the loop, `_opaque_zero`)."""
     for ring, causal, tail, shared, registers, spills in compiled_in_child(GLUON_AOT):
-        assert shared <= SM90_SHARED_LIMIT and spills == 0, (ring, causal, tail, shared, registers, spills)
+        assert shared <= arch.SHARED_LIMIT["sm_90"] and spills == 0, (ring, causal, tail, shared, registers, spills)

@@ -195,7 +195,7 @@ def test_bad_files_and_configs_raise(ckpt):
     config = json.loads((ckpt / "config.json").read_text())
     config["quantization_config"]["quant_method"] = "awq"
     (ckpt / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="unsupported quant_method 'awq'"):
+    with pytest.raises(ValueError, match='quantization_config.quant_method "awq" is not supported'):
         load_model(ckpt, progress=False)
     del config["quantization_config"]
     (ckpt / "config.json").write_text(json.dumps(config))
@@ -206,7 +206,7 @@ def test_bad_files_and_configs_raise(ckpt):
         load_model(ckpt, progress=False)
     (ckpt / "config.json").write_text(json.dumps(CFG.to_hf()))
     (ckpt / INDEX_FILE).write_text("{}")
-    with pytest.raises(ValueError, match="not a valid safetensors index"):
+    with pytest.raises(ValueError, match="has no weight_map"):
         load_model(ckpt, progress=False)
 
 

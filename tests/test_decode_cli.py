@@ -22,10 +22,11 @@ from spec.drafter_checkpoint import checkpoint_tensors, write_drafter_checkpoint
 from tests.test_ci import readme_commands
 
 ROOT = Path(__file__).resolve().parents[1]
+PYTHONPATH = os.pathsep.join([str(ROOT / "src"), str(ROOT)])  # this checkout's ops, model and spec
 
 
 def cli(*args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     env.pop("SPEC_KERNELS", None)
     return subprocess.run([sys.executable, "-m", "spec.decode", *args], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=120)
@@ -112,7 +113,7 @@ def test_bad_arguments(capsys, argv, message):
     ("layers", "target_layer_ids [5] out of range"),
     ("long", "prompt 0 has 60 tokens; the context holds 48"),
     ("empty", "config.json does not exist"),
-    ("corrupt", "cannot read"),
+    ("corrupt", "is not a readable safetensors file"),
 ])
 def test_bad_checkpoints_and_prompts(capsys, tmp_path, checkpoints, case, message):
     target, drafter, bad = checkpoints
@@ -127,12 +128,12 @@ def test_bad_checkpoints_and_prompts(capsys, tmp_path, checkpoints, case, messag
 
 def torchrun_json(*args, ranks=2):
     """The one JSON line rank 0 prints under `torchrun --nproc-per-node ranks -m spec.decode --json args`."""
-    from tests.test_model_vs_hf import _free_port
+    from tests.conftest import free_port
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
     env.pop("SPEC_KERNELS", None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                           "--master-port", str(_free_port()), "-m", "spec.decode", "--json", *args],
+                           "--master-port", str(free_port()), "-m", "spec.decode", "--json", *args],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

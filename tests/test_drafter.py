@@ -9,10 +9,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+import ops
 from model.config import preset
 from model.model import KimiModel
-from spec.drafter import (DFlashDrafter, DrafterConfig, check_drafter_fits, default_target_layer_ids,
-                          drafter_attention)
+from spec.drafter import DFlashDrafter, DrafterConfig, check_drafter_fits, default_target_layer_ids
 from spec.drafter_checkpoint import checkpoint_tensors, load_drafter, write_drafter_checkpoint
 from tests.conftest import gpu, rel_err
 
@@ -117,7 +117,7 @@ def test_drafter_attention_matches_naive_softmax(device, dtype, kv_heads):
     q = torch.randn(B, S, H, hd, device=device).to(dtype)
     k_cache, v_cache = (torch.randn(B + 1, L, kv_heads, hd, device=device).to(dtype) for _ in range(2))
     lens = torch.tensor([9, 61, 33], dtype=torch.int32, device=device)
-    out = drafter_attention(q, k_cache, v_cache, lens, 70, hd ** -0.5)
+    out = ops.drafter_attention(q, k_cache, v_cache, lens, 70, hd ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
     assert rel_err(out.double().cpu(), naive_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), lens.cpu())) < (
         1e-6 if dtype == torch.float32 else 1e-2)
@@ -214,13 +214,13 @@ def test_two_gloo_ranks_draft_like_one(tmp_path):
     from model.checkpoint import load_model
     from spec.default_model import DRAFTER_DIR, write_default
     from spec.drafter_checkpoint import load_drafter
-    from tests.test_model_vs_hf import _free_port
+    from tests.conftest import free_port
 
     target_dir, _ = write_default(tmp_path)
     target = load_model(target_dir, dtype=torch.float32, progress=False)
     ref = _draft_of(target, load_drafter(DRAFTER_DIR, target, dtype=torch.float32))
     results = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_tp_drafter_rank, args=(_free_port(), str(target_dir), results), nprocs=2, join=True)
+    mp.spawn(_tp_drafter_rank, args=(free_port(), str(target_dir), results), nprocs=2, join=True)
     for rank in range(2):
         heads, logits = results[rank]
         assert heads == 2 and rel_err(logits, ref) < 1e-5

@@ -2,7 +2,7 @@
 budgets 1..64, batches of different prompt lengths, both backends), stops, reproducible sampling, and the
 target-only path against HF transformers' generate."""
 
-import sys
+import inspect
 
 import pytest
 import torch
@@ -138,7 +138,7 @@ def test_one_host_read_per_step(pair, monkeypatch, spec):
     reads = []
     for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
         def counting(self, *args, _original=getattr(torch.Tensor, name), _name=name, **kwargs):
-            if sys._getframe(1).f_code.co_filename.endswith(("spec/engine.py", "spec/drafter.py")):
+            if inspect.currentframe().f_back.f_code.co_filename.endswith(("spec/engine.py", "spec/drafter.py")):
                 reads.append(_name)
             return _original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, counting)
@@ -209,8 +209,6 @@ def test_greedy_ddtree_is_lossless_on_triton(paths, budget):
     interpreted top-k takes ~10 s a call. fp16 both: the verify pass and single-token decoding round differently,
     so a near-tie in bf16's 8-bit mantissa could flip a greedy choice without any bug."""
     kernels = [n for n in ops.op_names() if ops.has_triton(n)]
-    if not kernels:
-        pytest.skip("no op has a Triton kernel yet")
     prompts, new = (PROMPTS, 64) if ON_GPU else (PROMPTS[:2], 4)
     with ops.using(**{n: "triton" for n in kernels}):
         target, drafter = load_pair(paths, torch.float16, TRITON_DEVICE)

@@ -7,7 +7,7 @@ import ops
 from ops.moe import route_torch
 from ops.norm import rms_norm_torch
 from ops.rope import apply_rope_torch
-from triton_kernels.aot import SM120_SHARED_LIMIT
+from triton_kernels import arch
 from tests.conftest import TRITON_DEVICE, compiled_in_child, kernel_dtypes, rel_err, requires_triton
 
 DEV = TRITON_DEVICE
@@ -106,7 +106,7 @@ def sm120_resources():
     from triton_kernels.absorb import OUTPUT_TILES, _absorb_output_kernel, _absorb_query_kernel
     from triton_kernels.aot import compile_for
     from triton_kernels.glue import _head_norm_rope_kernel, _rms_norm_kernel, _rope_kernel, _write_latent_kernel
-    from triton_kernels.router import BLOCK_E, LOGITS_TILES, SELECT_WARPS, _logits_kernel, _select_kernel
+    from triton_kernels.router import BLOCK_E, LOGITS_TILE, SELECT_WARPS, _logits_kernel, _select_kernel
 
     return [
         compile_for(_rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", stride_x="i32",
@@ -122,15 +122,15 @@ def sm120_resources():
         compile_for(_head_norm_rope_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", pos_ptr="*i64", freq_ptr="*fp32",
                                                  out_ptr="*bf16", stride_xn="i32", stride_xh="i32", H="i32", eps="fp32",
                                                  factor="fp32"), dict(HALF=64, BLOCK_H=8, PDL=True)),
-        *[compile_for(_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", M="i32", E="i32",
-                                           D="i32", d_per_split="i32"),
-                      dict(BLOCK_M=block_m, BLOCK_E=BLOCK_E, BLOCK_D=block_d, EVEN_D=True, PDL=True), num_stages=3,
-                      aligned=True, divisible=("D", "d_per_split"))
-          for block_m, block_d in {(bm, bd) for _, bm, bd in LOGITS_TILES}],
+        compile_for(_logits_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", part_ptr="*fp32", M="i32", E="i32", D="i32",
+                                         d_per_split="i32"),
+                    dict(BLOCK_M=LOGITS_TILE["sm_120"][0], BLOCK_E=BLOCK_E, BLOCK_D=LOGITS_TILE["sm_120"][1],
+                         EVEN_D=True, PDL=True), num_stages=3, aligned=True, divisible=("D", "d_per_split")),
         compile_for(_select_kernel, dict(part_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i32",
                                          M="i32", E="i32", splits="i32", group_size="i32", n_group="i32",
                                          topk_group="i32", top_k="i32", scaling="fp32"),
-                    dict(NORM=True, BLOCK_E=512, BLOCK_G=1, BLOCK_K=8, BLOCK_S=16, PDL=True), num_warps=SELECT_WARPS),
+                    dict(NORM=True, BLOCK_E=512, BLOCK_G=1, BLOCK_K=8, BLOCK_S=16, PDL=True),
+                    num_warps=SELECT_WARPS["sm_120"]),
         compile_for(_absorb_query_kernel, dict(qn_ptr="*bf16", qp_ptr="*bf16", w_ptr="*bf16", pos_ptr="*i64",
                                                freq_ptr="*fp32", out_ptr="*bf16", N="i32", H="i32", stride_qn="i32",
                                                stride_qnh="i32", stride_qp="i32", stride_qph="i32", stride_wh="i32",
@@ -140,7 +140,7 @@ def sm120_resources():
                                                   stride_on="i32", stride_oh="i32", stride_wh="i32", stride_wd="i32"),
                       dict(R=512, DV=128, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_K=block_k, PDL=True),
                       num_stages=stages, aligned=True)
-          for block_n in (16, 64) for _, block_d, block_k, stages in OUTPUT_TILES),
+          for block_n in (16, 64) for _, block_d, block_k, stages in OUTPUT_TILES["sm_120"]),
     ]
 
 
@@ -148,7 +148,7 @@ def test_glue_kernels_compile_for_sm120():
     code = ("import json; from tests.test_glue_kernels import sm120_resources as r; "
             "print(json.dumps([vars(x) for x in r()]))")
     for res in compiled_in_child(code):
-        assert res["shared"] <= SM120_SHARED_LIMIT and res["spill_bytes"] == 0, res
+        assert res["shared"] <= arch.SHARED_LIMIT["sm_120"] and res["spill_bytes"] == 0, res
 
 
 @requires_triton
@@ -261,16 +261,16 @@ def test_mlp_matches_reference(M, I):
 
 
 @requires_triton
-@pytest.mark.parametrize("block_m,block_d", [(16, 256), (32, 256), (64, 128)])
-def test_router_logits_tiles(monkeypatch, block_m, block_d):
-    """Every logits tile the bench times (several token blocks, a ragged last one, D off the tile)."""
+def test_router_logits_kernel_past_the_skinny_gemm():
+    """More tokens than the skinny GEMM takes: the logits kernel (several token blocks, a ragged last one, D off
+    the tile), then the select kernel."""
+    from triton_kernels import linear as lk
     from triton_kernels import router
 
-    monkeypatch.setattr(router, "LOGITS_TILES", ((None, block_m, block_d),))
-    monkeypatch.setattr(router, "MANY_ROWS", None)  # the logits kernel at every token count
     dtype = kernel_dtypes()[0]
-    gen = torch.Generator().manual_seed(block_m)
-    x = torch.randn(70, 300, generator=gen).to(dtype).to(DEV)
+    gen = torch.Generator().manual_seed(3)
+    M = lk.MAX_ROWS + 2
+    x = torch.randn(M, 300, generator=gen).to(dtype).to(DEV)
     w = (torch.randn(48, 300, generator=gen) / 17).to(dtype).to(DEV)
     bias = (0.1 * torch.randn(48, generator=gen)).to(DEV)
     weights, ids = router.route(x, w, bias, 8, 4, 2, 2.5)
@@ -278,9 +278,9 @@ def test_router_logits_tiles(monkeypatch, block_m, block_d):
     assert torch.equal(ids.cpu(), ref_ids.cpu()) and rel_err(weights, ref_weights) < 1e-4
 
 
-ROUTER_ON_LINEAR = [  # (router attribute, its linear Config, tokens, D, seed): K-split partials the select sums
-    ("ONE_ROW_GEMV", ("gemv", 8, 512, 4, 4, 2), 1, 1100, 11),
-    ("ONE_ROW_GEMV", ("gemv", 16, 256, 4, 6, 2), 1, 1100, 11),
+ROUTER_ON_LINEAR = [  # (router table, its linear Config, tokens, D, seed): K-split partials the select sums
+    ("ONE_ROW", ("gemv", 8, 512, 4, 4, 2), 1, 1100, 11),
+    ("ONE_ROW", ("gemv", 16, 256, 4, 6, 2), 1, 1100, 11),
     ("MANY_ROWS", ("dot", 32, 128, 4, 4, 2, False, True), 5, 1096, 5),
     ("MANY_ROWS", ("swap", 64, 128, 4, 4, 2, False, True), 33, 1096, 33),
 ]
@@ -290,13 +290,13 @@ ROUTER_ON_LINEAR = [  # (router attribute, its linear Config, tokens, D, seed): 
 @pytest.mark.parametrize("attr,cfg,M,D,seed", ROUTER_ON_LINEAR, ids=["gemv-bn8", "gemv-bn16", "dot-M5", "swap-M33"])
 def test_router_logits_on_the_skinny_gemm(monkeypatch, attr, cfg, M, D, seed):
     """The logits as the skinny GEMM's unsummed K-split partials (several splits, a K off the tile), summed by the
-    select kernel: one token on the gemv (`ONE_ROW_GEMV`), several on the dot tiles through tensor descriptors
+    select kernel: one token on the gemv (`ONE_ROW`), several on the dot tiles through tensor descriptors
     (`MANY_ROWS`: rows past M not loaded): the reference's experts and weights."""
     from ops.moe import route_torch
     from triton_kernels import linear as lk
     from triton_kernels import router
 
-    monkeypatch.setattr(router, attr, lk.Config(*cfg))
+    monkeypatch.setitem(getattr(router, attr), arch.current(torch.device(DEV)), lk.Config(*cfg))
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(M, D, generator=gen).to(kernel_dtypes()[0]).to(DEV)
     w = (torch.randn(40, D, generator=gen) / 33).to(x.dtype).to(DEV)
@@ -307,17 +307,19 @@ def test_router_logits_on_the_skinny_gemm(monkeypatch, attr, cfg, M, D, seed):
     assert torch.equal(ids, ref_ids) and rel_err(weights, ref_w) < 1e-4
 
 
+@requires_triton
 def test_router_sums_many_k_splits(monkeypatch):
-    """On a GPU one token's logits are split along D over up to 16 programs; force that here."""
+    """On a GPU the logits kernel splits D over up to 16 programs; here 8, with the SMs of a larger GPU."""
+    from triton_kernels import linear as lk
     from triton_kernels import router
 
-    monkeypatch.setattr(router, "_splits", lambda M, E, sms, block_m: 7)
-    monkeypatch.setattr(router, "MANY_ROWS", None)
+    monkeypatch.setattr(arch, "sm_count", lambda device: 64)
     dtype = kernel_dtypes()[0]
     gen = torch.Generator().manual_seed(11)
-    x = torch.randn(2, 1800, generator=gen).to(dtype).to(DEV)
-    w = (torch.randn(40, 1800, generator=gen) / 40).to(dtype).to(DEV)
+    x = torch.randn(lk.MAX_ROWS + 1, 1000, generator=gen).to(dtype).to(DEV)
+    w = (torch.randn(40, 1000, generator=gen) / 40).to(dtype).to(DEV)
     bias = torch.zeros(40).to(DEV)
+    assert router.logits(x, w).shape[0] == 8
     weights, ids = router.route(x, w, bias, 6, 1, 1, 1.0)
     ref_weights, ref_ids = route_torch(x, w, bias, 6, 1, 1, 1.0)
     assert torch.equal(ids.cpu(), ref_ids.cpu()) and rel_err(weights, ref_weights) < 1e-4

@@ -14,7 +14,7 @@ from model.config import preset
 from model.model import KimiModel
 from model.parallel import Parallel
 from spec.graphs import (DEFAULT_BUCKETS, DraftGraphs, StaticBuffers, StepGraphs, bucket_for, draft_eligibility,
-                         eligibility, pad_mask, pad_tree, parse_buckets)
+                         eligibility, parse_buckets, self_mask)
 from tests.conftest import rel_err, requires_gpu
 
 _spec = importlib.util.spec_from_file_location("bench_step", Path(__file__).parents[1] / "bench" / "bench_step.py")
@@ -26,9 +26,10 @@ TORCH = dict(attention="torch", write_latent="torch", moe="torch", draft_topk="t
 
 
 def test_bucket_for():
-    assert DEFAULT_BUCKETS == (0, 8, 16, 32, 64, 128)
-    assert [bucket_for(n) for n in (0, 1, 8, 9, 31, 32, 33, 128)] == [0, 8, 8, 16, 32, 32, 64, 128]
-    assert bucket_for(129) is None
+    """The smallest bucket that holds the budget; None past the largest (the default ladder included)."""
+    for n in range(DEFAULT_BUCKETS[-1] + 1):
+        assert bucket_for(n) == min(b for b in DEFAULT_BUCKETS if b >= n)
+    assert DEFAULT_BUCKETS[0] == 0 and bucket_for(DEFAULT_BUCKETS[-1] + 1) is None
     assert bucket_for(5, (4, 12)) == 12 and bucket_for(0, (4, 12)) == 4 and bucket_for(13, (4, 12)) is None
     assert parse_buckets("32, 8,0,8") == (0, 8, 32)
     for bad in ("", "a,1", "-1,4"):
@@ -70,6 +71,36 @@ def random_tree(B, L, V, budget, seed):
     logits = torch.randn(B, L, V, generator=gen) * 3
     lp, tok = ops.draft_topk(logits, min(budget, V))
     return ops.build_tree(lp, tok, torch.randint(0, V, (B,), generator=gen), budget)
+
+
+def pad_mask(mask, nodes):
+    """A packed tree mask [B, T, W] padded to [B, nodes, words(nodes)]: old rows keep their bits, new rows see
+    only themselves."""
+    B, T, W = mask.shape
+    out = self_mask(B, nodes, mask.device)
+    out[:, :T] = 0
+    out[:, :T, :W] = mask
+    return out
+
+
+def pad_tree(tree, budget):
+    """The padding a verify replayed in a larger bucket gets (what `StepGraphs.load` writes): the tree padded
+    to budget + 1 nodes (token 0, parent -1, depth 0, no children, mask self only); num_nodes and max_depth
+    unchanged. A tree already of that size is returned as is."""
+    B, T = tree.tokens.shape
+    nodes = budget + 1
+    if nodes < T:
+        raise ValueError(f"pad_tree: a tree of {T} nodes does not fit budget {budget}")
+    if nodes == T:
+        return tree
+    extra = nodes - T
+
+    def fill(x, value):
+        return torch.cat([x, torch.full((B, extra), value, dtype=x.dtype, device=x.device)], 1)
+
+    return type(tree)(tokens=fill(tree.tokens, 0), parents=fill(tree.parents, -1), depths=fill(tree.depths, 0),
+                      mask=pad_mask(tree.mask, nodes), first_child=fill(tree.first_child, -1),
+                      next_sibling=fill(tree.next_sibling, -1), num_nodes=tree.num_nodes, max_depth=tree.max_depth)
 
 
 def test_pad_tree_fields():
@@ -171,9 +202,8 @@ def test_step_graphs_inputs_and_eager_fallback(tiny):
         assert torch.equal(got.logits, want.logits) and torch.equal(got.hidden, want.hidden)
 
 
-def fake_cuda_model(joined=False, naive=False):
-    return SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, par=SimpleNamespace(joined=joined),
-                           layers=[SimpleNamespace(self_attn=SimpleNamespace(naive=naive))])
+def fake_cuda_model(joined=False):
+    return SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, par=SimpleNamespace(joined=joined))
 
 
 def test_eligibility(tiny):
@@ -186,10 +216,11 @@ def test_eligibility(tiny):
     with ops.using(attention="torch", write_latent="torch"):
         ok, why = eligibility(fake_cuda_model())
         assert not ok and "attention, write_latent" in why
-    assert not eligibility(fake_cuda_model(naive=True))[0]
     assert not eligibility(fake_cuda_model(joined=True))[0]
-    mask = pad_mask(ops.causal_tree_mask(1, 3, "cpu"), 40)
-    assert mask.shape == (1, 40, 2)
+    chain = torch.ones(3, 3, dtype=torch.bool).tril()
+    expect = torch.eye(40, dtype=torch.bool)  # padded rows see themselves only
+    expect[:3, :3] = chain
+    assert torch.equal(ops.tree_mask_dense(pad_mask(ops.pack_tree_mask(chain[None]), 40), 40)[0], expect)
 
 
 def test_floor_arithmetic(tiny):
@@ -339,7 +370,7 @@ def test_draft_graphs_body_on_cpu(tiny):
         dcache.set_host_lens([20, 5])
         bonus = torch.tensor([3, 9])
         drafts.bonus.copy_(bonus)
-        drafts._run_static(drafts.span())
+        drafts.run_static(drafts.span())
         got = ops.Tree(**drafts.outputs, max_depth=drafts.max_depth)
         logits = drafter.draft(dcache, bonus)
         lp, tok = ops.draft_topk(logits, 6)

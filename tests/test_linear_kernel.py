@@ -5,9 +5,8 @@ import pytest
 import torch
 
 import ops
+from triton_kernels import arch
 from triton_kernels import linear as lk
-from triton_kernels.moe_configs import arch_of, sm_count
-from triton_kernels.aot import SM120_SHARED_LIMIT
 from tests.conftest import TRITON_DEVICE, compiled_in_child, kernel_dtypes, rel_err, requires_gpu, requires_triton
 
 DEV = TRITON_DEVICE
@@ -56,7 +55,7 @@ TMA_CASES = [  # tiles through tensor descriptors: rows past M, a ragged N and K
 @pytest.mark.parametrize("cfg,M,N,K", TMA_CASES, ids=lambda v: v.kind if isinstance(v, lk.Config) else str(v))
 def test_linear_kernel_tma_tiles_match_reference(cfg, M, N, K):
     x, w, ref = operands(M, N, K, kernel_dtypes()[0], M + N + K, rows_strided=False)
-    assert lk._tma_ok(x, w) and not lk._tma_ok(x[:, 3:], w)  # misaligned rows fall back to pointers
+    assert lk.tma_ok(x, w) and not lk.tma_ok(x[:, 3:], w)  # misaligned rows fall back to pointers
     for _ in range(2):
         assert rel_err(lk.linear_kernel(x, w, cfg), ref) < 5e-3
     assert rel_err(lk.linear_kernel(x[:, 3:], w[:, 3:], cfg), ref - x[:, :3].float() @ w[:, :3].float().T) < 5e-3
@@ -72,7 +71,7 @@ def test_linear_kernel_unsummed_partials(cfg, M, N, K):
     dtype = kernel_dtypes()[0]
     x, w, _ = operands(M, N, K, dtype, M + N + K, rows_strided=False)
     parts = lk.linear_kernel(x, w, cfg, raw=True)
-    splits = lk.plan(cfg, M, N, K, sm_count(x.device), arch_of(x.device)).splits
+    splits = lk.plan(cfg, M, N, K, arch.sm_count(x.device), arch.current(x.device)).splits
     assert parts.dtype == torch.float32 and parts.shape == (splits, M, N) and splits > 1
     total = torch.zeros(M, N, device=parts.device)
     for part in parts:
@@ -92,7 +91,7 @@ def test_linear_kernel_weight_rows_strided():
 
 def test_cases_cover_split_paths():
     """One K split and several; partials summed 4 at a time (a count not a multiple of 4 among them) and 1."""
-    plans = [(lk.plan(cfg, M, N, K, 4), cfg) for cfg, M, N, K in CASES + TMA_CASES]
+    plans = [(lk.plan(cfg, M, N, K, 4, "sm_90"), cfg) for cfg, M, N, K in CASES + TMA_CASES]
     splits = [p.splits for p, _ in plans]
     assert min(splits) == 1 and max(splits) > 4
     loads = {(lk.reduce_loads(cfg, p.block_m), p.splits % 4 != 0) for p, cfg in plans if p.splits > 4}
@@ -141,12 +140,12 @@ def test_plan(M, N, K):
     for cfg in (lk.GEMV, lk.SWAP, C("swap", 128, 128, 4, 3, 4)):
         if cfg.kind == "gemv" and M > 1:
             continue
-        for arch in ("sm_90", "sm_120"):
-            p = lk.plan(cfg, M, N, K, 132, arch)
+        for key in arch.ARCHS:
+            p = lk.plan(cfg, M, N, K, 132, key)
             assert p.k_per_split % cfg.block_k == 0 and (p.splits - 1) * p.k_per_split < K <= p.splits * p.k_per_split
             assert p.tiles * p.splits <= max(p.tiles, round(cfg.waves * 132) + p.tiles)
             assert 2 <= p.stages <= cfg.stages
-            assert p.stages == 2 or p.stages * (cfg.block_n + p.block_m) * cfg.block_k * 2 <= lk.SHARED_BUDGET[arch]
+            assert p.stages == 2 or p.stages * (cfg.block_n + p.block_m) * cfg.block_k * 2 <= lk.SHARED_BUDGET[key]
 
 
 def test_buckets():
@@ -155,11 +154,10 @@ def test_buckets():
 
 
 def test_adopted_tables_are_valid():
-    for arch, table in lk.ADOPTED.items():
-        assert arch in lk.DEFAULTS
+    for key, table in lk.ADOPTED.items():
         for (N, K), entries in table.items():
             for bucket, cfg in entries.items():
-                assert bucket in lk.BUCKETS and isinstance(cfg, lk.Config), (arch, N, K, bucket)
+                assert bucket in lk.BUCKETS and isinstance(cfg, lk.Config), (key, N, K, bucket)
                 assert cfg.kind in ("gemv", "dot", "swap") and (cfg.kind != "gemv" or bucket == 1)
 
 
@@ -172,14 +170,15 @@ def test_linear_op_defaults_to_the_adopted_table(monkeypatch):
         assert ops.current("linear", "cuda", torch.bfloat16) == "torch"
     calls = []
     monkeypatch.setattr(lk, "linear_kernel", lambda x, w, cfg: calls.append(cfg) or x @ w.T)
-    monkeypatch.setitem(lk.ADOPTED, "sm_90", {(6, 8): {4: lk.SWAP}})
-    w = torch.randn(6, 8)
+    monkeypatch.setitem(lk.ADOPTED, arch.current(torch.device("cpu")), {(6, 8): {4: lk.SWAP}})
+    w = torch.randn(6, 8).half()
     for M in (1, 3, 4, 5):
-        x = torch.randn(M, 8)
-        assert torch.allclose(lk.linear(x, w), x @ w.T, atol=1e-5)
+        x = torch.randn(M, 8).half()
+        assert torch.equal(lk.linear(x, w), x @ w.T)
     assert calls == [lk.SWAP, lk.SWAP]  # M = 3 and 4 (bucket 4); M = 1 and 5 went to F.linear
-    lk.linear(torch.randn(3, 9), torch.randn(6, 9))  # a shape not in the table
-    assert lk.linear(torch.randn(0, 8), w).shape == (0, 6)  # no rows
+    lk.linear(torch.randn(3, 9).half(), torch.randn(6, 9).half())  # a shape not in the table
+    lk.linear(torch.randn(4, 8), torch.randn(6, 8))  # fp32: cuBLAS (the kernel is adopted for 16-bit operands)
+    assert lk.linear(torch.randn(0, 8).half(), w).shape == (0, 6)  # no rows
     assert len(calls) == 2
 
 
@@ -192,34 +191,21 @@ def test_linear_kernel_rejects_what_it_cannot_run():
 
 
 def sm120_resources():
-    """Resources of every sm_120 config (defaults and adopted) for sm_120 at K2.6-like strides, per BLOCK_M it
-    can run with, with programmatic dependent launch as the GPU runs them (needs real @triton.jit objects)."""
+    """Resources of every sm_120 config (defaults, adopted and the router's) compiled for sm_120 at K2.6-like strides,
+    per BLOCK_M it can run with, with programmatic dependent launch as the GPU runs them (needs real @triton.jit
+    objects)."""
     from triton_kernels.aot import compile_for
+    from triton_kernels.router import MANY_ROWS, ONE_ROW
 
-    from triton_kernels.router import ONE_ROW_GEMV
-
-    configs = set(lk.DEFAULTS["sm_120"].values()) | {ONE_ROW_GEMV}  # the router's one-token logits run it too
-    configs |= {cfg for entries in lk.ADOPTED["sm_120"].values() for cfg in entries.values()}
-    common = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", N="i32", K="i32",
-                  k_per_split="i32", splits="i32")
+    configs = {(cfg, False) for cfg in lk.DEFAULTS["sm_120"].values()}
+    configs |= {(cfg, False) for entries in lk.ADOPTED["sm_120"].values() for cfg in entries.values()}
+    configs |= {(ONE_ROW["sm_120"], True), (MANY_ROWS["sm_120"], True)}  # the router's logits: raw partials
     out = []
-    for cfg in sorted(configs):
-        for M in ((1,) if cfg.kind == "gemv" else (1, 17, 33, 65)):
-            p = lk.plan(cfg, M, 7168, 7168, 170, "sm_120")
-            if cfg.kind == "gemv":
-                res = compile_for(lk._gemv_kernel, common,
-                                  dict(stride_wn=7168, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
-                                       STAGES=p.stages, PDL=True, RAW=cfg == ONE_ROW_GEMV),
-                                  num_warps=cfg.warps, aligned=True, divisible=("N", "K", "k_per_split"))
-            else:
-                res = compile_for(lk._dot_kernel, dict(common, M="i32"),
-                                  dict(stride_xm=7168, stride_wn=7168, x_desc=None, w_desc=None, BLOCK_M=p.block_m,
-                                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
-                                       SWAP=cfg.kind == "swap", PDL=True, TMA=False,
-                                       REDUCE_LOADS=lk.reduce_loads(cfg, p.block_m), RAW=False),
-                                  num_warps=cfg.warps, num_stages=p.stages, aligned=True,
-                                  divisible=("N", "K", "k_per_split"))
-            out.append(dict(config=list(cfg), block_m=p.block_m, **vars(res)))
+    for cfg, raw in sorted(configs):
+        for M in ((1,) if cfg.kind == "gemv" else (2, 17, 33, 65)):
+            kernel, signature, constexprs, options = lk.kernel_spec(cfg, M, 7168, 7168, 170, "sm_120", raw)
+            res = compile_for(kernel, signature, constexprs, **options)
+            out.append(dict(config=list(cfg), block_m=constexprs.get("BLOCK_M", 1), **vars(res)))
     return out
 
 
@@ -227,21 +213,4 @@ def test_linear_configs_compile_for_sm120():
     code = ("import json; from tests.test_linear_kernel import sm120_resources as r; "
             "print(json.dumps(r()))")
     for res in compiled_in_child(code):
-        assert res["shared"] <= SM120_SHARED_LIMIT and res["spill_bytes"] == 0, res
-
-
-def test_phase_probe_stamps_the_committed_kernel(monkeypatch):
-    """bench/probe_linear.py patches the dot kernel's source at anchors: they still match (each exactly once), and
-    the stamped kernel takes times_ptr (the patched module is written and imported, not compiled)."""
-    import inspect
-    import sys
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
-    import probe_linear
-
-    module = probe_linear.stamped_module()
-    assert "times_ptr" in module._dot_kernel.arg_names
-    source = inspect.getsource(module._dot_kernel.fn) + inspect.getsource(module._finish.fn)
-    assert sum(line.strip().startswith("_stamp(") for line in source.split("\n")) == 4
-    sys.modules.pop("linear_stamped", None)
+        assert res["shared"] <= arch.SHARED_LIMIT["sm_120"] and res["spill_bytes"] == 0, res

@@ -1,6 +1,6 @@
-"""Losslessness of tree acceptance (REFERENCE.md section 3 step 4): with a fixed draft that differs from the
-target, the first and second emitted tokens follow the target's distribution (chi-square over 10^5 samples);
-and so does a step whose tree budget `auto` chose from earlier steps' random outcomes (spec/budget.py)."""
+"""Losslessness of tree acceptance (`ops.accept`): with a fixed draft that differs from the target, the first
+and second emitted tokens follow the target's distribution (chi-square over 10^5 samples); and so does a step
+whose tree budget `auto` chose from earlier steps' random outcomes (spec/budget.py)."""
 
 import pytest
 import torch

@@ -5,21 +5,44 @@ import torch
 
 import ops
 from model.config import preset
-from model.model import KimiModel
+from model.model import Attention, KimiModel
 from tests.conftest import rel_err
+from tests.tree_ref import tree_visibility
 
 
 def tiny_model(name="tiny", seed=0):
     return KimiModel(preset(name), dtype=torch.float32).init_random_(seed).prepare()
 
 
+def naive_attention(attn, x, meta, kv):
+    """The expanded MLA of the paper, causal, in fp32: per-head keys k_nope = W_UK c and scores q_nope.k_nope +
+    q_pe.k_pe over the cache entries [c ; k_pe] the absorbed form writes; the head output is W_UV sum_j p_j c_j."""
+    cfg, R = attn.cfg, attn.cfg.kv_lora_rank
+    q_nope, q_pe = attn.project(x, meta, kv)
+    q_pe = ops.apply_rope(q_pe, meta.positions, attn.inv_freq, attn.rope_factor)
+    w_uk, w_uv = attn.absorption_weights()
+    o_lat = torch.empty(meta.B, meta.T, attn.heads, R)
+    causal = torch.ones(meta.T, meta.T, dtype=torch.bool).tril()
+    for b, length in enumerate(meta.lens_after.tolist()):
+        c, k_pe = kv[b, :length, :R].float(), kv[b, :length, R:].float()
+        k_nope = torch.einsum("hdc,lc->lhd", w_uk.float(), c)
+        rows = slice(b * meta.T, (b + 1) * meta.T)
+        scores = (torch.einsum("thd,lhd->htl", q_nope[rows].float(), k_nope)
+                  + torch.einsum("thr,lr->htl", q_pe[rows].float(), k_pe)) * cfg.softmax_scale
+        visible = torch.ones(meta.T, length, dtype=torch.bool)
+        visible[:, length - meta.T :] = causal
+        o_lat[b] = torch.einsum("htl,lc->thc", scores.masked_fill(~visible, float("-inf")).softmax(-1), c)
+    o = ops.absorb_output(o_lat.view(-1, attn.heads, R), w_uv)
+    return ops.linear(o, attn.o_proj.weight)
+
+
 @pytest.mark.parametrize("name", ["tiny", "tiny-grouped"])
-def test_absorbed_equals_naive_mla(name):
+def test_absorbed_equals_naive_mla(name, monkeypatch):
     model = tiny_model(name)
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 9))
     positions = torch.arange(9).expand(2, 9)
     absorbed = model(tokens, positions, model.new_cache(2, 32)).logits
-    model.set_naive_attention(True)
+    monkeypatch.setattr(Attention, "forward", naive_attention)
     naive = model(tokens, positions, model.new_cache(2, 32)).logits
     assert rel_err(absorbed, naive) < 1e-5
 
@@ -48,9 +71,7 @@ def test_tree_verify_equals_each_root_to_node_path():
     cache = model.new_cache(1, 64)
     model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache)
     cache.advance([len(prompt)])
-    visible = torch.zeros(1, n, n, dtype=torch.bool)
-    for i in range(n):
-        visible[0, i, ancestors(parents, i)] = True
+    visible = tree_visibility(parents)[None]
     out = model(tree_tokens[None], (len(prompt) + depths)[None], cache, tree_mask=ops.pack_tree_mask(visible))
 
     for i in range(n):

@@ -136,7 +136,7 @@ def test_write_kv_places_entries_per_sequence():
     assert cache[0, 0].abs().sum() == 0 and cache[1, :3].abs().sum() == 0
 
 
-def test_backend_table_choices_and_errors(monkeypatch):
+def test_backend_table_choices_and_errors():
     assert set(ops.table().values()) <= {"torch", "triton"}
     with pytest.raises(ValueError, match="unknown op"):
         ops.use(nope="torch")
@@ -144,13 +144,15 @@ def test_backend_table_choices_and_errors(monkeypatch):
         ops.use(moe="cuda")
     with pytest.raises(ValueError, match="op=backend"):
         ops.use_spec("moe")
-    monkeypatch.delitem(ops._backend._triton_impls, "mlp")
+    assert not ops.has_triton("drafter_attention")
     with pytest.raises(ValueError, match="no Triton kernel"):
-        ops.use(mlp="triton")
+        ops.use(drafter_attention="triton")
     with ops.using(moe="torch"):
         assert ops.current("moe") == "torch"
     ops.use_spec("all=torch")
     assert set(ops.table().values()) == {"torch"}
+    ops.use_spec("all=triton")  # every op that has a kernel; the others keep their reference
+    assert ops.table() == {n: "triton" if ops.has_triton(n) else "torch" for n in ops.op_names()}
 
 
 def test_backend_from_environment():
@@ -165,7 +167,6 @@ def test_backend_from_environment():
 
 def test_default_backend_follows_device_and_dtype(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setitem(ops._backend._triton_impls, "rms_norm", "triton_kernels.none:none")
     assert ops.current("rms_norm", "cpu") == "torch"
     assert ops.current("rms_norm", "cuda") == "triton"
     assert ops.current("moe", "cuda", torch.bfloat16) == "triton"

@@ -47,12 +47,13 @@ def test_specials_follow_the_ranks_with_kimi_names(kimi):
 
 def test_encode_decode_roundtrip_and_special_text(kimi):
     text = "hello 中文ab, naïve café\n\t12345 <|im_end|>"
-    ids = kimi.encode(text)
+    ids = kimi.encode(text, allow_special=True)
     assert ids[-1] == kimi.im_end_id
     assert kimi.decode(ids) == text
     assert kimi.decode(ids, skip_special=True) == text[: -len("<|im_end|>")]
-    plain = kimi.encode(text, allow_special=False)
+    plain = kimi.encode(text)  # the default: a special token's name in text stays text
     assert kimi.im_end_id not in plain and kimi.decode(plain) == text
+    assert plain == kimi.encode(text, allow_special=False)
 
 
 def test_chat_template_is_kimi_format(kimi):
@@ -74,7 +75,8 @@ def test_tokenizer_config_names_override(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": added}))
     tok = KimiTokenizer.from_dir(tmp_path)
     assert tok.special_id("<|custom|>") == base + 5 and tok.special_id("<s>") == base
-    assert tok.encode("<|custom|>") == [base + 5]
+    assert tok.encode("<|custom|>", allow_special=True) == [base + 5]
+    assert base + 5 not in tok.encode("<|custom|>")
 
 
 def test_bad_rank_files_raise(tmp_path):
@@ -100,8 +102,9 @@ def test_long_text_chunks_keep_the_text(kimi, monkeypatch):
 def test_byte_tokenizer_and_load_tokenizer(tmp_path):
     tok = ByteTokenizer(512)
     text = "héllo <|im_end|>"
-    ids = tok.encode(text)
+    ids = tok.encode(text, allow_special=True)
     assert ids[:2] == [ord("h"), 0xC3] and ids[-1] == tok.im_end_id == 258 and tok.decode(ids) == text
+    assert tok.encode(text) == list(text.encode()) and tok.decode(tok.encode(text)) == text
     assert tok.decode(tok.apply_chat_template([{"role": "user", "content": "hi"}])) == \
         "<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|>"
     with pytest.raises(ValueError, match="cannot hold 256 bytes"):

@@ -8,7 +8,7 @@ import torch
 import ops
 from ops.attention import tree_mask_dense
 from ops.tree import Tree, sampling_floor
-from spec.tree_ref import build_tree_heapq, walk
+from tests.tree_ref import build_tree_heapq, tree_visibility, walk
 from tests.conftest import compiled_in_child, gpu, requires_triton
 
 TREE_FIELDS = ("tokens", "parents", "depths", "mask", "first_child", "next_sibling", "num_nodes")
@@ -43,18 +43,13 @@ def check_against_heapq(tree, lp, tokens, roots, budget):
         assert t["depths"][b, :n].tolist() == ref_dep
         assert not t["tokens"][b, n:].any() and (t["parents"][b, n:] == -1).all() and not t["depths"][b, n:].any()
         parents = t["parents"][b].tolist()
-        expect_mask = torch.zeros(N1, N1, dtype=torch.bool)
         for i in range(N1):
-            j = i
-            while j >= 0:
-                expect_mask[i, j] = True
-                j = parents[j]
             kids, c = [], int(t["first_child"][b, i])
             while c >= 0:
                 kids.append(c)
                 c = int(t["next_sibling"][b, c])
             assert kids == [j for j in range(N1) if parents[j] == i], (b, i)
-        assert torch.equal(dense[b], expect_mask)
+        assert torch.equal(dense[b], tree_visibility(parents))
 
 
 @pytest.mark.parametrize("budget,batch", [(1, 64), (2, 64), (3, 64), (7, 64), (17, 48), (64, 32), (130, 12),
@@ -292,7 +287,7 @@ def sequential_compact(kv, starts, path, path_len, hidden):
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])
 def test_compact(dtype, backend):
     gen = torch.Generator().manual_seed(4)
-    layers, B, L1, N1, D, F = 3, 4, 6, 9, 576, 300
+    layers, B, N1, D, F = 3, 4, 9, 576, 300
     kv = torch.randn(layers, B + 2, 40, D, generator=gen).to(dtype)
     hidden = torch.randn(B, N1, F, generator=gen).to(dtype)
     starts = torch.tensor([0, 5, 17, 30], dtype=torch.int32)
@@ -329,7 +324,7 @@ import json, sys
 from triton_kernels.aot import compile_for
 import triton
 from triton_kernels import ddtree as dd
-arch = int(sys.argv[1])
+arch = sys.argv[1]
 cfg = dd.CONFIGS[arch]
 P, I, L = "*fp32", "*i32", "*i64"
 TOPK_SIG = dict(x_ptr="*bf16", cval_ptr=I, cid_ptr=I, pmax_ptr=P, psum_ptr=P, pthr_ptr=I, count_ptr=I, lp_ptr=P,
@@ -365,11 +360,11 @@ print(json.dumps(report))
 
 def test_sm120_kernels_fit():
     """Compile every DDTree kernel for sm_120 at its largest shapes (child process: the interpreter cannot)."""
-    from triton_kernels.aot import SM120_SHARED_LIMIT
+    from triton_kernels.arch import SHARED_LIMIT
 
-    report = compiled_in_child(SM_CHECK, "120", env={"TRITON_DEFAULT_FP_FUSION": "1"})
+    report = compiled_in_child(SM_CHECK, "sm_120", env={"TRITON_DEFAULT_FP_FUSION": "1"})
     for name, (shared, registers, spills) in report.items():
-        assert shared <= SM120_SHARED_LIMIT and spills == 0, (name, shared, registers, spills)
+        assert shared <= SHARED_LIMIT["sm_120"] and spills == 0, (name, shared, registers, spills)
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=requires_triton)])

@@ -1,6 +1,6 @@
 """MLA's absorbed projections as Triton kernels (`ops.absorb`): per-head skinny GEMMs that cuBLAS runs as batched
-GEMMs of a few rows (4.5-6.5 us each at one token on an H200 for 1 MB of weights), with the query's RoPE and the
-[latent ; rope] concatenation folded into the query kernel and the head-major output written in place."""
+GEMMs of a few rows, with the query's RoPE and the [latent ; rope] concatenation folded into the query kernel and
+the head-major output written in place."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import pdl
+from triton_kernels import arch, pdl
 from triton_kernels.glue import rope_pairs
 
 
@@ -57,14 +57,11 @@ def _absorb_output_kernel(o_ptr, w_ptr, out_ptr, N, H, stride_on, stride_oh, str
     tl.store(out_ptr + rows * H * DV + h * DV + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-QUERY_BLOCK_N = 16  # tokens a program: 2.2x faster than 64 at 33 rows, 2.2x at 129 (bench_glue, H200)
-
-
-# (max rows, BLOCK_D, BLOCK_K, stages) of the output kernel, the first row whose max covers N (None: any): value
-# columns a program, latent values a loop step. H200 (22:25 UTC, bench/results/glue_h200_s12_absorb_output.md), us
-# at 1 / 9 / 33 / 65 / 129 rows: 16x512x1 2.11 / 2.61 / 2.78 / 3.02 / 4.38, 32x512x1 2.76 / 3.13 / 3.14 / 3.27 /
-# 3.48, the earlier 32x128x2 3.02 / 3.05 / 3.53 / 4.26 / 4.43
-OUTPUT_TILES = ((65, 16, 512, 1), (None, 32, 512, 1))
+# Per arch: tokens a program of the query kernel (16: 2.2x faster than 64 at 33 and at 129 rows), and the output
+# kernel's (max rows, BLOCK_D, BLOCK_K, stages), the first row whose max covers N (None: any): value columns a
+# program, latent values a loop step (bench/results/glue_h200_s12_absorb_output.md). sm_120: sm_90's, untimed.
+QUERY_BLOCK_N = {"sm_90": 16, "sm_120": 16}
+OUTPUT_TILES = {"sm_90": ((65, 16, 512, 1), (None, 32, 512, 1)), "sm_120": ((65, 16, 512, 1), (None, 32, 512, 1))}
 
 
 def _block_n(N):
@@ -80,10 +77,11 @@ def absorb_query(q_nope, q_pe, w_uk, positions, inv_freq, attention_factor):
         raise ValueError("absorb_query (triton): last dims must be contiguous and R a multiple of 64")
     out = torch.empty(N, H, R + 2 * half, dtype=q_nope.dtype, device=q_nope.device)
     if N:
-        _absorb_query_kernel[(H, R // 64, triton.cdiv(N, QUERY_BLOCK_N))](
+        block_n = QUERY_BLOCK_N[arch.current(q_nope.device)]
+        _absorb_query_kernel[(H, R // 64, triton.cdiv(N, block_n))](
             q_nope, q_pe, w_uk, positions, inv_freq.float().contiguous(), out, N, H, q_nope.stride(0),
             q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), w_uk.stride(0), w_uk.stride(1),
-            float(attention_factor), DN=dn, R=R, HALF=half, BLOCK_N=QUERY_BLOCK_N, BLOCK_C=64,
+            float(attention_factor), DN=dn, R=R, HALF=half, BLOCK_N=block_n, BLOCK_C=64,
             **pdl.options(q_nope))
     return out
 
@@ -97,7 +95,8 @@ def absorb_output(o_lat, w_uv):
         raise ValueError("absorb_output (triton): last dims must be contiguous, R a multiple of 128, dv of 32")
     out = torch.empty(N, H * dv, dtype=o_lat.dtype, device=o_lat.device)
     if N:
-        tile_d, tile_k, stages = next(t[1:] for t in OUTPUT_TILES if t[0] is None or N <= t[0])
+        tiles = OUTPUT_TILES[arch.current(o_lat.device)]
+        tile_d, tile_k, stages = next(t[1:] for t in tiles if t[0] is None or N <= t[0])
         block_d, block_k = math.gcd(tile_d, dv), math.gcd(tile_k, R)  # powers of two that divide dv and R
         block_n = _block_n(N)
         _absorb_output_kernel[(H, dv // block_d, triton.cdiv(N, block_n))](

@@ -1,8 +1,9 @@
 """Ahead-of-time compilation for architectures this machine cannot run (sm_120), to check resource limits.
 
-`compile_for(kernel, signature, constexprs, arch=120, num_warps=4, num_stages=2)` compiles a @triton.jit
-kernel for the given arch without a GPU and returns its shared memory, registers and spill bytes, read
-from ptxas's report; `compile_kernel` (same arguments) returns the compiled kernel itself.
+`compile_for(kernel, signature, constexprs, arch="sm_120", num_warps=4, num_stages=2)` compiles a @triton.jit
+kernel for the given arch (an `arch` key) without a GPU and returns its shared memory, registers and spill bytes,
+read from ptxas's report; `compile_kernel` (same arguments) returns the compiled kernel itself, `resources` reads
+a compiled kernel's (a Gluon kernel's too).
 """
 
 import contextlib
@@ -17,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-SM120_SHARED_LIMIT = 101_376  # bytes of shared memory per block on sm_120
+from triton_kernels import arch as archs
 
 
 @dataclass
@@ -45,11 +46,15 @@ def _ptxas_report(ptx, arch):
     return (int(regs.group(1)) if regs else 0), sum(spills)
 
 
-def compile_for(kernel, *args, **options):
-    """Compile `kernel` (`compile_kernel`'s arguments) and report its resources (no GPU needed)."""
-    compiled = compile_kernel(kernel, *args, **options)
+def resources(compiled):
+    """The shared memory, registers and spill bytes of a compiled kernel."""
     registers, spills = _ptxas_report(compiled.asm["ptx"], compiled.metadata.target.arch)
     return Resources(shared=compiled.metadata.shared, registers=registers, spill_bytes=spills)
+
+
+def compile_for(kernel, *args, **options):
+    """Compile `kernel` (`compile_kernel`'s arguments) and report its resources (no GPU needed)."""
+    return resources(compile_kernel(kernel, *args, **options))
 
 
 @contextlib.contextmanager
@@ -71,9 +76,9 @@ def mma_v2_only(enabled=True):
             os.environ["DISABLE_MMA_V3"] = before
 
 
-def compile_kernel(kernel, signature, constexprs, arch=120, num_warps=4, num_stages=2, maxnreg=None, aligned=False,
-                   divisible=(), ones=()):
-    """The compiled `kernel` for sm_<arch> (its .asm holds the PTX and cubin).
+def compile_kernel(kernel, signature, constexprs, arch="sm_120", num_warps=4, num_stages=2, maxnreg=None,
+                   aligned=False, divisible=(), ones=()):
+    """The compiled `kernel` for `arch` (an `arch` key; its .asm holds the PTX and cubin).
 
     aligned=True marks every pointer argument 16-byte aligned, as the JIT does for torch tensors at run time
     (without it, loads are not vectorised, nor pipelined, and shared memory is under-counted); `divisible`
@@ -88,7 +93,7 @@ def compile_kernel(kernel, signature, constexprs, arch=120, num_warps=4, num_sta
              for name, ty in full.items() if (aligned and ty.startswith("*")) or name in divisible}
     src = ASTSource(fn=kernel, signature=full, constexprs=constexprs, attrs=attrs)
     with mma_v2_only(constexprs.get("MMA_V2", False)):
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+        compiled = triton.compile(src, target=GPUTarget("cuda", archs.capability(arch), 32),
                                   options={"num_warps": num_warps, "num_stages": num_stages,
                                            **({"maxnreg": maxnreg} if maxnreg else {})})
     return compiled

@@ -8,8 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import pdl
+from triton_kernels import arch, pdl
 from triton_kernels.counters import arrival_counters
+from triton_kernels.keys import ordered, unordered
 
 MAX_BUDGET = 512  # the build packs slot and rank into 9 bits each
 MAX_DEPTH = 15  # and the depth into 4 bits
@@ -18,34 +19,19 @@ MAX_CHUNK = 16384  # and this many lanes a chunk (in registers at 16 warps; the 
 SEL_TILE = 4096  # lanes one selection scan covers (it packs two counts into 15-bit fields)
 MASK_TILE = 2048  # words of the ancestor mask built at once (rows x words): few row blocks, few dependent loads
 
-# Configs as data per arch (compute capability major*10+minor): top-k rows (K up to, chunk: lanes a program
-# selects from in one load, least warps, lanes a selection scan takes at once, register cap or None), the last
-# also for larger K; the sampling pass's BLOCK over the vocabulary, its warps, register cap, target program count
-# and loads in flight a loop step; warps of the one-program-per-tree heap build (its heap lives in registers: one
-# warp keeps every reduction inside shuffles), the budget from which the depth-synchronous build replaces the heap
-# loop, and that build's warps. sm_90: measured on the H200 (bench/results/tree_h200.md, tree_h200_s5.md);
-# sm_120 takes sm_90's unroll_v, untimed.
+# Configs as data per arch: top-k rows (K up to, chunk: lanes a program selects from in one load, least warps,
+# lanes a selection scan takes at once, register cap or None), the last also for larger K; the sampling pass's BLOCK
+# over the vocabulary, its warps, register cap, target programs an SM and loads in flight a loop step; warps of the
+# one-program-per-tree heap build (its heap lives in registers: one warp keeps every reduction inside shuffles),
+# the budget from which the depth-synchronous build replaces the heap loop, and that build's warps. sm_90: the
+# fastest measured (bench/results/tree_h200_s5.md); sm_120: compile-checked (tests/test_tree_ops.py), untimed.
 CONFIGS = {
-    90: dict(topk=((8, 2048, 4, 2048, None), (64, 4096, 8, 2048, 64), (MAX_BUDGET, 4096, 8, SEL_TILE, None)),
-             block_v=2048, warps_v=8, maxnreg_v=48, programs=1056, unroll_v=4, build_warps=1, levels_from=8,
-             levels_warps=8),
-    120: dict(topk=((MAX_BUDGET, 4096, 4, SEL_TILE, None),), block_v=1024, warps_v=4, maxnreg_v=None, programs=752,
-              unroll_v=4, build_warps=1, levels_from=64, levels_warps=2),
+    "sm_90": dict(topk=((8, 2048, 4, 2048, None), (64, 4096, 8, 2048, 64), (MAX_BUDGET, 4096, 8, SEL_TILE, None)),
+                  block_v=2048, warps_v=8, maxnreg_v=48, programs_per_sm=8, unroll_v=4, build_warps=1, levels_from=8,
+                  levels_warps=8),
+    "sm_120": dict(topk=((MAX_BUDGET, 4096, 4, SEL_TILE, None),), block_v=1024, warps_v=4, maxnreg_v=None,
+                   programs_per_sm=4, unroll_v=4, build_warps=1, levels_from=64, levels_warps=2),
 }
-
-
-@triton.jit
-def _ordered(x):
-    """fp32 -> int32 with the same order; -0.0 maps to +0.0."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == -2147483648, 0, bits)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-@triton.jit
-def _unordered(o):
-    bits = tl.where(o < 0, o ^ 0x7FFFFFFF, o)
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -120,7 +106,7 @@ def _pick(o, thr, need, n_gt, n_eq, BITS: tl.constexpr):
 @triton.jit
 def _store_topk(lp_ptr, tok_ptr, out, key, lse, mask):
     hi = key >> 32
-    tl.store(lp_ptr + out, _unordered(hi.to(tl.int32)) - lse, mask=mask)
+    tl.store(lp_ptr + out, unordered(hi.to(tl.int32)) - lse, mask=mask)
     tl.store(tok_ptr + out, 2147483647 - (key - (hi << 32)), mask=mask)
 
 
@@ -141,7 +127,7 @@ def _topk_merge(cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, lp_ptr, tok_ptr
     i = tl.arange(0, MP)  # [MP]
     o = tl.load(cval_ptr + base + i, mask=i < M, other=-2147483648, cache_modifier=".cg")  # [MP] ordered values
     lo = tl.max(tl.load(pthr_ptr + row * CHUNKS + cs, mask=cs < CHUNKS, other=-2147483648, cache_modifier=".cg"), 0)
-    thr, need = _threshold(o, K, lo >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS)
+    thr, need = _threshold(o, K, lo >> (32 - BITS), ordered(m) >> (32 - BITS), BITS)
     n_gt = tl.zeros([], tl.int32)
     n_eq = tl.zeros([], tl.int32)
     for j in tl.static_range(MP // MT):
@@ -177,10 +163,10 @@ def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_p
     m = tl.max(x, 0)
     tl.store(pmax_ptr + row * CHUNKS + c, m)
     tl.store(psum_ptr + row * CHUNKS + c, tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0))
-    o = tl.where(offs < V, _ordered(x), -2147483648)  # [CHUNK] int32
+    o = tl.where(offs < V, ordered(x), -2147483648)  # [CHUNK] int32
     # KP >= K disjoint groups: their KP maxima are KP lanes >= the least of them, so the K-th largest is too
     lo = tl.min(tl.max(tl.reshape(o, [KP, CHUNK // KP]), 1), 0)
-    thr, need = _threshold(o, K, lo >> (32 - BITS), _ordered(m) >> (32 - BITS), BITS)
+    thr, need = _threshold(o, K, lo >> (32 - BITS), ordered(m) >> (32 - BITS), BITS)
     tl.store(pthr_ptr + row * CHUNKS + c, thr)
     out = (row.to(tl.int64) * CHUNKS + c) * K
     n_gt = tl.zeros([], tl.int32)
@@ -189,7 +175,7 @@ def _topk_kernel(x_ptr, cval_ptr, cid_ptr, pmax_ptr, psum_ptr, pthr_ptr, count_p
         if CHUNK != TILE:  # a large chunk: its tiles again (from cache), so the scans stay small
             offs = c * CHUNK + j * TILE + tl.arange(0, TILE)  # [TILE]
             x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            o = tl.where(offs < V, _ordered(x), -2147483648)
+            o = tl.where(offs < V, ordered(x), -2147483648)
         sel, pos, n_gt, n_eq = _pick(o, thr, need, n_gt, n_eq, BITS)
         tl.store(cval_ptr + out + pos, o, mask=sel)
         tl.store(cid_ptr + out + pos, offs, mask=sel)
@@ -238,7 +224,7 @@ def _ancestor_mask(o_par, o_mask, base, N1, L, W, WP: tl.constexpr, ROWS: tl.con
 def _pack(score, slot, rank, depth, prev):
     """Heap key: [ordered score : 32 | 511 - slot : 9 | rank : 9 | depth : 4 | prev sibling : 10]."""
     low = ((511 - slot).to(tl.int64) << 23) | (rank.to(tl.int64) << 14) | (depth.to(tl.int64) << 10) | prev
-    return (_ordered(score).to(tl.int64) << 32) | low
+    return (ordered(score).to(tl.int64) << 32) | low
 
 
 @triton.jit
@@ -268,7 +254,7 @@ def _tree_build_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_n
         ok = best != _dead_key()
         hi = best >> 32
         low = best - (hi << 32)
-        score = _unordered(hi.to(tl.int32))
+        score = unordered(hi.to(tl.int32))
         slot = (511 - ((low >> 23) & 511)).to(tl.int32)
         rank = ((low >> 14) & 511).to(tl.int32)
         depth = ((low >> 10) & 15).to(tl.int32)
@@ -301,7 +287,7 @@ def _lkey(score, ppos, rank, depth, old):
     old index : 9]; descending = pop order."""
     low = (((1023 - ppos).to(tl.int64) << 22) | ((511 - rank).to(tl.int64) << 13) | (depth.to(tl.int64) << 9)
            | old.to(tl.int64))
-    return (_ordered(score).to(tl.int64) << 32) | low
+    return (ordered(score).to(tl.int64) << 32) | low
 
 
 @triton.jit
@@ -309,7 +295,7 @@ def _lfields(key):
     """(score, parent position, rank, depth, old index) of level-build keys."""
     hi = key >> 32
     low = key - (hi << 32)
-    return (_unordered(hi.to(tl.int32)), (1023 - ((low >> 22) & 1023)).to(tl.int32),
+    return (unordered(hi.to(tl.int32)), (1023 - ((low >> 22) & 1023)).to(tl.int32),
             (511 - ((low >> 13) & 511)).to(tl.int32), ((low >> 9) & 15).to(tl.int32), (low & 511).to(tl.int32))
 
 
@@ -350,7 +336,7 @@ def _tree_levels_kernel(lp_ptr, tok_ptr, root_ptr, o_tok, o_par, o_dep, o_fc, o_
         for _ in tl.static_range(LOG + 1):  # lo: the first rank whose child scores below thr
             mid = (lo + hi) >> 1
             go = is_p & (lo < hi)
-            keep = _ordered(score + tl.load(lp_b + (d - 1) * KS + mid, mask=go, other=0.0)) >= thr
+            keep = ordered(score + tl.load(lp_b + (d - 1) * KS + mid, mask=go, other=0.0)) >= thr
             lo = tl.where(go & keep, mid + 1, lo)
             hi = tl.where(go & ~keep, mid, hi)
         c = tl.where(is_p, tl.minimum(lo, (N - lane - 1) // (tl.maximum(j, 0) + 1)), 0)
@@ -534,13 +520,6 @@ def _compact_kernel(kv_ptr, starts_ptr, path_ptr, len_ptr, hid_ptr, out_ptr, lay
 
 # ---- launchers ----
 
-def _arch(device):
-    if device.type != "cuda":
-        return 90
-    major, minor = torch.cuda.get_device_capability(device)
-    return 120 if major * 10 + minor >= 120 else 90
-
-
 def _cap(maxnreg):
     """Launch keywords for a register cap (None: the compiler's choice)."""
     return {} if maxnreg is None else dict(maxnreg=maxnreg)
@@ -580,7 +559,7 @@ def draft_topk(logits, k):
     B, L, V = x.shape
     dev = x.device
     rows = B * L
-    cfg = CONFIGS[_arch(dev)]
+    cfg = CONFIGS[arch.current(dev)]
     chunk, chunks, mp, warps, tile, maxnreg = topk_plan(V, k, cfg)
     cval = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
     cid = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
@@ -606,7 +585,7 @@ def build_tree(logprobs, tokens, root_tokens, budget):
     N1 = N + 1
     W = triton.cdiv(N1, 32)
     dev = logprobs.device
-    cfg = CONFIGS[_arch(dev)]
+    cfg = CONFIGS[arch.current(dev)]
     lp, tok = logprobs.contiguous(), tokens.contiguous()
     tokens_out = torch.empty(B, N1, dtype=torch.int64, device=dev)
     parents, depths, first_child, next_sibling = (torch.empty(B, N1, dtype=torch.int32, device=dev) for _ in range(4))
@@ -631,11 +610,11 @@ def accept(tree, target_logits, temperature, floor, seeds, step):
     B, N1, V = target_logits.shape
     L = tree.max_depth
     x = target_logits.contiguous()
-    cfg = CONFIGS[_arch(x.device)]
+    cfg = CONFIGS[arch.current(x.device)]
     block = min(cfg["block_v"], triton.next_power_of_2(V))
     rows = B * N1
     unroll = max(1, min(cfg["unroll_v"], triton.cdiv(V, block)))
-    split, chunk = _split(rows, V, block * unroll, cfg["programs"])
+    split, chunk = _split(rows, V, block * unroll, cfg["programs_per_sm"] * arch.sm_count(x.device))
     pval = torch.empty(rows, split, dtype=torch.float32, device=x.device)
     pidx = torch.empty(rows, split, dtype=torch.int32, device=x.device)
     inv_t = 1.0 / temperature if temperature > 0 else 1.0

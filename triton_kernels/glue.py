@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import pdl
+from triton_kernels import linear, pdl
 
 
 @triton.jit
@@ -226,12 +226,11 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr, PDL: tl.constexpr 
 
 
 def mlp(x, gate_up_weight, down_weight):
-    """See `ops.mlp.mlp`: the two projections through `ops.linear`, silu(gate) * up in one launch between them."""
-    from ops.linear import linear
-
-    gate_up = linear(x, gate_up_weight)  # [M, 2I]
+    """See `ops.mlp.mlp`: the two projections as ops.linear's Triton backend runs them (`linear.linear`: the skinny
+    GEMM where adopted, cuBLAS elsewhere), silu(gate) * up in one launch between them."""
+    gate_up = linear.linear(x, gate_up_weight)  # [M, 2I]
     M, I = gate_up.shape[0], gate_up.shape[1] // 2
     act = torch.empty(M, I, dtype=gate_up.dtype, device=x.device)
     if M:
         _silu_mul_kernel[(M, triton.cdiv(I, 1024))](gate_up, act, I, BLOCK=1024, **pdl.options(x))
-    return linear(act, down_weight)
+    return linear.linear(act, down_weight)

@@ -10,8 +10,7 @@ Two kernels: `gemv` (M = 1, no tl.dot: fp32 FMAs of x against 16-byte loads of W
 summed over K once at the end) and `dot` (tokens padded to a power of two >= 16; `swap` puts the weights on the
 MMA's M side, acc [BLOCK_N, BLOCK_M], so Hopper's wgmma runs with 16 token columns). A `Config` is data:
 kernel, tile, warps, stages, and `waves` (programs per SM the K splits aim for). `ops.linear` runs the kernel
-only where `ADOPTED[arch]` lists the (N, K) shape and M bucket (measured faster than cuBLAS by
-`bench/bench_linear.py`), cuBLAS elsewhere.
+only where `ADOPTED[arch]` lists the (N, K) shape and M bucket (measured faster than cuBLAS), cuBLAS elsewhere.
 """
 
 from typing import NamedTuple
@@ -21,9 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from triton_kernels import pdl
+from triton_kernels import arch, pdl
 from triton_kernels.counters import arrival_counters
-from triton_kernels.moe_configs import arch_of, sm_count
 
 MAX_ROWS = 128
 BUCKETS = (1, 2, 4, 9, 17, 33, 65)  # M buckets of the adoption table: the first bucket >= M
@@ -46,13 +44,9 @@ SWAP = Config("swap", 64, 128, 4, 4, 2)
 DEFAULTS = {"sm_90": {1: GEMV, None: SWAP}, "sm_120": {1: GEMV, None: SWAP}}  # when no adopted entry applies
 
 C = Config
-# (N, K) -> {M bucket: Config} where the kernel beat cuBLAS by >= 2% (H200, 2026-11-30 08:59 UTC,
-# bench/results/linear_h200.md; M = 1: 16:06 UTC, linear_h200_s7.md, 8- and 16-row tiles where they beat the 32x256
-# entry by >= 2%: q_a + kv_a 9.51 against 11.33 us, q_b 2.62 against 4.49). The verify layer's projections at
-# M > 1: 20:53 UTC, linear_h200_s11.md (the drafter's and the dense layer's: 21:08 UTC, linear_h200_s11_drafter.md),
-# with the tiles through tensor descriptors (`tma`) among the candidates, e.g. o_proj at 9 / 33 rows 5.57 / 6.21 us
-# against cuBLAS's 6.62 / 6.78, shared down at 33 2.72 against the pointer tiles' 3.47. Shapes or buckets not listed
-# run cuBLAS. sm_120: not measured, nothing adopted.
+# arch -> (N, K) -> {M bucket: Config}: the fastest candidate of the sweep where it beat cuBLAS by >= 2% at the
+# K2.6 projection shapes (bench/results/linear_h200_s11.md); shapes and buckets not listed run cuBLAS. sm_120:
+# not timed, nothing adopted.
 TMA_SWAP = C("swap", 64, 256, 4, 3, 1, tma=True)
 ADOPTED = {
     "sm_90": {
@@ -125,9 +119,7 @@ def _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K: tl.constexpr):
     memory), then let the next kernel launch (triton_kernels/pdl.py)."""
     lines = tl.arange(0, BLOCK_K // 64) * 64  # [BK / 64] line starts (64 bf16 a line)
     for t in tl.static_range(2):
-        k = tl.minimum(k_start + t * BLOCK_K + lines, k_end - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_rows + k[None, :]],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        pdl.prefetch_l2(w_rows + tl.minimum(k_start + t * BLOCK_K + lines, k_end - 1)[None, :])
     pdl.enter(True)
 
 
@@ -227,23 +219,22 @@ class Plan(NamedTuple):
     stages: int
 
 
-def plan(cfg, M, N, K, sms, arch="sm_90"):
+def plan(cfg, M, N, K, sms, key):
     """The launch of `cfg` for [M, K] x [N, K]^T on `sms` SMs: K split so that N tiles x splits is about
-    cfg.waves x sms, every split a whole number of K tiles; stages cut to the arch's shared-memory budget."""
+    cfg.waves x sms, every split a whole number of K tiles; stages cut to arch `key`'s shared-memory budget."""
     block_m = 1 if cfg.kind == "gemv" else max(16, triton.next_power_of_2(M))
     tiles = triton.cdiv(N, cfg.block_n)
     k_tiles = triton.cdiv(K, cfg.block_k)
     splits = max(1, min(k_tiles, round(cfg.waves * sms / tiles)))
     k_per_split = triton.cdiv(k_tiles, splits) * cfg.block_k
     stage_bytes = (cfg.block_n + block_m) * cfg.block_k * 2
-    stages = max(2, min(cfg.stages, SHARED_BUDGET.get(arch, SHARED_BUDGET["sm_90"]) // stage_bytes))
+    stages = max(2, min(cfg.stages, SHARED_BUDGET[key] // stage_bytes))
     return Plan(block_m, tiles, triton.cdiv(K, k_per_split), k_per_split, stages)
 
 
 def reduce_loads(cfg, block_m):
     """Partials the last program of a tile loads at once: 4 where a [BN, BM] fp32 tile is at most 32 registers a
-    thread, else 1 (H200, bench/results/linear_probe_h200_s11.json: 4 at once took shared gate_up at 33 rows from
-    12.0 to 9.3 us; at 65 rows, 64 registers a thread, 4 were 8% slower)."""
+    thread, else 1 (more registers a partial spill the loads in flight: bench/results/linear_probe_h200_s11.json)."""
     return 4 if cfg.block_n * block_m <= 32 * 32 * cfg.warps else 1
 
 
@@ -252,9 +243,9 @@ def bucket_of(M):
     return next((b for b in BUCKETS if M <= b), None)
 
 
-def config_for(arch, M):
-    """The default config for M rows on `arch` (used where no adopted entry applies)."""
-    table = DEFAULTS.get(arch, DEFAULTS["sm_90"])
+def config_for(key, M):
+    """The default config for M rows on arch `key` (used where no adopted entry applies)."""
+    table = DEFAULTS[key]
     return table.get(M, table[None])
 
 
@@ -267,11 +258,11 @@ def linear_kernel(x, weight, cfg=None, raw=False):
     if not 1 <= M <= MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"linear_kernel: x {tuple(x.shape)} strides {x.stride()}, weight strides "
                          f"{weight.stride()}: needs 1 <= M <= {MAX_ROWS} and unit column strides")
-    arch = arch_of(x.device)
-    cfg = cfg or config_for(arch, M)
+    key = arch.current(x.device)
+    cfg = cfg or config_for(key, M)
     if cfg.kind == "gemv" and M != 1:
         raise ValueError(f"linear_kernel: the gemv config takes one row, got {M}")
-    p = plan(cfg, M, N, K, sm_count(x.device), arch)
+    p = plan(cfg, M, N, K, arch.sm_count(x.device), key)
     part = torch.empty(p.splits * M * N if p.splits > 1 or raw else 1, dtype=torch.float32, device=x.device)
     y = part if raw else torch.empty(M, N, dtype=x.dtype, device=x.device)
     counters = arrival_counters("linear", x.device, p.tiles)
@@ -284,7 +275,7 @@ def linear_kernel(x, weight, cfg=None, raw=False):
                                           weight.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                           EVEN_K=even_k, STAGES=p.stages, PDL=use_pdl, RAW=raw, **launch)
     else:
-        x_desc, w_desc = _descriptors(x, weight, p.block_m, cfg) if cfg.tma and _tma_ok(x, weight) else (None, None)
+        x_desc, w_desc = _descriptors(x, weight, p.block_m, cfg) if cfg.tma and tma_ok(x, weight) else (None, None)
         _dot_kernel[(p.tiles, p.splits)](x, weight, y, part, counters, M, N, K, p.k_per_split, p.splits,
                                          x.stride(0), weight.stride(0), x_desc, w_desc, BLOCK_M=p.block_m,
                                          BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k,
@@ -294,9 +285,33 @@ def linear_kernel(x, weight, cfg=None, raw=False):
     return part.view(p.splits, M, N) if raw else y
 
 
-def _tma_ok(x, weight):
+def tma_ok(x, weight):
     """Whether tensor descriptors can cover x and weight: 16-byte aligned bases and row strides."""
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, weight))
+
+
+def kernel_spec(cfg, M, N, K, sms, key, raw=False):
+    """(kernel, signature, constexprs, options) of the kernel `linear_kernel` launches under `cfg` for bf16 x [M, K]
+    (contiguous) and weight [N, K] on `sms` SMs, with programmatic dependent launch as on the GPU, compiled for arch
+    `key` (aot.compile_for)."""
+    p = plan(cfg, M, N, K, sms, key)
+    signature = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*fp32" if raw else "*bf16", part_ptr="*fp32",
+                     count_ptr="*i32", N="i32", K="i32", k_per_split="i32", splits="i32")
+    options = dict(arch=key, num_warps=cfg.warps, aligned=True, divisible=("N", "K", "k_per_split"))
+    if cfg.kind == "gemv":
+        constexprs = dict(stride_wn=K, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
+                          STAGES=p.stages, PDL=True, RAW=raw)
+        return _gemv_kernel, signature, constexprs, options
+    signature = dict(signature, M="i32")
+    constexprs = dict(stride_xm=K, stride_wn=K, BLOCK_M=p.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      EVEN_K=K % cfg.block_k == 0, SWAP=cfg.kind == "swap", PDL=True, TMA=cfg.tma,
+                      REDUCE_LOADS=reduce_loads(cfg, p.block_m), RAW=raw)
+    if cfg.tma:
+        signature.update(x_desc=f"tensordesc<bf16[{p.block_m}, {cfg.block_k}]>",
+                         w_desc=f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>")
+    else:
+        constexprs.update(x_desc=None, w_desc=None)
+    return _dot_kernel, signature, constexprs, dict(options, num_stages=p.stages)
 
 
 def _descriptors(x, weight, block_m, cfg):
@@ -310,14 +325,15 @@ def _descriptors(x, weight, block_m, cfg):
 def adopted(device, M, N, K):
     """The adopted Config for this shape and M on `device`, or None (cuBLAS)."""
     bucket = bucket_of(M) if M >= 1 else None
-    return ADOPTED.get(arch_of(device), {}).get((N, K), {}).get(bucket) if bucket else None
+    return ADOPTED[arch.current(device)].get((N, K), {}).get(bucket) if bucket else None
 
 
 def linear(x, weight):
-    """See `ops.linear.linear`: the Triton kernel where `ADOPTED` lists this shape and M bucket, else cuBLAS.
-    x: [M, K]; weight: [N, K]. Returns [M, N]."""
+    """See `ops.linear.linear`: the Triton kernel where `ADOPTED` lists this shape and M bucket for 16-bit operands
+    (what it was measured with), else cuBLAS. x: [M, K]; weight: [N, K]. Returns [M, N]."""
     M, K = x.shape
     cfg = adopted(x.device, M, weight.shape[0], K)
-    if cfg is None or x.dtype != weight.dtype or x.stride(1) != 1 or weight.stride(1) != 1:
+    if (cfg is None or x.dtype not in (torch.float16, torch.bfloat16) or x.dtype != weight.dtype or x.stride(1) != 1
+            or weight.stride(1) != 1):
         return F.linear(x, weight)
     return linear_kernel(x, weight, cfg)

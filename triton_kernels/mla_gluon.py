@@ -14,7 +14,7 @@ before its own are masked), the tree's tiles have their scores masked by the tre
 with programmatic dependent launch (`pdl.py`): the programs wait for the previous grid before their first load.
 
 Gluon has no interpreter: the CPU suite compiles it for sm_90 (tests/test_attention_kernel.py) and the GPU tests
-run it. Where it is measured: triton_kernels/README.md (attention, sessions 12-16).
+run it.
 """
 
 import torch
@@ -24,29 +24,24 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from triton_kernels import pdl
-from triton_kernels.mla_attention import program_range
+from triton_kernels import aot, arch, pdl
+from triton_kernels.mla_splits import D_LAT as LAT, D_PE as PE, ENTRY, program_range
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # Triton >= 3.7 / 3.6
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6 / newer
 _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # Triton >= 3.7 / 3.6
 
-ENTRY, LAT, PE, ROWS = 576, 512, 64, 64  # host ints: entry, its parts, query rows a program
+ROWS = 64  # query rows a program
 D_LAT, D_PE, BM = gl.constexpr(LAT), gl.constexpr(PE), gl.constexpr(ROWS)  # the same, for the kernel
 HALF = gl.constexpr(LAT // 2)  # value columns a warpgroup owns
-# The ring, (cache entries a tile, tiles in the ring), by query rows: the first whose rows (None: any) fit. H200,
-# 32k cache, us (bench/results/attention_gluon_h200_s14_seesaw.json): 64 rows (H 64 T 1 / H 8 T 8) 23.9 / 23.9 with
-# (32, 4) against 26.4 / 26.6 with (64, 2), 128k H 64 T 1 52.3 / 55.3; above 64 rows (64, 2): H 8 T 32 44.4 against
-# 47.7, H 64 T 128 949 / 1133, the 4k verify's T 9 / 33 / 65 / 129 15.8 / 19.0 / 21.4 / 29.8 against 16.6 / 20.2 /
-# 22.4 / 33.5.
+# The ring, (cache entries a tile, tiles in the ring), by query rows: the first whose rows (None: any) fit. Two
+# pairs of 32-entry tiles where the query block has at most 64 rows, one pair of 64-entry tiles above: the faster
+# at every timed shape (bench/results/attention_gluon_h200_s14_seesaw.json).
 RINGS = ((ROWS, (32, 4)), (None, (64, 2)))
 # Tiles the loader keeps in flight, by ring (the ring's size where not listed): it issues tile i once tile i - n has
 # landed. All programs ask for their ring at once at the start, and a tile lands when its last bytes do, so with the
-# whole ring in flight the first tile lands about when the last does. H200, us, interleaved in each of two calls,
-# 2 of the (32, 4) ring's against 4 (bench/results/attention_gluon_h200_s17_in_flight{,2}.json, 06:06 and 06:16
-# UTC): 32k H 8 T 8 20.9, 20.5 / 21.3, 21.3 against 21.4, 21.2 / 21.5, 21.6; H 64 T 1 20.2, 20.3 / 20.9, 21.4
-# against 21.5, 21.2 / 21.6, 21.3; 128k H 64 T 1 50.8, 51.5 against 51.2, 51.1; 3 in between, 1 slower. One of the
-# (64, 2) ring's: 3-10% slower at 32k H 8 T 32 / 64, H 64 T 8 and the 4k verify's T 33-129.
+# whole ring in flight the first tile lands about when the last does; 2 of the (32, 4) ring's 4 are 2-5% faster at
+# 32k (bench/results/attention_gluon_h200_s17_in_flight.json), fewer of the (64, 2) ring's slower.
 RING_IN_FLIGHT = {(32, 4): 2}
 # Registers a thread of each of the two compute warpgroups. With the loader's (the kernel's 4 warps, the default
 # partition, which gets what is left: 24) that is 12 warps, so the launch's maxnreg is MAXNREG = 65,536 / 384
@@ -402,12 +397,12 @@ def _split_kernel(q_lat_desc, q_pe_desc, k_lat_desc, k_pe_desc, lens_ptr, mask_p
     ], [4, 4], [PARTITION_REGS, PARTITION_REGS])
 
 
-def usable(q, kv_cache, config, partials):
-    """Whether the Gluon kernel can run this call: a Hopper GPU (not the interpreter), bf16, the op's 64x64 config
-    with all 512 values a program, 16-byte aligned q and cache rows, and partials of `partials` (dtype) that
-    `stages_partials` allows."""
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype == torch.bfloat16
-            and tuple(config[:2]) == (ROWS, 64) and config[4] == LAT and q.data_ptr() % 16 == 0
+def usable(q, kv_cache, tiles, partials):
+    """Whether the Gluon kernel can run this call: a Hopper GPU running sm_90's tables (`arch.hopper_features`; not
+    the interpreter), bf16, the op's 64x64 tiles, 16-byte aligned q and cache rows, and partials of `partials`
+    (dtype) that `stages_partials` allows."""
+    return (q.is_cuda and arch.hopper_features(q.device) and q.dtype == torch.bfloat16
+            and (tiles.block_m, tiles.block_n) == (ROWS, 64) and q.data_ptr() % 16 == 0
             and kv_cache.data_ptr() % 16 == 0 and kv_cache.is_contiguous()
             and stages_partials(ring_for(q.shape[1] * q.shape[2]), partials))
 
@@ -436,14 +431,14 @@ def in_flight(ring):
     return RING_IN_FLIGHT.get(tuple(ring), ring[1])
 
 
-def split(q, kv_cache, cache_lens, mask, o_part, lse_part, num_splits, scale_log2, causal, tail_split, ring=None):
+def split(q, kv_cache, cache_lens, mask, o_part, lse_part, num_splits, scale_log2, causal, tail_split):
     """Launch the split kernel as `mla_attention` launches `_mla_split_kernel`: q [B, T, H, 576] bf16 contiguous,
     kv_cache [B, L_max, 576] contiguous, cache_lens [B] int32, mask the tree mask (or anything with causal) ->
-    the partials o_part [B, splits, T*H, 512] and lse_part [B, splits, T*H] for `_merge_kernel`. ring: (cache
-    entries a tile, tiles in the ring; an even count), None: ring_for(T*H)."""
+    the partials o_part [B, splits, T*H, 512] and lse_part [B, splits, T*H] for the merge, with the ring of
+    `ring_for(T*H)`."""
     B, T, H, _ = q.shape
     rows = T * H
-    block_n, stages = ring = ring or ring_for(rows)
+    block_n, stages = ring = ring_for(rows)
     if not stages_partials(ring, o_part.dtype):
         raise ValueError(f"mla_gluon.split: {o_part.dtype} partials do not fit the ring {ring}'s slots")
     q2 = q.view(B * rows, ENTRY)
@@ -462,8 +457,6 @@ def compile_report(H=8, causal=False, tail_split=True, ring=RINGS[-1][1]):
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from triton_kernels.aot import Resources, _ptxas_report
-
     q = torch.empty(ROWS, ENTRY, dtype=torch.bfloat16)
     block_n, stages = ring
     kv = torch.empty(2, 4 * block_n, ENTRY, dtype=torch.bfloat16)
@@ -477,6 +470,5 @@ def compile_report(H=8, causal=False, tail_split=True, ring=RINGS[-1][1]):
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(list(signature).index("o_part_ptr"),): [["tt.divisibility", 16]]}
     src = GluonASTSource(_split_kernel, signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAXNREG))
-    registers, spills = _ptxas_report(compiled.asm["ptx"], 90)
-    return Resources(shared=compiled.metadata.shared, registers=registers, spill_bytes=spills)
+    return aot.resources(triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                        options=dict(num_warps=4, maxnreg=MAXNREG)))

@@ -10,11 +10,12 @@ A kernel whose grid fills the GPU for a while (the attention's split kernel) rel
 next kernel's programs do not sit beside it waiting.
 """
 
-import torch
 import triton
 import triton.language as tl
 
-ENABLED = True  # False: plain launches everywhere (bench_step.py --no-pdl, for A/B timing)
+from triton_kernels import arch
+
+ENABLED = True  # False: plain launches everywhere (for A/B timing of whole steps)
 
 
 @triton.jit
@@ -38,9 +39,17 @@ def enter(PDL: tl.constexpr):
     release(PDL)
 
 
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the lines holding ptrs (a hint: no result to wait for; PTX prefetch, so not interpretable). A
+    kernel launched with PDL issues it for constant data (weights) before its `wait`."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 def active(t):
-    """Whether kernels reading tensor `t` launch with PDL (CUDA, compute capability 9.0 or newer)."""
-    return ENABLED and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9
+    """Whether kernels reading tensor `t` launch with PDL (a GPU of compute capability 9.0 or newer)."""
+    return ENABLED and t.is_cuda and arch.capability(arch.device_arch(t.device)) >= 90
 
 
 def options(t):

@@ -10,20 +10,24 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import pdl
-from triton_kernels.ddtree import _ordered
+from triton_kernels import arch, pdl
+from triton_kernels.keys import ordered
 from triton_kernels.linear import MAX_ROWS, Config, linear_kernel
-from triton_kernels.moe_configs import sm_count
 
 BLOCK_E = 32
-# (max rows, BLOCK_M, BLOCK_D) of the logits kernel, the first row whose max covers M (None: any): one token block
-# per program, so at 65-129 tree nodes a 16-row block re-reads the gate weight (5.5 MB at TP8's E = 384) 5-9 times.
-# H200 12:44 UTC (bench/results/glue_h200_s6.md), logits + select us at 1 / 9 / 33 / 65 / 129 rows:
-# 16x256 6.83 / 6.85 / 8.40 / 10.41 / 15.27, 32x256 7.98 / 7.65 / 9.37 / 9.98 / 13.98, 64x128 9.48 / 8.58 / 8.26 /
-# 10.89 / 12.66, 64x256 9.14 / 9.29 / 9.10 / 12.44 / 13.59
-LOGITS_TILES = ((33, 16, 256), (65, 32, 256), (None, 64, 128))
+MAX_SPLITS = 16
 LOWEST = tl.constexpr(-(2**63))  # below every select key
-SELECT_WARPS = 4  # fastest at 1-129 rows (bench_glue, H200 10:03 UTC); 1 warp spills on sm_90 and sm_120
+
+# Per arch, how the logits are computed by token count: one token on the skinny GEMM's gemv (no tl.dot: fp32 FMAs
+# of 16-byte weight loads), 2 to linear.MAX_ROWS tokens on its dot tiles through tensor descriptors (the padding
+# rows not loaded), the K-split partials of both left for the select kernel to sum (`linear_kernel(raw=True)`):
+# 1.2-1.3x faster than the logits kernel below at 1-65 tokens (bench/results/glue_h200_s11.json). More tokens:
+# the logits kernel with (BLOCK_M, BLOCK_D) tiles, one token block a program.
+ONE_ROW = {"sm_90": Config("gemv", 16, 512, 4, 4, 1), "sm_120": Config("gemv", 16, 512, 4, 4, 1)}
+MANY_ROWS = {"sm_90": Config("swap", 64, 128, 4, 4, 0.5, tma=True),
+             "sm_120": Config("swap", 64, 128, 4, 4, 0.5, tma=True)}
+LOGITS_TILE = {"sm_90": (64, 128), "sm_120": (64, 128)}
+SELECT_WARPS = {"sm_90": 4, "sm_120": 4}  # fastest at 1-129 rows; 1 warp spills on sm_90 and sm_120
 
 
 @triton.jit
@@ -87,7 +91,7 @@ def _select_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, M, E, splits, group
         choice = tl.where(kept, choice, float("-inf"))
     # one max a pick: key = choice's order-preserving int32 bits above (2^31 - 1 - expert), so ties go to the
     # lower expert; padding lanes hold the smallest key
-    key = tl.where(ok, (_ordered(choice).to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64), LOWEST)
+    key = tl.where(ok, (ordered(choice).to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64), LOWEST)
     offs_k = tl.arange(0, BLOCK_K)
     ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for j in range(top_k):  # descending, as torch.topk returns them
@@ -103,28 +107,8 @@ def _select_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, M, E, splits, group
     tl.store(weights_ptr + m * top_k + offs_k, chosen * scaling, mask=offs_k < top_k)
 
 
-MAX_SPLITS = 16
-# One token: the gemv of triton_kernels.linear (no tl.dot, fp32 FMAs of 16-byte weight loads) with its K-split
-# partials left for the select kernel to sum (`linear_kernel(raw=True)`); None: the dot kernel above. H200 (17:42 UTC,
-# bench/results/glue_h200_s8.md), logits + select at one token: 16x512 5.14 us against the dot kernel's 6.89 (logits
-# alone 2.47 against 3.88), the same experts and weights; 8x512 5.25-5.54, 16x256 5.51, 32x256 5.74
-ONE_ROW_GEMV = Config("gemv", 16, 512, 4, 4, 1)
-# 2 to linear.MAX_ROWS tokens: a Config of the skinny GEMM (its tiles through tensor descriptors do not load the
-# padding rows), the K-split partials left for the select kernel as the gemv's are; None: the logits kernel above.
-# H200 (21:30 UTC, bench/results/glue_h200_s11.json), logits + select at 9 / 33 / 65 tokens with
-# Config("swap", 64, 128, 4, 4, 0.5, tma=True) (6 N tiles x 11 K splits): 5.98 / 6.81 / 7.99 us against the logits
-# kernel's 6.87 / 8.18 / 9.70. In the verify at 4k (session 12, 22:07 UTC, same call, bench/results/
-# step_h200_s12_router_{many,none}.json): budget 8 / 32 7.84 / 11.10 ms against 7.88 / 11.24 with the logits kernel.
-MANY_ROWS = Config("swap", 64, 128, 4, 4, 0.5, tma=True)
-
-
-def logits_tile(M):
-    """(BLOCK_M, BLOCK_D) of the logits kernel for M rows."""
-    return next((bm, bd) for max_m, bm, bd in LOGITS_TILES if max_m is None or M <= max_m)
-
-
 def _splits(M, E, sms, block_m):
-    """K splits so that the logits grid is about two programs per SM even for a single token."""
+    """K splits so that the logits grid is about two programs per SM."""
     tiles = triton.cdiv(E, BLOCK_E) * triton.cdiv(M, block_m)
     return max(1, min(MAX_SPLITS, 2 * sms // tiles))
 
@@ -134,13 +118,13 @@ def logits(x, gate_weight):
     partials [splits, M, E], which the select kernel sums."""
     M, D = x.shape
     E = gate_weight.shape[0]
-    if M == 1 and ONE_ROW_GEMV is not None:
-        return linear_kernel(x, gate_weight, ONE_ROW_GEMV, raw=True)
-    if 1 < M <= MAX_ROWS and MANY_ROWS is not None:
-        return linear_kernel(x, gate_weight, MANY_ROWS, raw=True)
-    sms = sm_count(x.device)
-    block_m, block_d = logits_tile(M)
-    d_per_split = triton.cdiv(triton.cdiv(D, _splits(M, E, sms, block_m)), block_d) * block_d
+    key = arch.current(x.device)
+    if M == 1:
+        return linear_kernel(x, gate_weight, ONE_ROW[key], raw=True)
+    if M <= MAX_ROWS:
+        return linear_kernel(x, gate_weight, MANY_ROWS[key], raw=True)
+    block_m, block_d = LOGITS_TILE[key]
+    d_per_split = triton.cdiv(triton.cdiv(D, _splits(M, E, arch.sm_count(x.device), block_m)), block_d) * block_d
     splits = triton.cdiv(D, d_per_split)
     part = torch.empty(splits, M, E, dtype=torch.float32, device=x.device)
     _logits_kernel[(triton.cdiv(E, BLOCK_E), triton.cdiv(M, block_m), splits)](
@@ -165,5 +149,5 @@ def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm
                          topk_group, top_k, float(scaling_factor), NORM=bool(norm_topk_prob),
                          BLOCK_E=triton.next_power_of_2(E), BLOCK_G=triton.next_power_of_2(n_group),
                          BLOCK_K=triton.next_power_of_2(top_k), BLOCK_S=triton.next_power_of_2(splits),
-                         num_warps=SELECT_WARPS, **pdl.options(x))
+                         num_warps=SELECT_WARPS[arch.current(x.device)], **pdl.options(x))
     return weights, ids

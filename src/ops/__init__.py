@@ -5,7 +5,8 @@ The model calls only these functions; `ops.use(...)` / `--kernels` / SPEC_KERNEL
 
 from ops.absorb import absorb_output, absorb_query
 from ops._backend import current, dispatch, has_triton, op_names, table, use, use_spec, using
-from ops.attention import causal_tree_mask, mla_attention, pack_tree_mask, tree_mask_dense, write_kv
+from ops.attention import mla_attention, pack_tree_mask, tree_mask_dense, write_kv
+from ops.drafter_attention import drafter_attention
 from ops.latent import write_latent
 from ops.linear import linear
 from ops.mlp import mlp
@@ -18,8 +19,8 @@ from ops import _backend
 _backend.apply_env()
 
 __all__ = [
-    "absorb_output", "absorb_query", "accept", "add_rms_norm", "apply_rope", "build_tree", "causal_tree_mask",
-    "compact", "current", "dispatch", "draft_topk", "has_triton", "head_norm_rope", "linear", "mla_attention",
+    "absorb_output", "absorb_query", "accept", "add_rms_norm", "apply_rope", "build_tree", "compact", "current",
+    "dispatch", "draft_topk", "drafter_attention", "has_triton", "head_norm_rope", "linear", "mla_attention",
     "mlp", "moe", "op_names", "pack_int4", "pack_tree_mask", "PackedExperts", "prepare_moe", "rms_norm", "route",
     "table", "Tree", "tree_mask_dense", "unpack_int4", "use", "use_spec", "using", "write_kv", "write_latent",
     "yarn_inv_freq", "yarn_mscale",

@@ -3,7 +3,8 @@
 Set it in code (`ops.use(moe="triton")`), from a spec string (`ops.use_spec("moe=triton,attention=torch")`,
 what the CLI flag `--kernels` passes), or from the environment variable SPEC_KERNELS (same syntax, read at
 import). An op without an explicit choice runs Triton when a CUDA device is present and the op has a kernel,
-the torch reference otherwise.
+the torch reference otherwise. A SPEC_KERNELS value that does not parse does not break `import ops`: none of it
+is applied, and every use of the table (an op's dispatch, `current`, `table`) raises ValueError saying why.
 """
 
 import importlib
@@ -19,16 +20,15 @@ _triton_impls: dict = {}  # name -> "module:function", imported on first use
 _choice: dict = {}
 _follows: dict = {}  # companion function -> the op whose backend it follows (prepare_moe -> moe)
 _triton_dtypes: dict = {}  # op -> the activation dtypes its kernel takes on a GPU (absent: any)
-_torch_first: set = set()  # ops whose kernel runs only when chosen (not yet measured faster than the reference)
+_env_problem = None  # why SPEC_KERNELS could not be applied, raised at use
 
 
-def register(name, torch_impl, triton_impl=None, follows=None, triton_dtypes=None, default="triton"):
+def register(name, torch_impl, triton_impl=None, follows=None, triton_dtypes=None):
     """Declare op `name` with its torch reference and optionally its Triton launcher ("module:function").
 
     A companion (`follows="moe"`) has no switch of its own: it runs whatever backend its op runs.
     `triton_dtypes` limits the default choice of Triton to activations of those dtypes (an explicit choice
-    still runs the kernel, which then raises its own clear error). `default="torch"` keeps the reference as
-    the default even on a GPU, for a kernel not yet measured faster than it.
+    still runs the kernel, which then raises its own clear error).
     """
     _torch_impls[name] = torch_impl
     if triton_impl is not None:
@@ -37,8 +37,8 @@ def register(name, torch_impl, triton_impl=None, follows=None, triton_dtypes=Non
         _follows[name] = follows
     if triton_dtypes is not None:
         _triton_dtypes[name] = tuple(triton_dtypes)
-    if default == "torch":
-        _torch_first.add(name)
+    if _env_problem is not None:  # SPEC_KERNELS may name an op registered after `ops` was imported
+        apply_env()
 
 
 def op_names():
@@ -85,16 +85,19 @@ def use_spec(spec):
 
 def current(name, device=None, dtype=None):
     """The backend op `name` runs now, for activations of `dtype` on `device` (None: this machine's default)."""
+    if _env_problem is not None:
+        raise ValueError(_env_problem)
     name = _follows.get(name, name)
     if name in _choice:
         return _choice[name]
     on_gpu = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
     dtype_ok = dtype is None or dtype in _triton_dtypes.get(name, (dtype,))
-    return "triton" if has_triton(name) and on_gpu and dtype_ok and name not in _torch_first else "torch"
+    return "triton" if has_triton(name) and on_gpu and dtype_ok else "torch"
 
 
-def table():
-    return {name: current(name) for name in op_names()}
+def table(device=None):
+    """{op: backend} for activations on `device` (None: this machine's default device)."""
+    return {name: current(name, device) for name in op_names()}
 
 
 def dispatch(name, device=None, dtype=None):
@@ -127,6 +130,21 @@ class using:
 
 
 def apply_env():
-    spec = os.environ.get(ENV_VAR)
-    if spec:
+    """Apply SPEC_KERNELS, all of it or none: a value that does not parse is kept as the problem `current`
+    raises (so `import ops` works and any use of an op says what is wrong)."""
+    global _env_problem
+    _env_problem, spec = None, os.environ.get(ENV_VAR)
+    if not spec:
+        return
+    saved = dict(_choice)
+    try:
         use_spec(spec)
+    except ValueError as err:
+        _choice.clear()
+        _choice.update(saved)
+        _env_problem = f"{ENV_VAR}={spec!r}: {err}"
+
+
+def env_problem():
+    """Why SPEC_KERNELS could not be applied, or None."""
+    return _env_problem

@@ -4,7 +4,6 @@ from ops._backend import dispatch, register
 from ops._checks import check_dims, check_dtype
 
 LATENT_DIM = 512  # kv_lora_rank: the value part of a cache entry
-ENTRY_DIM = 576  # kv_lora_rank + qk_rope_head_dim: one cache entry, [c ; k_pe]
 
 
 def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=LATENT_DIM):
@@ -42,11 +41,6 @@ def tree_mask_dense(tree_mask, T):
     j = torch.arange(T, device=tree_mask.device)
     words = tree_mask.long()[..., j // 32]  # [B, T, T]
     return ((words >> (j % 32)) & 1).bool()
-
-
-def causal_tree_mask(B, T, device):
-    """The packed mask of a chain: token t sees tokens 0..t."""
-    return pack_tree_mask(torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T))
 
 
 def pack_tree_mask(dense):

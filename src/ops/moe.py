@@ -169,4 +169,4 @@ def moe_torch(x, topk_ids, topk_weights, experts, keep_sums=False):
 
 register("router", route_torch, "triton_kernels.router:route", triton_dtypes=(torch.float16, torch.bfloat16))
 register("moe", moe_torch, "triton_kernels.moe_w4a16:moe", triton_dtypes=(torch.float16, torch.bfloat16))
-register("prepare_moe", prepare_moe_torch, "triton_kernels.moe_w4a16:prepare_moe", follows="moe")
+register("prepare_moe", prepare_moe_torch, "triton_kernels.moe_layout:prepare_moe", follows="moe")

@@ -24,8 +24,8 @@ def add_rms_norm(x, residual, weight, eps, extra=None):
     With `extra` (a second partial output, e.g. a MoE's shared expert beside its routed experts):
     `h = (x + extra) + residual`, each add rounded as two separate adds would be.
 
-    residual, extra: [M, D] of one dtype; x: [M, D] of that dtype, or fp32 (rounded to it first, as a cast
-    would); weight: [D]. Returns (h [M, D], normed [M, D]) in residual's dtype.
+    residual, extra: [..., D] of one dtype; x: the same shape, of that dtype or fp32 (rounded to it first, as a
+    cast would); weight: [D]. Returns (h, normed), both of residual's shape and dtype.
     """
     if (x.shape != residual.shape or x.dtype not in (residual.dtype, torch.float32) or x.shape[-1] != weight.shape[0]
             or extra is not None and (extra.shape != x.shape or extra.dtype != residual.dtype)):

@@ -1,7 +1,7 @@
-"""DDTree ops: drafter top-k, best-first tree build, lossless acceptance, KV compaction (REFERENCE.md section 3).
+"""DDTree ops: drafter top-k, best-first tree build, lossless acceptance, KV compaction.
 
 Everything stays on the device: no op here reads a tensor back to the host.
-Tie rules (the same in every backend and in the heapq reference `spec.tree_ref`):
+Tie rules (the same in every backend and in the tests' heapq oracle, `tests/tree_ref.py`):
 - top-k: larger logit first, equal logits by lower token id;
 - tree build: larger cumulative log-prob first, equal ones by lower parent node index (each parent has at most
   one candidate in the frontier at a time: its next unexpanded child rank), -0.0 counted as +0.0;
@@ -56,7 +56,8 @@ def draft_topk(logits, k):
 
 
 def build_tree(logprobs, tokens, root_tokens, budget):
-    """Best-first DDTree of `budget` nodes under the root (REFERENCE.md section 3 step 2).
+    """Best-first DDTree of `budget` nodes under the root: of all trees of that size, the one with the largest
+    expected acceptance length if the drafter's per-depth marginals were right.
 
     logprobs: [B, L, K] fp32 per-depth top-K log-probs (<= 0, as log_softmax gives), descending per depth;
     tokens: [B, L, K] int64 their token ids;
@@ -78,8 +79,9 @@ def build_tree(logprobs, tokens, root_tokens, budget):
 
 
 def accept(tree, target_logits, temperature, top_p=1.0, top_k=0, seeds=None, step=0):
-    """Lossless acceptance (REFERENCE.md section 3 step 4): sample the target at every node, walk from the root
-    while the current node's sample is one of its children's tokens; the last node's sample is the bonus token.
+    """Lossless acceptance: sample the target at every node, walk from the root while the current node's sample
+    is one of its children's tokens; the last node's sample is the bonus token. Every emitted token is then a
+    sample of the target itself (its argmax at T = 0), whatever the drafter proposed.
 
     target_logits: [B, N+1, V] float, row i = the target's logits after node i. temperature 0: argmax;
     otherwise Gumbel-max over softmax(logits / T), restricted to the top_k largest (0 = all) and then to the

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# One device call: bash bench/device.sh PART[:SECONDS] ...   (parts run in the order given, each bounded)
+#   tests:180     every GPU test (8 xdist workers; the CPU-only compile checks and multi-process tests are CI's:
+#                 TEST_FILTER overrides the -k expression)
+#   warm:90       each sweep case once in 8 processes, no timing: fills Triton's cache for the timed run
+#   sweeps:210    the four sweeps (`pytest bench --benchmark-json`), rendered; or one alone: moe:90, attention:90,
+#                 tree:60, dense:60
+#   step:150      the step benchmark (python -m bench.bench_step $STEP_ARGS)
+#   old:230       the benchmarks of the old tree in .old/ (aa1fe5d's bench_moe/attention/tree/linear/glue) on this GPU
+#   old-step:150  the old tree's bench_step.py with the same $STEP_ARGS
+#   compare       new against old, case by case (python -m bench.compare; also run last whenever both exist)
+#   all           tests warm sweeps step
+# Everything is written under $OUT/bench and comes back as $OUT/bench.tar.gz (logs; new/ and old/ raw JSON;
+# results/ in bench/results' naming), with $OUT/summary.md (test outcome and the comparison) beside it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+R="$OUT/bench"
+mkdir -p "$R/new" "$R/old" "$R/results"
+TEST_FILTER=${TEST_FILTER:-"not sm120 and not sm90 and not two_gloo and not torchrun"}
+STEP_ARGS=${STEP_ARGS:-"--contexts 4096 --buckets 0,8,16,32,64,128 --iters 10"}
+python -m pip install --no-deps --no-build-isolation -e . >"$R/pip.log" 2>&1 || export PYTHONPATH="$PWD/src:$PWD"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$R/gpu.txt"
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$R/gpu.txt"
+GPU=$(python -c "import torch; from bench.render import gpu_slug; print(gpu_slug(torch.cuda.get_device_name()))")
+
+outcome() {  # NAME LOG EXIT: one line for the summary, the failures after it
+  echo "$1: exit $3, $(grep -E "passed|failed|skipped|error" "$2" | tail -1)" | tee -a "$R/summary.md"
+  grep -E "^(FAILED|ERROR)" "$2" | head -20 | tee -a "$R/summary.md"
+}
+
+tests() {
+  timeout "$1" python -m pytest -q -n 8 -rf --tb=short -p no:cacheprovider tests -k "$TEST_FILTER" \
+    >"$R/gpu_tests_$GPU.log" 2>&1
+  outcome tests "$R/gpu_tests_$GPU.log" $?
+  cp "$R/gpu_tests_$GPU.log" "$R/results/"
+}
+
+warm() {
+  timeout "$1" python -m pytest -q -n 8 -p no:cacheprovider --benchmark-disable bench >"$R/warm.log" 2>&1
+  outcome warm "$R/warm.log" $?
+}
+
+sweep() {  # NAME SECONDS FILES...: cases not started 30 s before the end are skipped, so the JSON is written
+  local name=$1 s=$2; shift 2
+  timeout "$s" python -m pytest -q -p no:cacheprovider --bench-seconds $((s > 60 ? s - 30 : s / 2)) "$@" \
+    --benchmark-json "$R/new/$name.json" --benchmark-columns=median,rounds >"$R/$name.log" 2>&1
+  outcome "$name" "$R/$name.log" $?
+  [ -f "$R/new/$name.json" ] && python -m bench.render "$R/new/$name.json" --out "$R/results"
+}
+
+step() {
+  # shellcheck disable=SC2086
+  timeout "$1" python -m bench.bench_step --out "$R/new/step" $STEP_ARGS >"$R/step.log" 2>&1
+  echo "step: exit $?" | tee -a "$R/summary.md"
+  for f in json md; do [ -f "$R/new/step/step.$f" ] && cp "$R/new/step/step.$f" "$R/results/step_$GPU.$f"; done
+  tail -12 "$R/step.log"
+}
+
+old_tree() {  # SECONDS COMMAND...: a command of the old tree (.old/, its own imports first), bounded
+  local s=$1; shift
+  (cd .old && PYTHONPATH="$PWD/src:$PWD" timeout "$s" "$@")
+}
+
+old() {  # the shares of SECONDS: MoE 30%, attention 30%, tree 12%, dense projections 18%, glue 8%
+  local s=$1 O="$R/old"
+  has_old_tree || return
+  {
+    old_tree $((s * 16 / 100)) python bench/bench_moe.py --out "$O/moe" --variants --names none --gap \
+      --budget $((s * 16 / 100 - 3)) --tag _uniform
+    old_tree $((s * 8 / 100)) python bench/bench_moe.py --out "$O/moe" --variants --names none --gap --shape ep8 \
+      --budget $((s * 8 / 100 - 3)) --tag _ep8
+    old_tree $((s * 6 / 100)) python bench/bench_moe.py --out "$O/moe" --variants --names none --gap \
+      --routing step --ms 9,33,65,129 --budget $((s * 6 / 100 - 3)) --tag _step
+    old_tree $((s * 30 / 100)) python bench/bench_attention.py --out "$O/attention" --defaults \
+      --contexts 32768 131072 --workers 14
+    old_tree $((s * 12 / 100)) python bench/bench_tree.py --out "$O/tree" --cases 8:8,64:8,512:8,64:16
+    old_tree $((s * 18 / 100)) python bench/bench_linear.py --out "$O/linear" --defaults --budget $((s * 12 / 100))
+    old_tree $((s * 8 / 100)) python bench/bench_glue.py --out "$O/glue" --ops absorb_query,absorb_output,router \
+      --tiles "" --output-tiles ""
+  } >"$R/old.log" 2>&1
+  echo "old: done, $(find "$O" -name '*.json' | wc -l) JSON files" | tee -a "$R/summary.md"
+}
+
+old_step() {
+  has_old_tree || return
+  # shellcheck disable=SC2086
+  old_tree "$1" python bench/bench_step.py --out "$R/old/step" $STEP_ARGS >"$R/old_step.log" 2>&1
+  echo "old-step: exit $?" | tee -a "$R/summary.md"
+}
+
+compare() {
+  python -m bench.compare "$R/old" "$R/new" >"$R/compare.md" 2>&1
+  tee -a "$R/summary.md" <"$R/compare.md"
+}
+
+has_old_tree() {
+  [ -d .old/bench ] && return
+  echo "no .old/ tree: mkdir -p .old && git archive aa1fe5d src triton_kernels model spec bench | tar -x -C .old" \
+    | tee -a "$R/summary.md"
+  return 1
+}
+
+declare -A SECONDS_OF=([tests]=180 [warm]=90 [sweeps]=210 [moe]=90 [attention]=90 [tree]=60 [dense]=60
+                       [step]=150 [old]=230 [old-step]=150 [compare]=60)
+[[ " $* " == *" all "* ]] && set -- tests warm sweeps step
+for arg in "$@"; do
+  if [ -z "${SECONDS_OF[${arg%%:*}]+x}" ]; then
+    echo "error: unknown part '${arg%%:*}' (${!SECONDS_OF[*]} all)"
+    exit 2
+  fi
+done
+compared=0
+for arg in "$@"; do
+  part=${arg%%:*}; s=${arg#*:}; [ "$s" = "$arg" ] && s=${SECONDS_OF[$part]}
+  echo "== $part (${s}s) at ${SECONDS}s" | tee -a "$R/summary.md"
+  case $part in
+    tests) tests "$s" ;;
+    warm) warm "$s" ;;
+    sweeps) sweep sweeps "$s" bench ;;
+    moe|attention|tree|dense) sweep "$part" "$s" "bench/test_$part.py" ;;
+    step) step "$s" ;;
+    old) old "$s" ;;
+    old-step) old_step "$s" ;;
+    compare) compare; compared=1 ;;
+  esac
+done
+if [ $compared = 0 ] && [ -n "$(find "$R/old" -name '*.json')" ] && [ -n "$(find "$R/new" -name '*.json')" ]; then
+  compare
+fi
+cp "$R/summary.md" "$OUT/summary.md"
+tar -C "$OUT" -czf "$OUT/bench.tar.gz" bench && rm -rf "$R"
+echo "done at ${SECONDS}s: $OUT/bench.tar.gz, $OUT/summary.md"
