@@ -15,7 +15,8 @@ and the tree drafted at a position depends only on the text before it, so one re
 step the latency of its budget from a step table (bench/bench_step.py's json, or a spec.budget.LatencyTable
 file): tokens/s of that pair's acceptance at the table's costs (e.g. K2.6's TP8 rank on an H100).
 
-`python -m bench.policy host-cost`: the host time of BudgetPolicy.update, the per-step host work `auto` adds.
+`python -m bench.policy host-cost`: the host time of auto's per-step work (BudgetPolicy.update, the engine's
+`choose`); `scorer-cost`: its device work (the draft pass's extra, one graph replay on a GPU).
 """
 
 import argparse
@@ -389,6 +390,39 @@ def host_cost(args):
           f"{platform.processor() or platform.machine()}, load average {os.getloadavg()[0]:.1f})")
 
 
+def scorer_cost(args):
+    """Microseconds of auto's device work a step, `MassScorer.stats` (path masses of every candidate, corrected
+    gains, fixed point) on a draft's top-k log-probs [B, L, K = the largest candidate]: replayed as a CUDA graph
+    on a GPU (events, the median of rounds), eager on a CPU (host clock)."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    budgets, L = AUTO_BUDGETS, args.depth
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(args.batch, L, 4096, generator=gen).to(device)
+    lp, _ = ops.draft_topk(logits, max(budgets))
+    scorer = MassScorer(budgets, L, device)
+    run = lambda: scorer.stats(lp, budgets[1])  # noqa: E731
+    if device.type == "cuda":
+        from spec.graphs import capture_graph
+
+        graph = capture_graph(run, device, None)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        rounds = []
+        for _ in range(args.repeats):
+            start.record()
+            for _ in range(100):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            rounds.append(start.elapsed_time(end) * 10)  # us a replay
+        where = f"{torch.cuda.get_device_name(device)}, one CUDA graph replay"
+    else:
+        run()
+        rounds = [timeit.timeit(run, number=100) * 1e4 for _ in range(args.repeats)]
+        where = "CPU, eager"
+    print(f"auto's scorer: {statistics.median(rounds):.1f} us a step (median of {args.repeats} x 100; B = {args.batch}, "
+          f"L = {L}, candidates {list(budgets)}; {where})")
+
+
 # ---- command line ---------------------------------------------------------------------------------------------
 
 def main(argv=None):
@@ -420,12 +454,17 @@ def main(argv=None):
     s.add_argument("--out", default=None)
     s = sub.add_parser("host-cost")
     s.add_argument("--repeats", type=int, default=7)
+    s = sub.add_parser("scorer-cost")
+    s.add_argument("--device", default=None)
+    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--depth", type=int, default=7)
+    s.add_argument("--repeats", type=int, default=7)
     args = p.parse_args(argv)
     if getattr(args, "draft_model_path", None) and not args.model_path:
         raise SystemExit("error: --draft-model-path needs --model-path")
     if getattr(args, "model_path", None) and not args.draft_model_path:
         raise SystemExit("error: --model-path needs --draft-model-path")
-    {"live": live, "record": record, "replay": replay, "host-cost": host_cost}[args.mode](args)
+    {"live": live, "record": record, "replay": replay, "host-cost": host_cost, "scorer-cost": scorer_cost}[args.mode](args)
 
 
 if __name__ == "__main__":
