@@ -260,7 +260,8 @@ class _Run:
             self.verify = lambda tokens, positions, mask: target(tokens, positions, self.cache, tree_mask=mask,
                                                                  hidden_layers=self.hidden_layers)
         else:
-            graphs = engine.step_graphs(B, cache_len, self.hidden_layers, engine.candidates or (bucket,))
+            buckets = engine.candidates if spec and engine.auto else (bucket,)  # auto verifies any candidate
+            graphs = engine.step_graphs(B, cache_len, self.hidden_layers, buckets)
             self.cache, self.verify = graphs.cache, graphs.verify
         self.seeds = torch.tensor([sampling.seed + b for b in range(B)], dtype=torch.int64, device=dev)
         self.policy, self.budget, self.budgets = None, engine.budget if spec else 0, []

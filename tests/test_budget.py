@@ -380,3 +380,5 @@ def test_graphs_equal_eager_under_auto_and_the_chain_gpu(kind):
         table = engine.latencies[len(PROMPTS)]
         assert table.budgets == engine.candidates and all(table.ms(b) > 0 for b in table.budgets)
         assert set(result.budgets) <= set(engine.candidates) and len(result.output_ids[0]) == NEW
+        plain = [Engine(target, drafter, cuda_graphs=g).generate(PROMPTS, NEW, spec=False) for g in (True, False)]
+        assert plain[0].output_ids == plain[1].output_ids and set(plain[0].budgets) == {0}
