@@ -149,9 +149,11 @@ def live(args):
                          mean_accept=sum(accepts) / len(accepts), steps=len(accepts) // args.repeats,
                          budgets=dict(sorted(budgets.items()))))
         print(json.dumps(rows[-1]), flush=True)
-    meta = dict(machine=machine(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    meta = dict(machine=machine(device), torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 pair=args.model_path or "embedded default (spec/default_model.py)", prompts=len(prompts),
-                max_new_tokens=args.max_new_tokens, repeats=args.repeats, cuda_graphs=args.cuda_graphs and device.type == "cuda",
+                max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                cuda_graphs=args.cuda_graphs and device.type == "cuda",
                 auto_budgets=auto, latency=args.latency or "measured by the engine", kernels=ops.table(),
                 load_average=os.getloadavg()[0])
     auto_engine = engines["auto"]
@@ -179,7 +181,8 @@ def live_markdown(meta, rows):
     for r in rows:
         chosen = ", ".join(f"{b}: {n}" for b, n in r["budgets"].items()) if r["policy"] == "auto" else "-"
         cpu_vals = f"{r['tokens_per_cpu_s']:.1f} | {r['cpu_spread'][0]:.1f}-{r['cpu_spread'][1]:.1f} | " if cpu else ""
-        lines.append(f"| {r['policy']} | {cpu_vals}{r['tokens_per_s']:.1f} | {r['spread'][0]:.1f}-{r['spread'][1]:.1f} | "
+        lines.append(f"| {r['policy']} | {cpu_vals}{r['tokens_per_s']:.1f} | "
+                     f"{r['spread'][0]:.1f}-{r['spread'][1]:.1f} | "
                      f"{r[key] / chain:.2f} | {r[key] / best:.2f} | {r['mean_accept']:.2f} | {r['steps']} | {chosen} |")
     return "\n".join(lines) + "\n"
 
@@ -335,7 +338,7 @@ def replay(args):
 def replay_markdown(meta, rows):
     chain = next(r["tokens_per_s"] for r in rows if r["policy"] == "chain")
     best = max(r["tokens_per_s"] for r in rows if r["policy"].isdigit())
-    lines = [f"# Tree-budget policies, replayed at a step table's costs", "",
+    lines = ["# Tree-budget policies, replayed at a step table's costs", "",
              f"Acceptance: {meta['pair']}, recorded over {meta['positions']} positions of {meta['prompts']} greedy "
              f"texts ({meta['record']}). Costs: {meta['steps_file']} at context {meta['context']} (the chain's "
              f"{meta['depth']} nodes charged at bucket {meta['chain_bucket']}; auto charged "
@@ -419,7 +422,8 @@ def scorer_cost(args):
         run()
         rounds = [timeit.timeit(run, number=100) * 1e4 for _ in range(args.repeats)]
         where = "CPU, eager"
-    print(f"auto's scorer: {statistics.median(rounds):.1f} us a step (median of {args.repeats} x 100; B = {args.batch}, "
+    print(f"auto's scorer: {statistics.median(rounds):.1f} us a step (median of {args.repeats} x 100; "
+          f"B = {args.batch}, "
           f"L = {L}, candidates {list(budgets)}; {where})")
 
 
@@ -464,7 +468,8 @@ def main(argv=None):
         raise SystemExit("error: --draft-model-path needs --model-path")
     if getattr(args, "model_path", None) and not args.draft_model_path:
         raise SystemExit("error: --model-path needs --draft-model-path")
-    {"live": live, "record": record, "replay": replay, "host-cost": host_cost, "scorer-cost": scorer_cost}[args.mode](args)
+    modes = {"live": live, "record": record, "replay": replay, "host-cost": host_cost, "scorer-cost": scorer_cost}
+    modes[args.mode](args)
 
 
 if __name__ == "__main__":

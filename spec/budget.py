@@ -267,8 +267,9 @@ class BudgetPolicy:
     After a step verified with `self.budget`, `update` takes what that step read back and returns the next
     step's budget: argmax over b of (live + gain(b)) / (step ms of b). Per step that is an append and a
     handful of float operations; the per-depth sums are folded in (and the factors copied to the device) after
-    1, 2, 4 and 8 steps, then every `refresh` steps. No clock is read: the choices are a function of the table and of what the steps
-    read back, so a seeded run repeats itself and tensor-parallel ranks agree.
+    1, 2, 4 and 8 steps, then every `refresh` steps. No clock is read: the choices are a function of the table
+    and of what the steps read back, so tensor-parallel ranks agree and, given the same table, a seeded run
+    repeats itself.
     decay: weight of the past per step; prior: steps' worth of "the drafter is calibrated" the sums start with
     (in the first step's masses); max_bias: cap of a factor.
     """

@@ -368,8 +368,8 @@ def print_report(report, args, tok, prompt_len, speculative, device, parallel, s
         }) + "\n")
         return
     streamer.finish()
-    write_out(f"[{mode_label(args, speculative, report.budgets)}] {len(report.ids)} tokens in {report.steps} steps, mean accept length "
-              f"{report.mean_accept_length:.2f}, {report.tokens_per_s:.1f} tok/s (prefill {report.prefill_s * 1e3:.0f} "
+    write_out(f"[{mode_label(args, speculative, report.budgets)}] {len(report.ids)} tokens in {report.steps} steps, "
+              f"mean accept length {report.mean_accept_length:.2f}, {report.tokens_per_s:.1f} tok/s (prefill {report.prefill_s * 1e3:.0f} "
               f"ms of {prompt_len} tokens, {report.reason}) on {device.type}" +
               (f" x {parallel.tp_size} ranks" if parallel.joined else "") + "\n")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import ops
-from spec.budget import (AUTO_BUDGETS, MASS_SCALE, BudgetPolicy, LatencyTable, MassScorer, ScoredTree, TreeDraft, chain_tree,
-                         path_masses, sum_rows)
+from spec.budget import (AUTO_BUDGETS, MASS_SCALE, BudgetPolicy, LatencyTable, MassScorer, ScoredTree, TreeDraft,
+                         chain_tree, path_masses, sum_rows)
 from tests.conftest import requires_gpu
 
 STEP_JSON = Path(__file__).parents[1] / "bench" / "results" / "step_h100_s27.json"
