@@ -25,6 +25,7 @@ import re
 import signal
 import sys
 import time
+from collections import Counter
 from datetime import timedelta
 
 import torch
@@ -33,9 +34,10 @@ import torch.distributed as dist
 import ops
 from model.memory import OutOfMemory, size_text
 from model.parallel import CollectiveError, Parallel, collective_failure
-from spec.engine import MAX_BUDGET, Engine, NonFiniteLogits, SamplingError, SamplingParams
+from spec.budget import LatencyTable
+from spec.engine import MAX_BUDGET, TREES, Engine, NonFiniteLogits, SamplingError, SamplingParams
 
-DEFAULT_BUDGET = 32
+DEFAULT_BUDGET = 32  # the fixed tree budget where auto is not wired in (spec.serve's continuous batching)
 
 
 class UsageError(Exception):
@@ -72,7 +74,14 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tree-budget", type=int, default=DEFAULT_BUDGET, help=f"draft tree nodes, 1..{MAX_BUDGET}")
+    p.add_argument("--tree-budget", default="auto",
+                   help=f"draft tree nodes, 1..{MAX_BUDGET}, or auto (default): each step the budget with the most "
+                        "expected tokens per second (spec/budget.py)")
+    p.add_argument("--tree", choices=TREES, default="ddtree",
+                   help="ddtree: the best-first tree; chain: DFlash's per-depth argmax (the block's L nodes)")
+    p.add_argument("--latency-table", default=None,
+                   help="auto's step ms per budget (bench/bench_step.py json or spec.budget.LatencyTable json; "
+                        "default: measured before the first step)")
     p.add_argument("--no-spec", action="store_true", help="target-only autoregressive decoding")
     p.add_argument("--kernels", default=None, help="op=backend,... e.g. moe=triton,attention=torch or all=triton")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
@@ -84,8 +93,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.prompt is None and args.prompt_ids is None:
         raise UsageError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
-    if not 1 <= args.tree_budget <= MAX_BUDGET:
-        raise UsageError(f"--tree-budget must be in 1..{MAX_BUDGET}, got {args.tree_budget}")
+    args.tree_budget = parse_budget(args.tree_budget)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.draft_model_path and not args.model_path:
@@ -97,6 +105,19 @@ def parse_args(argv):
     except SamplingError as err:
         raise UsageError(f"{SAMPLING_FLAGS[err.field]} {err.problem}") from None
     return args
+
+
+def parse_budget(text):
+    """'auto' or an int in 1..MAX_BUDGET."""
+    if text == "auto":
+        return text
+    try:
+        budget = int(text)
+    except ValueError:
+        budget = None
+    if budget is None or not 1 <= budget <= MAX_BUDGET:
+        raise UsageError(f"--tree-budget must be in 1..{MAX_BUDGET} or auto, got {text}")
+    return budget
 
 
 def positive_seconds(text):
@@ -318,15 +339,15 @@ class Progress:
     def report(self, reason):
         now = time.perf_counter()
         first = self.first_at or now
-        return Report(self.ids, self.accepts, len(self.accepts), first - self.start, now - first, reason)
+        return Report(self.ids, self.accepts, len(self.accepts), first - self.start, now - first, reason, ())
 
 
 class Report:
     """What a run made for sequence 0 (all of it, or up to an interruption) and how fast."""
 
-    def __init__(self, ids, accepts, steps, prefill_s, decode_s, reason):
+    def __init__(self, ids, accepts, steps, prefill_s, decode_s, reason, budgets):
         self.ids, self.accepts, self.steps, self.reason = list(ids), list(accepts), steps, reason
-        self.prefill_s, self.decode_s = prefill_s, decode_s
+        self.prefill_s, self.decode_s, self.budgets = prefill_s, decode_s, list(budgets)
 
     @property
     def mean_accept_length(self):
@@ -345,15 +366,25 @@ def print_report(report, args, tok, prompt_len, speculative, device, parallel, s
             "output_ids": report.ids, "text": decode_text(tok, report.ids), "accept_lengths": report.accepts,
             "mean_accept_length": report.mean_accept_length, "tokens_per_s": report.tokens_per_s,
             "steps": report.steps, "prompt_tokens": prompt_len, "finish_reason": report.reason,
-            "prefill_s": report.prefill_s, "decode_s": report.decode_s,
+            "prefill_s": report.prefill_s, "decode_s": report.decode_s, "budgets": report.budgets,
         }) + "\n")
         return
     streamer.finish()
-    mode = f"DDTree budget {args.tree_budget}" if speculative else "target only"
-    write_out(f"[{mode}] {len(report.ids)} tokens in {report.steps} steps, mean accept length "
-              f"{report.mean_accept_length:.2f}, {report.tokens_per_s:.1f} tok/s (prefill {report.prefill_s * 1e3:.0f} "
+    write_out(f"[{mode_label(args, speculative, report.budgets)}] {len(report.ids)} tokens in {report.steps} steps, "
+              f"mean accept length {report.mean_accept_length:.2f}, {report.tokens_per_s:.1f} tok/s (prefill {report.prefill_s * 1e3:.0f} "
               f"ms of {prompt_len} tokens, {report.reason}) on {device.type}" +
               (f" x {parallel.tp_size} ranks" if parallel.joined else "") + "\n")
+
+
+def mode_label(args, speculative, budgets):
+    if not speculative:
+        return "target only"
+    if args.tree == "chain":
+        return "DFlash chain"
+    if args.tree_budget != "auto":
+        return f"DDTree budget {args.tree_budget}"
+    chosen = sorted(Counter(budgets).items())
+    return "DDTree auto" + (" (budget " + ", ".join(f"{b} x{n}" for b, n in chosen) + ")" if chosen else "")
 
 
 def run(args):
@@ -376,7 +407,12 @@ def run(args):
 def generate(args, device, parallel):
     choose_kernels(args.kernels, device)
     target, drafter, tok = load(args, device, parallel)
-    engine = Engine(target, drafter, args.tree_budget, cuda_graphs=args.cuda_graphs)
+    try:
+        latency = LatencyTable.load(args.latency_table) if args.latency_table else None
+        engine = Engine(target, drafter, args.tree_budget, cuda_graphs=args.cuda_graphs, tree=args.tree,
+                        latency=latency)
+    except ValueError as err:
+        raise UsageError(f"--latency-table: {err}") from None
     try:
         ids = engine.check_prompts([prompt_ids(args, tok)])[0]
     except (TypeError, ValueError) as err:
@@ -399,7 +435,7 @@ def generate(args, device, parallel):
         raise
     if main_rank:
         report = Report(result.output_ids[0], result.accept_lengths[0], result.steps, result.prefill_s,
-                        result.decode_s, result.finish_reasons[0])
+                        result.decode_s, result.finish_reasons[0], result.budgets)
         print_report(report, args, tok, len(ids), speculative, device, parallel, streamer)
 
 

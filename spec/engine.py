@@ -14,7 +14,7 @@ import math
 import numbers
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,9 +22,11 @@ import ops
 from model.generate import count, token_prompts
 from model.tokenizer import token_id
 from ops.tree import Tree
+from spec.budget import AUTO_BUDGETS, BudgetPolicy, LatencyTable, MassScorer, TreeDraft, measure_steps, sum_rows
 from spec.graphs import DEFAULT_BUCKETS, DraftGraphs, StepGraphs, bucket_for, draft_eligibility, eligibility
 
 MAX_BUDGET = 512
+TREES = ("ddtree", "chain")
 
 
 class SamplingError(ValueError):
@@ -84,6 +86,7 @@ class GenerationResult:
     steps: int  # decode steps run for the batch
     prefill_s: float
     decode_s: float
+    budgets: list = field(default_factory=list)  # per step: the tree budget verified (0: target only)
 
     @property
     def tokens(self):
@@ -110,20 +113,45 @@ def root_tree(tokens):
 
 
 class Engine:
-    """Speculative (DDTree) or target-only decoding of batches of token prompts with a KimiModel target."""
+    """Speculative (DDTree) or target-only decoding of batches of token prompts with a KimiModel target.
 
-    def __init__(self, target, drafter=None, budget=32, cuda_graphs=True, buckets=DEFAULT_BUCKETS):
-        if not 1 <= budget <= MAX_BUDGET:
-            raise ValueError(f"tree budget must be in 1..{MAX_BUDGET}, got {budget}")
-        self.target, self.drafter, self.budget = target, drafter, budget
+    budget: "auto" (each step's tree budget chosen among `auto_budgets`, those of `latency` if given, each with
+    its graph bucket; spec/budget.py) or a fixed 1..MAX_BUDGET. tree: "ddtree" (best-first) or "chain" (DFlash's
+    per-depth argmax, L nodes; any budget ignored). latency: auto's step-time table (a LatencyTable or its file);
+    None times whole steps once per batch size, before the first run's prefill.
+    """
+
+    def __init__(self, target, drafter=None, budget="auto", cuda_graphs=True, buckets=DEFAULT_BUCKETS, tree="ddtree",
+                 latency=None, auto_budgets=AUTO_BUDGETS):
+        if tree not in TREES:
+            raise ValueError(f"tree must be one of {', '.join(TREES)}, got {tree!r}")
+        self.latency = LatencyTable.load(latency) if isinstance(latency, str) else latency
+        self.auto = budget == "auto" and tree == "ddtree"
+        self.candidates = tuple(b for b in sorted(set(auto_budgets)) if 0 < b <= MAX_BUDGET and
+                                (self.latency is None or b in self.latency.budgets)) if self.auto else ()
+        if self.auto and not self.candidates:
+            raise ValueError(f"tree budget auto needs a budget in 1..{MAX_BUDGET} to choose, got "
+                             f"{tuple(auto_budgets)}" + (f" and latency table {self.latency.source}"
+                                                         if self.latency else ""))
+        buckets = tuple(sorted({*buckets, *self.candidates}))
+        if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or
+                                 not 1 <= budget <= MAX_BUDGET):
+            raise ValueError(f"tree budget must be 'auto' or in 1..{MAX_BUDGET}, got {budget!r}")
+        if tree == "chain":
+            budget = drafter.cfg.draft_len if drafter is not None else 1
+            buckets = tuple(sorted({*buckets, budget}))  # the chain's verify has its own bucket
+        self.target, self.drafter, self.tree = target, drafter, tree
+        self.budget = max(self.candidates) if self.auto else budget  # the most nodes a step verifies
         self.device = target.device
         self.cuda_graphs, self.buckets = cuda_graphs, tuple(buckets)
+        self.latencies = {}  # batch size -> the LatencyTable measured for it
         self.graphs = None  # the last StepGraphs (its cache and captured verify), reused by the next run that fits
         self.graph_notice = False
 
     def graph_bucket(self, spec):
         """The bucket this engine's verify replays in, or None: graphs off, no CUDA, an op that syncs, or a
-        budget past the buckets (then eager, with a one-line notice on a CUDA device)."""
+        budget past the buckets (then eager, with a one-line notice on a CUDA device). Auto replays every
+        candidate; this is the largest."""
         if not self.cuda_graphs or self.device.type != "cuda":
             return None
         ok, why = eligibility(self.target)
@@ -134,17 +162,27 @@ class Engine:
             self.graph_notice = True
         return bucket
 
-    def step_graphs(self, batch, cache_len, hidden_layers, bucket):
-        """A StepGraphs with its own cache of batch x cache_len (emptied), captured for `bucket`."""
-        key = (batch, cache_len, tuple(hidden_layers), bucket)
+    def step_graphs(self, batch, cache_len, hidden_layers, buckets):
+        """A StepGraphs with its own cache of batch x cache_len (emptied), captured for `buckets`."""
+        key = (batch, cache_len, tuple(hidden_layers), tuple(buckets))
         if self.graphs is None or self.graphs.key != key:
             self.graphs = None
             cache = self.target.new_cache(batch, cache_len)
-            graphs = StepGraphs(self.target, cache, batch, (bucket,), hidden_layers, log=self.graph_log)
+            graphs = StepGraphs(self.target, cache, batch, buckets, hidden_layers, log=self.graph_log)
             graphs.key = key
             self.graphs = graphs.capture()
         self.graphs.cache.reset()
         return self.graphs
+
+    def latency_for(self, batch, step):
+        """Auto's LatencyTable: the one given, else `step(budget)` (a whole step, nothing committed) timed once
+        per batch size, averaged over tensor-parallel ranks so that they all choose alike."""
+        if self.latency is not None:
+            return self.latency
+        if batch not in self.latencies:
+            table = measure_steps(step, self.candidates, self.device)
+            self.latencies[batch] = table.mean_over(self.target.par, self.device)
+        return self.latencies[batch]
 
     @staticmethod
     def graph_log(line):
@@ -216,28 +254,55 @@ class _Run:
             self.dcache = engine.drafter.new_cache(B, top + L + max(L + 1, block))
         else:
             cache_len = top
+        graphs = None
         if bucket is None:
             self.cache = target.new_cache(B, cache_len)
             self.verify = lambda tokens, positions, mask: target(tokens, positions, self.cache, tree_mask=mask,
                                                                  hidden_layers=self.hidden_layers)
         else:
-            graphs = engine.step_graphs(B, cache_len, self.hidden_layers, bucket)
+            buckets = engine.candidates if spec and engine.auto else (bucket,)  # auto verifies any candidate
+            graphs = engine.step_graphs(B, cache_len, self.hidden_layers, buckets)
             self.cache, self.verify = graphs.cache, graphs.verify
-        if spec and bucket is not None and draft_eligibility(engine.drafter)[0]:
-            self.draft_tree = DraftGraphs(engine.drafter, self.dcache, B, engine.budget, log=engine.graph_log).tree
         self.seeds = torch.tensor([sampling.seed + b for b in range(B)], dtype=torch.int64, device=dev)
+        self.policy, self.budget, self.budgets = None, engine.budget if spec else 0, []
+        if spec:
+            self.scorer = MassScorer(engine.candidates, engine.drafter.cfg.draft_len, dev) if engine.auto else None
+            self.drafts = self.tree_drafts(B, graphs)
+        if spec and engine.auto:
+            self.policy = BudgetPolicy(engine.candidates, engine.drafter.cfg.draft_len,
+                                       engine.latency_for(B, self.dry_step), scorer=self.scorer)
+            self.budget = self.policy.budget
         self.outputs = [[] for _ in range(B)]
         self.accept = [[] for _ in range(B)]
         self.reasons = [None] * B
         self.live = [True] * B
         self.live_dev = torch.ones(B, dtype=torch.int32, device=dev)
 
-    def draft_tree(self, bonus):
-        """The next tree: the drafter's pass, its per-depth top-k and the best-first build (eager)."""
+    def tree_drafts(self, B, graphs):
+        """Per budget a step may verify, bonus -> its tree (the drafter's pass and `TreeDraft`): one replay
+        when the verify is graphed and the draft capturable, eager otherwise."""
         e = self.e
-        logits = e.drafter.draft(self.dcache, bonus)  # [B, L, V]
-        logprobs, tokens = ops.draft_topk(logits, min(e.budget, logits.shape[-1]))
-        return ops.build_tree(logprobs, tokens, bonus, e.budget)
+        if e.auto:
+            drafts = {b: TreeDraft("ddtree", b, scorer=self.scorer) for b in e.candidates}
+        else:
+            drafts = {e.budget: TreeDraft(e.tree, e.budget)}
+        if graphs is not None and draft_eligibility(e.drafter)[0]:
+            return {b: DraftGraphs(e.drafter, self.dcache, B, b, log=e.graph_log, make_tree=draft).tree
+                    for b, draft in drafts.items()}
+        return {b: lambda bonus, draft=draft: draft(e.drafter.draft(self.dcache, bonus), bonus)
+                for b, draft in drafts.items()}
+
+    def dry_step(self, budget):
+        """One speculative step at `budget` with nothing committed (before prefill: auto's latency table)."""
+        cache, B = self.cache, len(self.prompts)
+        bonus = torch.zeros(B, dtype=torch.int64, device=self.e.device)
+        lens = self.dcache.lens.clone()
+        tree = self.drafts[budget](bonus)
+        out = self.verify(tree.tokens, cache.lens[:B, None].long() + tree.depths.long(), tree.mask)
+        path, path_len, _ = self.sample(tree, out.logits, 0)
+        self.e.drafter.append_context(self.dcache, ops.compact(cache.kv, cache.lens[:B], path, path_len, out.hidden),
+                                      path_len)
+        self.dcache.lens.copy_(lens)
 
     def sample(self, tree, logits, step):
         s = self.sampling
@@ -254,7 +319,7 @@ class _Run:
         if self.e.device.type == "cuda":
             torch.cuda.synchronize(self.e.device)
         t2 = time.perf_counter()
-        return GenerationResult(self.outputs, self.accept, self.reasons, steps, t1 - t0, t2 - t1)
+        return GenerationResult(self.outputs, self.accept, self.reasons, steps, t1 - t0, t2 - t1, self.budgets)
 
     def prefill(self):
         """One sequence at a time into its cache row (and the drafter's context); sample the first tokens."""
@@ -286,7 +351,8 @@ class _Run:
     def spec_step(self, bonus, step):
         e, cache = self.e, self.cache
         B = len(self.prompts)
-        tree = self.draft_tree(bonus)
+        budget = self.budget
+        tree = self.drafts[budget](bonus)
         positions = cache.lens[:B, None].long() + tree.depths.long()
         out = self.verify(tree.tokens, positions, tree.mask)
         path, path_len, nxt = self.sample(tree, out.logits, step)
@@ -295,17 +361,30 @@ class _Run:
         cache.lens[:B] += commit
         e.drafter.append_context(self.dcache, hidden_path, commit)
         path_tokens = tree.tokens.gather(1, path.long().clamp(min=0))  # [B, L+1], root first
-        host = torch.cat([commit[:, None].long(), path_tokens, nxt[:, None], nonfinite_rows(out.logits)[:, None]],
-                         1).tolist()  # the step's one read
+        stats = [tree.stats] if self.policy is not None else []  # auto: its scorer's gains and masses
+        host = torch.cat([commit[:, None].long(), path_tokens, nxt[:, None], *stats,
+                          nonfinite_rows(out.logits)[:, None]], 1).tolist()  # the step's one read
         self.check_finite([row.pop() for row in host], step)
         counts = [row[0] for row in host]
         cache.set_host_lens([n + c for n, c in zip(cache.host_lens, counts)])
         self.dcache.set_host_lens([n + c for n, c in zip(self.dcache.host_lens, counts)])
+        live, last = list(self.live), tree.max_depth + 2  # row: commit, the path's L + 1 tokens, next, stats
         for b, row in enumerate(host):
             if self.live[b]:
                 self.accept[b].append(row[0])
-                self.emit(b, row[2 : 1 + row[0]] + [row[-1]])
+                self.emit(b, row[2 : 1 + row[0]] + [row[last]])
+        self.budgets.append(budget)
+        if self.policy is not None:
+            self.choose(host, live, last + 1)
         return nxt
+
+    def choose(self, host, live, start):
+        """Auto: the next step's budget from this step's read (its tree's gains and masses summed over the
+        sequences live at the step, and their accepted nodes)."""
+        nb, L = len(self.policy.budgets), self.policy.depth
+        accepted = [row[0] - 1 for row, alive in zip(host, live) if alive]
+        gains, masses = sum_rows(host, live, start, start + nb), sum_rows(host, live, start + nb, start + nb + L)
+        self.budget = self.policy.update(gains, masses, accepted, max(self.cache.host_lens))
 
     def plain_step(self, bonus, step):
         cache, B = self.cache, len(self.prompts)
@@ -315,6 +394,7 @@ class _Run:
         host = torch.stack([nxt, nonfinite_rows(out.logits)], 1).tolist()  # the step's one read
         self.check_finite([row.pop() for row in host], step)
         host = [token for (token,) in host]
+        self.budgets.append(0)
         cache.set_host_lens([n + int(alive) for n, alive in zip(cache.host_lens, self.live)])
         for b, token in enumerate(host):
             if self.live[b]:

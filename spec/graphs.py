@@ -210,7 +210,9 @@ class StepGraphs:
 
 
 class DraftGraphs:
-    """The drafter's pass, top-k and tree build of one budget, captured per context bucket.
+    """The drafter's pass, top-k and tree build of one budget, captured per context bucket. `make_tree(logits,
+    bonus)` turns the drafter's logits into the tree (default: top-k and the best-first build of `budget`);
+    every tensor field of what it returns comes back.
 
     The drafter's attention bounds its work by a host length (the longest context + the block); a graph fixes
     it at the context bucket's end (a multiple of `granularity`, at most the cache's length), which changes
@@ -218,8 +220,9 @@ class DraftGraphs:
     tree comes back in static buffers, valid until the next `tree` call.
     """
 
-    def __init__(self, drafter, cache, batch, budget, granularity=1024, log=print):
+    def __init__(self, drafter, cache, batch, budget, granularity=1024, log=print, make_tree=None):
         self.drafter, self.cache, self.batch, self.budget = drafter, cache, batch, budget
+        self.make_tree = make_tree or self.best_first
         self.granularity, self.log = granularity, log
         self.bonus = torch.zeros(batch, dtype=torch.int64, device=drafter.device)
         self.graphs, self.outputs, self.pool = {}, None, None
@@ -234,12 +237,10 @@ class DraftGraphs:
         """The captured body: draft, top-k and tree build over `span` entries, the tree copied into the outputs."""
         S = self.drafter.cfg.block_size
         view = type(self.cache)(self.cache.k, self.cache.v, self.cache.lens, [span - S] * self.batch)
-        logits = self.drafter.draft(view, self.bonus)
-        logprobs, tokens = ops.draft_topk(logits, min(self.budget, logits.shape[-1]))
-        tree = ops.build_tree(logprobs, tokens, self.bonus, self.budget)
+        tree = self.make_tree(self.drafter.draft(view, self.bonus), self.bonus)
         if self.outputs is None:
             self.outputs = {name: torch.empty_like(t) for name, t in vars(tree).items() if torch.is_tensor(t)}
-            self.max_depth = tree.max_depth
+            self.max_depth, self.tree_type = tree.max_depth, type(tree)
         for name, out in self.outputs.items():
             out.copy_(getattr(tree, name))
 
@@ -260,4 +261,8 @@ class DraftGraphs:
         if span not in self.graphs:
             self.capture(span)
         self.graphs[span].replay()
-        return ops.Tree(**self.outputs, max_depth=self.max_depth)
+        return self.tree_type(**self.outputs, max_depth=self.max_depth)
+
+    def best_first(self, logits, bonus):
+        logprobs, tokens = ops.draft_topk(logits, min(self.budget, logits.shape[-1]))
+        return ops.build_tree(logprobs, tokens, bonus, self.budget)
