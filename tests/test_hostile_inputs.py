@@ -82,7 +82,8 @@ def args(paths, *extra):
 def main(argv):
     """spec.decode's main on the CPU (where these behaviours are pinned, also on a machine with a GPU), unless argv
     names a device."""
-    return decode_main(argv if "--device" in argv else [*argv, "--device", "cpu"])
+    names_device = any(a == "--device" or a.startswith("--device=") for a in argv)
+    return decode_main(argv if names_device else [*argv, "--device", "cpu"])
 
 
 def refused(capsys, argv, *needles, code=2):
