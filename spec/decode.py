@@ -256,9 +256,8 @@ def prompt_ids(args, tok):
     return tok.encode(args.prompt)
 
 
-def decode_text(tok, ids):
-    """Text of ids; ids the tokenizer cannot spell (a random tiny model emits any id) show as <id>, and
-    control characters as U+FFFD so noise cannot drive the terminal."""
+def spell(tok, ids):
+    """The tokenizer's text of ids, an id it cannot spell (a random model emits any id) shown as <id>."""
     parts, run = [], []
     for i in ids:
         try:
@@ -267,8 +266,12 @@ def decode_text(tok, ids):
         except ValueError:
             parts += [tok.decode(run), f"<{i}>"]
             run = []
-    text = "".join(parts + [tok.decode(run)])
-    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
+    return "".join(parts + [tok.decode(run)])
+
+
+def decode_text(tok, ids):
+    """`spell`'s text with control characters as U+FFFD, so that noise cannot drive the terminal."""
+    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in spell(tok, ids))
 
 
 def write_out(text):

@@ -9,22 +9,11 @@ import torch
 import ops
 from ops.attention import mla_attention_torch, pack_tree_mask, write_kv_torch
 from tests.conftest import compiled_in_child, gpu, kernel_dtypes, rel_err, requires_gpu, requires_triton
+from tests.tree_ref import tree_visibility
 from triton_kernels import arch
 from triton_kernels.mla_attention import Config, Tiles
 
 SCALE = 0.1446802  # K2.6 softmax scale (ModelConfig.softmax_scale)
-
-
-def tree_visibility(parents):
-    """[T, T] bool: node t sees its ancestors and itself; parents[t] < t, -1 for a root."""
-    T = len(parents)
-    vis = torch.zeros(T, T, dtype=torch.bool)
-    for t in range(T):
-        n = t
-        while n >= 0:
-            vis[t, n] = True
-            n = parents[n]
-    return vis
 
 
 def random_parents(kind, T, rng):

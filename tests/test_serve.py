@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from spec.batching import SlotBatch
+from spec.decode import spell
 from spec.default_model import load_default
 from spec.engine import Engine, SamplingParams
 from spec.scheduler import TextStream
@@ -105,20 +106,6 @@ def expected(pair, prompt_ids, max_new, sampling=None):
     engine, tok = pair
     result = engine.generate([prompt_ids], max_new, sampling, stop_ids=tok.stop_ids)
     return spelled(tok, result.output_ids[0], result.finish_reasons[0])
-
-
-def spell(tok, ids):
-    """The server's text of ids: the tokenizer's decode, an id it cannot spell as <id> (as spec.decode shows
-    them; unlike spec.decode, control characters are kept: JSON carries them)."""
-    parts, run = [], []
-    for i in ids:
-        try:
-            tok.decode([i])
-            run.append(i)
-        except ValueError:
-            parts += [tok.decode(run), f"<{i}>"]
-            run = []
-    return "".join(parts + [tok.decode(run)])
 
 
 def spelled(tok, ids, reason):

@@ -186,9 +186,8 @@ def _persistent_down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_pt
         j = item % split
         grp = (item // split) % GROUPS
         b = item // (split * GROUPS)
-        rows = b * BM + tl.arange(0, BM)  # [BM] slots
-        e = tl.load(block_expert_ptr + b)
-        pair = tl.load(sorted_ptr + rows)
+        rows, e = block_expert(block_expert_ptr, b, BM)  # [BM] slots
+        pair = block_pairs(sorted_ptr, rows, b, BM, False)
         _down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, grp, j, D, I, n_slabs,
                     n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wn, TOP_K, BM, BN, EVEN_N, KMAJOR,
                     TILES, MAGIC, MAGIC_VALUE, WIDE, EVEN_K, SWAP, LOP3, AHEAD, ONE_SLAB, False, PRESCALE)

@@ -188,9 +188,8 @@ def _planned_gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, s
         j = item % split
         t = (item // split) % TILES_N
         b = item // (split * TILES_N)
-        rows = b * BM + tl.arange(0, BM)  # [BM] slots
-        e = tl.load(block_expert_ptr + b)
-        pair = tl.load(sorted_ptr + rows)
+        rows, e = block_expert(block_expert_ptr, b, BM)  # [BM] slots
+        pair = block_pairs(sorted_ptr, rows, b, BM, False)
         token = tokens_of(pair, TOP_K)
         w_base, s_base = expert_bases(w_ptr, s_ptr, e, stride_we, stride_se)
         n, n_mask, w_cols, s_cols = tile_columns(t, I, stride_wn, BN, KMAJOR, EVEN_N)  # gate columns n
