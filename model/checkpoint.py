@@ -46,7 +46,7 @@ FLOAT = ("BF16", "F16", "F32")
 def checkpoint_entries(cfg):
     """Every tensor a text checkpoint for `cfg` holds: {name: Entry}, names relative to the body prefix
     (`layers.0.self_attn.q_a_proj.weight`), plus the head as `lm_head.weight`."""
-    V, D, H = cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads
+    V, D = cfg.vocab_size, cfg.hidden_size
     out = {"embed_tokens.weight": Entry((V, D), FLOAT), "norm.weight": Entry((D,), FLOAT),
            "lm_head.weight": Entry((V, D), FLOAT)}
     for i in range(cfg.num_hidden_layers):
