@@ -3,6 +3,7 @@ import os
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -53,6 +54,20 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def gloo_rank(rank, port, world=2):
+    """This process as rank `rank` of a gloo group of `world` on 127.0.0.1:port (one thread), torn down after."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def rel_err(out, ref):

@@ -1,11 +1,9 @@
 """The DFlash drafter against a from-scratch reference of z-lab's forward, its context cache, and its checkpoints."""
 
 import json
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
@@ -14,7 +12,7 @@ from model.config import preset
 from model.model import KimiModel
 from spec.drafter import DFlashDrafter, DrafterConfig, check_drafter_fits, default_target_layer_ids
 from spec.drafter_checkpoint import checkpoint_tensors, load_drafter, write_drafter_checkpoint
-from tests.conftest import gpu, rel_err
+from tests.conftest import gloo_rank, gpu, rel_err
 
 TARGET = preset("tiny")
 
@@ -197,15 +195,10 @@ def _tp_drafter_rank(rank, port, target_dir, results):
     from spec.default_model import DRAFTER_DIR
     from spec.drafter_checkpoint import load_drafter
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port):
         target = load_model(target_dir, Parallel.from_process_group(), dtype=torch.float32, progress=False)
         drafter = load_drafter(DRAFTER_DIR, target, dtype=torch.float32)
         results[rank] = (drafter.layers[0].self_attn.heads, _draft_of(target, drafter))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_gloo_ranks_draft_like_one():

@@ -1,18 +1,16 @@
 """Our model, loaded from a K2.6-format INT4 checkpoint, against HF transformers' DeepseekV3ForCausalLM holding
 the same (dequantised) weights: prefill logits, cached decode, and tensor parallelism over two gloo ranks."""
 
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from model.checkpoint import load_model
 from model.checkpoint_writer import random_tensors, write_checkpoint
 from model.config import preset
 from model.parallel import Parallel
-from tests.conftest import free_port, rel_err
+from tests.conftest import free_port, gloo_rank, rel_err
 
 PRESETS = ("tiny", "tiny-grouped")
 FP32_BOUND = 1e-5  # both sides in fp32 on the same weights: measured 5e-7 to 6e-7 (prefill and cached decode)
@@ -103,15 +101,10 @@ def test_cached_decode_matches_hf_full_sequence(pair):
 
 
 def _tp_rank(rank, port, path, tokens, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port):
         model = load_model(path, Parallel.from_process_group(), dtype=torch.float32, progress=False)
         cache = model.new_cache(1, tokens.shape[1])
         results[rank] = model(tokens, torch.arange(tokens.shape[1])[None], cache).logits
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_gloo_ranks_match_one(tmp_path):

@@ -4,11 +4,9 @@ two gloo ranks (tensor-parallel target, FSDP drafter) train like one process, an
 
 import dataclasses
 import json
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from model.checkpoint import load_model
@@ -17,7 +15,7 @@ from spec.default_model import TARGET, drafter_config, write_default
 from spec.drafter_checkpoint import load_drafter, write_drafter_checkpoint
 from spec.train_drafter import (STATE_FILE, FrozenTarget, Sequence, TrainDrafter, TrainOptions, main,
                                 mean_accept_length, sample_batch, train, zlab_tensors)
-from tests.conftest import free_port, rel_err
+from tests.conftest import free_port, gloo_rank, rel_err
 from tests.test_model_vs_hf import one_thread  # noqa: F401 (autouse fixture)
 
 DCFG = drafter_config(TARGET, block_size=5)
@@ -127,15 +125,10 @@ def test_a_resumed_run_equals_an_uninterrupted_one(target, text, tmp_path):
 def _rank(rank, port, target_dir, text, out):
     from model.parallel import Parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port):
         target = load_model(target_dir, Parallel.from_process_group(), dtype=torch.float32, progress=False)
         opts = TrainOptions(**OPTS, steps=3, eval_every=3, save_every=3)
         train(target, sequences(text), [text[0][:8]], DCFG, opts, out, log=lambda line: None, progress=False)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_gloo_ranks_train_like_one_process(target, target_dir, text, tmp_path):
