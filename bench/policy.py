@@ -70,13 +70,16 @@ def read_prompts(args, tok):
 
 
 def parse_budgets(text):
+    """'4,8' -> (4, 8): spec.graphs.parse_buckets' rule, with budgets of at least 1 (a tree, not the root alone)."""
+    from spec.graphs import parse_buckets
+
     try:
-        values = sorted({int(v) for v in text.split(",") if v.strip()})
-    except ValueError:
-        raise SystemExit(f"error: budgets: expected comma-separated integers, got {text!r}") from None
-    if not values or values[0] < 1:
+        values = parse_buckets(text)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    if values[0] < 1:
         raise SystemExit(f"error: budgets must be >= 1, got {text!r}")
-    return tuple(values)
+    return values
 
 
 def machine(device):
@@ -355,14 +358,10 @@ def replay_markdown(meta, rows):
 # ---- host cost ------------------------------------------------------------------------------------------------
 
 def host_cost(args):
-    """Microseconds a step of auto's host work: BudgetPolicy.update alone, and the engine's `choose` (parsing
+    """Microseconds a step of auto's host work: BudgetPolicy.update alone, and `update_from_read`, the engine's (parsing
     the step's read, then update) at B = 1, the default candidates, L = 7 (the folds and the factors' copy
     included); min over repeats, with a fixed pure-Python loop timed in the same run to show the machine's
     load."""
-    from types import SimpleNamespace
-
-    from spec.engine import _Run
-
     budgets, L = AUTO_BUDGETS, 7
     table = LatencyTable({4096: {b: 9.0 + b / 10 for b in budgets}})
 
@@ -373,7 +372,7 @@ def host_cost(args):
     masses = [round(0.3 * MASS_SCALE)] * L
     accepted = itertools.cycle(range(L + 1))
     alone = policy()
-    run = SimpleNamespace(policy=policy(), cache=SimpleNamespace(host_lens=[4096]))
+    reader = policy()
     rows = [[[a + 1] + list(range(L + 2)) + gains + masses] for a in range(L + 1)]
     start, live = L + 3, [True]
 
@@ -386,8 +385,8 @@ def host_cost(args):
         return min(timeit.repeat(fn, number=n, repeat=args.repeats)) / n * 1e6
 
     update = best(lambda: alone.update(gains, masses, [next(accepted)], 4096))
-    choose = best(lambda: _Run.choose(run, rows[next(accepted)], live, start))
-    print(f"auto's host work a step: BudgetPolicy.update {update:.2f} us, the engine's choose (read parsing + "
+    choose = best(lambda: reader.update_from_read(rows[next(accepted)], live, start, 4096))
+    print(f"auto's host work a step: BudgetPolicy.update {update:.2f} us, update_from_read (read parsing + "
           f"update) {choose:.2f} us (min of {args.repeats} x 20000 calls); a loop of 100 integer additions: "
           f"{best(reference):.2f} us in the same run (Python {platform.python_version()}, "
           f"{platform.processor() or platform.machine()}, load average {os.getloadavg()[0]:.1f})")

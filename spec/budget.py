@@ -314,6 +314,14 @@ class BudgetPolicy:
         self.budget = self.budgets[rates.index(max(rates))]
         return self.budget
 
+    def update_from_read(self, rows, live, start, context=0):
+        """`update` from one step's read: each row [commit, ..., gains (nb), masses (L)] from `start`, summed over
+        the sequences live at the step; accepted = commit - 1 of each. Returns the next budget."""
+        nb, L = len(self.budgets), self.depth
+        accepted = [row[0] - 1 for row, alive in zip(rows, live) if alive]
+        gains, masses = sum_rows(rows, live, start, start + nb), sum_rows(rows, live, start + nb, start + nb + L)
+        return self.update(gains, masses, accepted, context)
+
     def fold(self):
         """Fold the window's observations into the per-depth sums (the past decayed by decay^steps) and copy
         the new factors to the device. The sums start as `prior` steps of the first step's masses, reached

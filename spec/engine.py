@@ -22,7 +22,7 @@ import ops
 from model.generate import count, token_prompts
 from model.tokenizer import token_id
 from ops.tree import Tree
-from spec.budget import AUTO_BUDGETS, BudgetPolicy, LatencyTable, MassScorer, TreeDraft, measure_steps, sum_rows
+from spec.budget import AUTO_BUDGETS, BudgetPolicy, LatencyTable, MassScorer, TreeDraft, measure_steps
 from spec.graphs import DEFAULT_BUCKETS, DraftGraphs, StepGraphs, bucket_for, draft_eligibility, eligibility
 
 MAX_BUDGET = 512
@@ -375,16 +375,8 @@ class _Run:
                 self.emit(b, row[2 : 1 + row[0]] + [row[last]])
         self.budgets.append(budget)
         if self.policy is not None:
-            self.choose(host, live, last + 1)
+            self.budget = self.policy.update_from_read(host, live, last + 1, max(self.cache.host_lens))
         return nxt
-
-    def choose(self, host, live, start):
-        """Auto: the next step's budget from this step's read (its tree's gains and masses summed over the
-        sequences live at the step, and their accepted nodes)."""
-        nb, L = len(self.policy.budgets), self.policy.depth
-        accepted = [row[0] - 1 for row, alive in zip(host, live) if alive]
-        gains, masses = sum_rows(host, live, start, start + nb), sum_rows(host, live, start + nb, start + nb + L)
-        self.budget = self.policy.update(gains, masses, accepted, max(self.cache.host_lens))
 
     def plain_step(self, bonus, step):
         cache, B = self.cache, len(self.prompts)
