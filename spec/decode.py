@@ -96,10 +96,7 @@ def parse_args(argv):
     args.tree_budget = parse_budget(args.tree_budget)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.draft_model_path and not args.model_path:
-        raise UsageError("--draft-model-path needs --model-path (the default model has its own drafter)")
-    if args.model_path and not args.draft_model_path and not args.no_spec:
-        raise UsageError("--model-path needs --draft-model-path (or --no-spec for the target alone)")
+    check_model_paths(args)
     try:
         SamplingParams(args.temperature, args.top_p, 0, args.seed)
     except SamplingError as err:
@@ -120,6 +117,14 @@ def parse_budget(text):
     return budget
 
 
+def check_model_paths(args):
+    """The target and drafter flags go together (the embedded default brings its own drafter)."""
+    if args.draft_model_path and not args.model_path:
+        raise UsageError("--draft-model-path needs --model-path (the default model has its own drafter)")
+    if args.model_path and not args.draft_model_path and not args.no_spec:
+        raise UsageError("--model-path needs --draft-model-path (or --no-spec for the target alone)")
+
+
 def positive_seconds(text):
     value = float(text)
     if not (math.isfinite(value) and value > 0):
@@ -136,8 +141,8 @@ def add_collective_timeout(parser):
 
 def choose_kernels(kernels, device):
     """Apply --kernels over SPEC_KERNELS; refuse a bad value of either, or Triton without a device to run it."""
-    if ops._backend.env_problem():
-        raise UsageError(ops._backend.env_problem())
+    if ops.env_problem():
+        raise UsageError(ops.env_problem())
     if kernels:
         try:
             ops.use_spec(kernels)
@@ -374,8 +379,8 @@ def print_report(report, args, tok, prompt_len, speculative, device, parallel, s
         return
     streamer.finish()
     write_out(f"[{mode_label(args, speculative, report.budgets)}] {len(report.ids)} tokens in {report.steps} steps, "
-              f"mean accept length {report.mean_accept_length:.2f}, {report.tokens_per_s:.1f} tok/s (prefill {report.prefill_s * 1e3:.0f} "
-              f"ms of {prompt_len} tokens, {report.reason}) on {device.type}" +
+              f"mean accept length {report.mean_accept_length:.2f}, {report.tokens_per_s:.1f} tok/s "
+              f"(prefill {report.prefill_s * 1e3:.0f} ms of {prompt_len} tokens, {report.reason}) on {device.type}" +
               (f" x {parallel.tp_size} ranks" if parallel.joined else "") + "\n")
 
 

@@ -37,8 +37,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from spec.batching import SlotBatch
-from spec.decode import (DEFAULT_BUDGET, Parser, UsageError, add_collective_timeout, choose_kernels, command_main,
-                         join_ranks, load)
+from spec.decode import (DEFAULT_BUDGET, Parser, UsageError, add_collective_timeout, check_model_paths, choose_kernels,
+                         command_main, join_ranks, load)
 from spec.engine import MAX_BUDGET, SEED_LIMIT, Engine, SamplingError, SamplingParams
 from spec.scheduler import Control, Plan, QueueFull, Request, Scheduler, follow, log
 
@@ -89,10 +89,7 @@ def parse_args(argv):
         raise UsageError(f"--context-len must be >= 2, got {args.context_len}")
     if args.api_key == "":
         raise UsageError("--api-key is empty")
-    if args.draft_model_path and not args.model_path:
-        raise UsageError("--draft-model-path needs --model-path (the default model has its own drafter)")
-    if args.model_path and not args.draft_model_path and not args.no_spec:
-        raise UsageError("--model-path needs --draft-model-path (or --no-spec for the target alone)")
+    check_model_paths(args)
     args.json = False  # spec.decode.load shows load progress unless json
     return args
 

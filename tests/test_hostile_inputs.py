@@ -511,24 +511,24 @@ def test_environment(capsys, monkeypatch, env, needle):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    ops._backend.apply_env()
+    ops.apply_env()
     try:
         refused(capsys, ["--prompt", "hi", "--max-new-tokens", "2"], needle)
     finally:
         monkeypatch.undo()
-        ops._backend.apply_env()
-    assert ops._backend.env_problem() is None
+        ops.apply_env()
+    assert ops.env_problem() is None
 
 
 def test_bad_spec_kernels_is_raised_at_use_not_at_import(monkeypatch):
     monkeypatch.setenv("SPEC_KERNELS", "attention=bogus")
-    ops._backend.apply_env()
+    ops.apply_env()
     try:
         with pytest.raises(ValueError, match="SPEC_KERNELS='attention=bogus': unknown backend"):
             ops.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)
     finally:
         monkeypatch.undo()
-        ops._backend.apply_env()
+        ops.apply_env()
     assert ops.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6).shape == (2, 4)
 
 
