@@ -9,12 +9,15 @@ at the end. Each client sends its requests one after another (POST /v1/completio
 distinct prompts). Per level: TTFT = request sent -> first text; ITL = the gaps between successive text
 chunks (one chunk is what a step released, several tokens when the tree accepted several); TPOT = (last text
 - first text) / (tokens - 1), averaged over requests; tokens/s = completion tokens / wall time of the level.
-Prints one JSON object (also written to --out) and one markdown table. Bounded: --requests-per-client per
+Before the timed levels, one untimed request per client at each level (first compiles and graph captures);
+the report gives the seconds to a healthy server (`ready_s`) and of that warm-up. Prints one JSON object
+(also written to --out) and one markdown table. Bounded: --requests-per-client per
 client and --time-limit seconds in all (requests not yet sent are skipped once it passes).
 """
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -129,7 +132,8 @@ def run_level(url, headers, model, clients, per_client, max_tokens, deadline, fi
 
 
 def markdown(report):
-    lines = ["| clients | requests | tokens | tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT mean ms "
+    lines = [f"Server healthy after {report['ready_s']} s; warm-up (untimed) {report['warmup_s']} s.", "",
+             "| clients | requests | tokens | tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT mean ms "
              "| errors |", "|---|---|---|---|---|---|---|---|"]
     for r in report["levels"]:
         lines.append(f"| {r['clients']} | {r['requests']} | {r['completion_tokens']} | {r['tokens_per_s']} | "
@@ -163,14 +167,18 @@ def parse_args(argv):
 def main(argv=None):
     args, server_flags = parse_args(sys.argv[1:] if argv is None else argv)
     proc = log = None
-    url = args.url
+    url, started = args.url, time.perf_counter()
     if url is None:
         proc, url, log = start_server(server_flags)
+    ready_s = time.perf_counter() - started
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         with httpx.Client(base_url=url, timeout=60, headers=headers) as http:
             model = http.get("/v1/models").json()["data"][0]["id"]
-            one_request(http, model, prompt(0), 8)  # warm-up
+        warm = time.perf_counter()
+        for clients in args.levels:  # untimed: every batch size's first compiles and captures
+            run_level(url, headers, model, clients, 1, 8, math.inf, 0)
+        warm_s = time.perf_counter() - warm
         deadline = time.monotonic() + args.time_limit
         levels, first = [], 1
         for clients in args.levels:
@@ -184,7 +192,8 @@ def main(argv=None):
     report = {"url": url if args.url else "started here", "server_flags": server_flags, "model": model,
               "max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client,
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "levels": levels}
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "ready_s": round(ready_s, 1),
+              "warmup_s": round(warm_s, 1), "levels": levels}
     if log is not None:
         report["server"] = next((line for line in log.read_text().splitlines() if " serving " in line), "")
     text = json.dumps(report, indent=1)

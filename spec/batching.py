@@ -100,7 +100,8 @@ class SlotBatch:
         self.seqs = [None] * max_batch
 
     def capture(self, bucket):
-        """Verify graphs per batch size (largest first, one memory pool); drafter graphs per batch size."""
+        """Verify graphs per batch size (largest first, one memory pool); drafter graphs per batch size, each
+        captured for the first context span now (longer contexts capture their span on first use)."""
         pool = None
         for b in reversed(self.sizes):
             graphs = StepGraphs(self.e.target, self.cache, b, (bucket,), self.hidden_layers, log=self.e.graph_log)
@@ -110,7 +111,9 @@ class SlotBatch:
         self.cache.reset()
         if self.spec and draft_eligibility(self.e.drafter)[0]:
             for b in self.sizes:
-                self.draft_graphs[b] = DraftGraphs(self.e.drafter, self.dcache, b, self.e.budget, log=self.e.graph_log)
+                graphs = DraftGraphs(self.e.drafter, self.dcache, b, self.e.budget, log=self.e.graph_log)
+                graphs.capture(graphs.span())
+                self.draft_graphs[b] = graphs
 
     # ---- slots ----
 

@@ -146,6 +146,7 @@ class Engine:
         self.cuda_graphs, self.buckets = cuda_graphs, tuple(buckets)
         self.latencies = {}  # batch size -> the LatencyTable measured for it
         self.graphs = None  # the last StepGraphs (its cache and captured verify), reused by the next run that fits
+        self.drafts = None  # the last Drafts (drafter cache, scorer, captured draft graphs), likewise
         self.graph_notice = False
 
     def graph_bucket(self, spec):
@@ -163,9 +164,10 @@ class Engine:
         return bucket
 
     def step_graphs(self, batch, cache_len, hidden_layers, buckets):
-        """A StepGraphs with its own cache of batch x cache_len (emptied), captured for `buckets`."""
-        key = (batch, cache_len, tuple(hidden_layers), tuple(buckets))
-        if self.graphs is None or self.graphs.key != key:
+        """A StepGraphs with its own cache of batch x >= cache_len entries (emptied), captured for `buckets`: the
+        last one while its batch, layers and buckets match and its cache is long enough (no capture), else new."""
+        key = (batch, tuple(hidden_layers), tuple(buckets))
+        if self.graphs is None or self.graphs.key != key or self.graphs.cache.max_len < cache_len:
             self.graphs = None
             cache = self.target.new_cache(batch, cache_len)
             graphs = StepGraphs(self.target, cache, batch, buckets, hidden_layers, log=self.graph_log)
@@ -173,6 +175,16 @@ class Engine:
             self.graphs = graphs.capture()
         self.graphs.cache.reset()
         return self.graphs
+
+    def step_drafts(self, batch, cache_len, graphed):
+        """The Drafts of a run (emptied): the last one while its batch and graphing match and its cache is long
+        enough, so that its captured draft graphs replay in the next run instead of being captured again."""
+        key = (batch, graphed)
+        if self.drafts is None or self.drafts.key != key or self.drafts.cache.max_len < cache_len:
+            self.drafts = None
+            self.drafts = Drafts(self, batch, cache_len, graphed)
+        self.drafts.reset()
+        return self.drafts
 
     def latency_for(self, batch, step):
         """Auto's LatencyTable: the one given, else `step(budget)` (a whole step, nothing committed) timed once
@@ -228,6 +240,35 @@ class Engine:
         return run.execute()
 
 
+class Drafts:
+    """A run's drafting state, kept by the engine for the next run that fits: the drafter's context cache,
+    auto's MassScorer (or None) and per budget a step may verify, bonus -> its tree (the drafter's pass and
+    `TreeDraft`): one replay of a DraftGraphs when `graphed` and the drafter capturable, eager otherwise."""
+
+    def __init__(self, engine, batch, cache_len, graphed):
+        e = engine
+        self.key = (batch, graphed)
+        self.cache = e.drafter.new_cache(batch, cache_len)
+        self.scorer = MassScorer(e.candidates, e.drafter.cfg.draft_len, e.device) if e.auto else None
+        if e.auto:
+            drafts = {b: TreeDraft("ddtree", b, scorer=self.scorer) for b in e.candidates}
+        else:
+            drafts = {e.budget: TreeDraft(e.tree, e.budget)}
+        if graphed and draft_eligibility(e.drafter)[0]:
+            self.trees = {b: DraftGraphs(e.drafter, self.cache, batch, b, log=e.graph_log, make_tree=draft).tree
+                          for b, draft in drafts.items()}
+        else:
+            self.trees = {b: lambda bonus, draft=draft: draft(e.drafter.draft(self.cache, bonus), bonus)
+                          for b, draft in drafts.items()}
+
+    def reset(self):
+        """Empty the cache and set auto's per-depth factors back to 1 (what a new policy assumes)."""
+        self.cache.lens.zero_()
+        self.cache.set_host_lens([0] * len(self.cache.host_lens))
+        if self.scorer is not None:
+            self.scorer.set_bias([1.0] * self.scorer.depth)
+
+
 def nonfinite_rows(logits):
     """[B] int64 on the device: 1 where logits [B, ..., V] hold NaN or +inf (or a row all -inf), else 0.
     Read with the step's tokens, so detecting costs a reduction, not a host sync."""
@@ -251,7 +292,7 @@ class _Run:
         if spec:
             L, block = engine.drafter.cfg.draft_len, engine.drafter.cfg.block_size
             cache_len = top + L + (engine.budget if bucket is None else bucket)
-            self.dcache = engine.drafter.new_cache(B, top + L + max(L + 1, block))
+            draft_len = top + L + max(L + 1, block)
         else:
             cache_len = top
         graphs = None
@@ -266,8 +307,8 @@ class _Run:
         self.seeds = torch.tensor([sampling.seed + b for b in range(B)], dtype=torch.int64, device=dev)
         self.policy, self.budget, self.budgets = None, engine.budget if spec else 0, []
         if spec:
-            self.scorer = MassScorer(engine.candidates, engine.drafter.cfg.draft_len, dev) if engine.auto else None
-            self.drafts = self.tree_drafts(B, graphs)
+            drafts = engine.step_drafts(B, draft_len, graphs is not None)
+            self.dcache, self.scorer, self.drafts = drafts.cache, drafts.scorer, drafts.trees
         if spec and engine.auto:
             self.policy = BudgetPolicy(engine.candidates, engine.drafter.cfg.draft_len,
                                        engine.latency_for(B, self.dry_step), scorer=self.scorer)
@@ -277,20 +318,6 @@ class _Run:
         self.reasons = [None] * B
         self.live = [True] * B
         self.live_dev = torch.ones(B, dtype=torch.int32, device=dev)
-
-    def tree_drafts(self, B, graphs):
-        """Per budget a step may verify, bonus -> its tree (the drafter's pass and `TreeDraft`): one replay
-        when the verify is graphed and the draft capturable, eager otherwise."""
-        e = self.e
-        if e.auto:
-            drafts = {b: TreeDraft("ddtree", b, scorer=self.scorer) for b in e.candidates}
-        else:
-            drafts = {e.budget: TreeDraft(e.tree, e.budget)}
-        if graphs is not None and draft_eligibility(e.drafter)[0]:
-            return {b: DraftGraphs(e.drafter, self.dcache, B, b, log=e.graph_log, make_tree=draft).tree
-                    for b, draft in drafts.items()}
-        return {b: lambda bonus, draft=draft: draft(e.drafter.draft(self.dcache, bonus), bonus)
-                for b, draft in drafts.items()}
 
     def dry_step(self, budget):
         """One speculative step at `budget` with nothing committed (before prefill: auto's latency table)."""

@@ -315,6 +315,26 @@ def test_greedy_with_graphs_equals_without_gpu(gpu_pair, budget):
         assert runs[0] == runs[1]
 
 
+@requires_gpu
+@pytest.mark.parametrize("budget", (8, "auto"))
+def test_second_run_captures_nothing_gpu(gpu_pair, budget):
+    """An engine's second generate (another prompt length, a shorter run) replays the first's verify and draft
+    graphs (no capture inside its decode) and, at a fixed budget, gives a fresh engine's tokens (auto's choices
+    follow each engine's own latency table, so its trees may differ)."""
+    from spec.engine import Engine
+
+    target, drafter = gpu_pair
+    captures = []
+    engine = Engine(target, drafter, budget)
+    engine.graph_log = captures.append
+    engine.generate([[257, 84, 104, 101, 32, 116]], 48)
+    first = len(captures)
+    again = engine.generate([list(range(40, 63))], 32).output_ids
+    assert first > 0 and len(captures) == first, captures[first:]
+    if budget != "auto":
+        assert again == Engine(target, drafter, budget).generate([list(range(40, 63))], 32).output_ids
+
+
 def test_bench_step_pieces_on_cpu(tiny):
     """The benchmark's step closures and report on the tiny model (eager: nothing is captured on the CPU)."""
     model, drafter = tiny
