@@ -42,19 +42,27 @@ def start_server(flags):
                                                                       os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "spec.serve", "--port", "0", "--max-batch", "16", *flags],
                             cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 1800  # a real checkpoint takes minutes to load
+    try:
+        return proc, wait_healthy(proc, log, time.monotonic() + 1800), log  # a real checkpoint loads for minutes
+    except BaseException:  # not up, or interrupted while waiting: no server left behind
+        proc.kill()
+        print("the server's log ends:\n" + "\n".join(log.read_text().splitlines()[-25:]), file=sys.stderr)
+        raise
+
+
+def wait_healthy(proc, log, deadline):
+    """The URL the server's log names, once its /health answers 200."""
     while time.monotonic() < deadline:
         found = re.search(r"on (http://[^:]+:\d+)", log.read_text())
         if found:
             try:
                 if httpx.get(found[1] + "/health", timeout=5).status_code == 200:
-                    return proc, found[1], log
+                    return found[1]
             except httpx.TransportError:
                 pass
         if proc.poll() is not None:
-            sys.exit(f"error: the server exited with code {proc.returncode}:\n{log.read_text()[-3000:]}")
+            sys.exit(f"error: the server exited with code {proc.returncode}")
         time.sleep(0.5)
-    proc.kill()
     sys.exit("error: the server did not come up within 30 minutes")
 
 
@@ -171,6 +179,7 @@ def main(argv=None):
     if url is None:
         proc, url, log = start_server(server_flags)
     ready_s = time.perf_counter() - started
+    print(f"server healthy after {ready_s:.1f} s", file=sys.stderr, flush=True)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         with httpx.Client(base_url=url, timeout=60, headers=headers) as http:
@@ -179,12 +188,17 @@ def main(argv=None):
         for clients in args.levels:  # untimed: every batch size's first compiles and captures
             run_level(url, headers, model, clients, 1, 8, math.inf, 0)
         warm_s = time.perf_counter() - warm
+        print(f"warm-up done in {warm_s:.1f} s", file=sys.stderr, flush=True)
         deadline = time.monotonic() + args.time_limit
         levels, first = [], 1
         for clients in args.levels:
             levels.append(run_level(url, headers, model, clients, args.requests_per_client, args.max_tokens,
                                     deadline, first))
             first += clients * args.requests_per_client
+    except BaseException:  # Ctrl-C or `timeout -s INT` included: the server's last lines say where it was
+        if log is not None:
+            print("the server's log ends:\n" + "\n".join(log.read_text().splitlines()[-25:]), file=sys.stderr)
+        raise
     finally:
         if proc is not None:
             proc.terminate()
