@@ -26,6 +26,7 @@ from spec.budget import AUTO_BUDGETS, BudgetPolicy, LatencyTable, MassScorer, Tr
 from spec.graphs import DEFAULT_BUCKETS, DraftGraphs, StepGraphs, bucket_for, draft_eligibility, eligibility
 
 MAX_BUDGET = 512
+KEPT_GRANULE = 1024  # cache lengths the engine keeps are multiples of this (DraftGraphs' context span)
 TREES = ("ddtree", "chain")
 
 
@@ -176,6 +177,12 @@ class Engine:
         self.graphs.cache.reset()
         return self.graphs
 
+    def kept_len(self, tokens, room):
+        """The length of a cache the engine keeps for later runs, for sequences of up to `tokens` and a step's
+        `room` past them: rounded up to KEPT_GRANULE entries, at most what the whole context needs, so that runs
+        of similar lengths share one cache and its graphs."""
+        return min(-(-(tokens + room) // KEPT_GRANULE) * KEPT_GRANULE, self.context_len + room)
+
     def step_drafts(self, batch, cache_len, graphed):
         """The Drafts of a run (emptied): the last one while its batch and graphing match and its cache is long
         enough, so that its captured draft graphs replay in the next run instead of being captured again."""
@@ -291,10 +298,11 @@ class _Run:
         bucket = engine.graph_bucket(spec)  # with graphs, a verify writes bucket + 1 entries (padding included)
         if spec:
             L, block = engine.drafter.cfg.draft_len, engine.drafter.cfg.block_size
-            cache_len = top + L + (engine.budget if bucket is None else bucket)
-            draft_len = top + L + max(L + 1, block)
+            room = L + (engine.budget if bucket is None else bucket)
+            cache_len = top + room if bucket is None else engine.kept_len(top, room)
+            draft_len = engine.kept_len(top, L + max(L + 1, block))
         else:
-            cache_len = top
+            cache_len = top if bucket is None else engine.kept_len(top, 0)
         graphs = None
         if bucket is None:
             self.cache = target.new_cache(B, cache_len)
