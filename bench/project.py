@@ -8,7 +8,7 @@ The model, every number in it an argument, all printed:
 - compute: each rank's step (draft + verify + accept at budget b, graphed; the AR step at budget 0) scales
   from the measured GPU to the PRO 6000 by the read-bandwidth ratio: measured read GB/s of the step file over
   (the PRO 6000's 1.79 TB/s x an achievable fraction). The step is memory-bound on the measured GPU (1.8-2.4x
-  its byte floor in bench/results/step_h100_s27.md); the same multiple of the floor is assumed on sm_120.
+  its byte floor in bench/results/step_h100_s27.json); the same multiple of the floor is assumed on sm_120.
 - collectives: each all-reduce costs a latency plus its ring traffic, 2 (tp - 1) / tp x rows x hidden x 2 B,
   over the PCIe all-reduce bandwidth; the target has 2 a layer (attention and MLP outputs) over its B + 1 rows,
   the drafter 2 a layer over its block; the logits either all-gathered in full (what spec/engine.py does:

@@ -9,10 +9,9 @@ import triton.language as tl
 from triton_kernels import pdl
 from triton_kernels.moe_layout import SLAB, SLAB_WORDS, UNPACK
 from triton_kernels.moe_tiles import (LAYOUT_SIGNATURE, SIGNATURE_DTYPES, acc_zeros, aot_options, block_expert,
-                                      block_pairs, expert_bases, flags,
-                                      launch_options, layout_args,
-                                      load_scales, load_slab, orient, prefetch_slab, resident_programs, slab_dot,
-                                      slab_ptrs, slab_scales, tile_cols, tile_columns, tokens_of)
+                                      block_pairs, expert_bases, flags, launch_options, layout_args, load_scales,
+                                      load_slab, orient, prefetch_slab, resident_programs, slab_dot, slab_ptrs,
+                                      slab_scales, tile_cols, tile_columns, tokens_of, work_item)
 
 _SLAB_WORDS = tl.constexpr(SLAB_WORDS)
 
@@ -183,11 +182,7 @@ def _persistent_down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_pt
     pid, G = tl.program_id(0), tl.num_programs(0)
     nb = tl.load(nb_ptr)
     for item in range(pid, nb * GROUPS * split, G):
-        j = item % split
-        grp = (item // split) % GROUPS
-        b = item // (split * GROUPS)
-        rows, e = block_expert(block_expert_ptr, b, BM)  # [BM] slots
-        pair = block_pairs(sorted_ptr, rows, b, BM, False)
+        b, grp, j, rows, e, pair = work_item(item, split, block_expert_ptr, sorted_ptr, GROUPS, BM)
         _down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, grp, j, D, I, n_slabs,
                     n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wn, TOP_K, BM, BN, EVEN_N, KMAJOR,
                     TILES, MAGIC, MAGIC_VALUE, WIDE, EVEN_K, SWAP, LOP3, AHEAD, ONE_SLAB, False, PRESCALE)

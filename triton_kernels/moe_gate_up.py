@@ -10,10 +10,9 @@ import triton.language as tl
 from triton_kernels import arch, pdl
 from triton_kernels.moe_layout import SLAB, UNPACK
 from triton_kernels.moe_tiles import (LAYOUT_SIGNATURE, SIGNATURE_DTYPES, acc_zeros, aot_options, block_expert,
-                                      block_pairs, expert_bases, flags,
-                                      launch_options, layout_args, load_scales,
+                                      block_pairs, expert_bases, flags, launch_options, layout_args, load_scales,
                                       load_slab, orient, resident_programs, slab_dot, slab_ptrs, tile_columns,
-                                      tokens_of)
+                                      tokens_of, work_item)
 
 PLAN_COST = 1  # `_plan_split`: a work item's fixed cost (epilogue, index loads), in slabs
 
@@ -185,11 +184,7 @@ def _planned_gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, s
     split, per_split = _plan_split(nb, TILES_N, n_slabs, G, cap, S_PAD, COST)
     DTYPE = x_ptr.dtype.element_ty
     for item in range(pid, nb * TILES_N * split, G):
-        j = item % split
-        t = (item // split) % TILES_N
-        b = item // (split * TILES_N)
-        rows, e = block_expert(block_expert_ptr, b, BM)  # [BM] slots
-        pair = block_pairs(sorted_ptr, rows, b, BM, False)
+        b, t, j, rows, e, pair = work_item(item, split, block_expert_ptr, sorted_ptr, TILES_N, BM)
         token = tokens_of(pair, TOP_K)
         w_base, s_base = expert_bases(w_ptr, s_ptr, e, stride_we, stride_se)
         n, n_mask, w_cols, s_cols = tile_columns(t, I, stride_wn, BN, KMAJOR, EVEN_N)  # gate columns n

@@ -193,6 +193,19 @@ def block_pairs(sorted_ptr, rows, pid_b, BM: tl.constexpr, DECODE: tl.constexpr)
 
 
 @triton.jit
+def work_item(item, split, block_expert_ptr, sorted_ptr, TILES: tl.constexpr, BM: tl.constexpr):
+    """Work item `item` of a persistent grid over (routed block, N tile or group of TILES, K split), the split
+    fastest: -> (block, tile, split index, slots [BM], expert, pair ids [BM]). A tile's splits are consecutive
+    items, its split 0 at item - split index."""
+    j = item % split
+    t = (item // split) % TILES
+    b = item // (split * TILES)
+    rows, e = block_expert(block_expert_ptr, b, BM)  # [BM] slots
+    pair = block_pairs(sorted_ptr, rows, b, BM, False)
+    return b, t, j, rows, e, pair
+
+
+@triton.jit
 def tokens_of(pair, TOP_K: tl.constexpr):
     """The token rows [BM] int64 of pair ids [BM] (row 0 for a padding slot, -1)."""
     return tl.where(pair >= 0, pair // TOP_K, 0).to(tl.int64)

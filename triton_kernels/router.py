@@ -21,7 +21,7 @@ LOWEST = tl.constexpr(-(2**63))  # below every select key
 # Per arch, how the logits are computed by token count: one token on the skinny GEMM's gemv (no tl.dot: fp32 FMAs
 # of 16-byte weight loads), 2 to linear.MAX_ROWS tokens on its dot tiles through tensor descriptors (the padding
 # rows not loaded), the K-split partials of both left for the select kernel to sum (`linear_kernel(raw=True)`):
-# 1.2-1.3x faster than the logits kernel below at 1-65 tokens (bench/results/glue_h200_s11.json). More tokens:
+# 1.2-1.3x faster than the logits kernel below at 1-65 tokens (bench/results/glue_h200_s11.md). More tokens:
 # the logits kernel with (BLOCK_M, BLOCK_D) tiles, one token block a program.
 ONE_ROW = {"sm_90": Config("gemv", 16, 512, 4, 4, 1), "sm_120": Config("gemv", 16, 512, 4, 4, 1)}
 MANY_ROWS = {"sm_90": Config("swap", 64, 128, 4, 4, 0.5, tma=True),
