@@ -184,7 +184,8 @@ class MoeTuner:
                 return w, s
 
             raw = [PackedExperts(*words(2 * I, D), *words(D, I)) for _ in range(n_layers)]
-            self.cases[shape] = ([moe_layout.prepare_moe(*vars(layer).values(), kmajor=self.kmajor)
+            self.cases[shape] = ([moe_layout.prepare_moe(layer.gate_up_packed, layer.gate_up_scale, layer.down_packed,
+                                                        layer.down_scale, kmajor=self.kmajor)
                                 for layer in raw], raw[0], {})
         return self.cases[shape]
 
