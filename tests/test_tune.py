@@ -124,7 +124,7 @@ def test_tuned_moe_entry_runs_in_place_of_the_table(monkeypatch, tmp_path):
     monkeypatch.setenv(tuning.ENV_VAR, str(path))
     seen = []
     real = moe_w4a16.gate_up
-    monkeypatch.setattr(moe_w4a16, "gate_up", lambda *a: seen.append(a[6]) or real(*a))
+    monkeypatch.setattr(moe_w4a16, "gate_up", lambda *a: seen.append(a[7]) or real(*a))
     raw = make_experts(4, 256, 64)
     ids, weights = make_routing(2, 4, 2)
     x = torch.randn(2, 256, device=ids.device).half()
