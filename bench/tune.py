@@ -228,6 +228,9 @@ class MoeTuner:
                   for j, c in enumerate(calls)]
         return (f"rel. error {err:.3g}" if not err < TOLERANCE else None), thunks
 
+    def fit_key(self, info, entry):
+        return canonical([info["shape"], entry])  # the kernels compile alike for every M
+
     def fit_specs(self, info, entry):
         from triton_kernels.moe_w4a16 import compile_specs
 
@@ -329,13 +332,12 @@ class LinearTuner:
         thunks = [lambda w=w: fn(x, w) for w in weights]
         return (f"rel. error {err:.3g}" if not err < TOLERANCE else None), thunks
 
-    def fit_specs(self, info, entry):
-        from triton_kernels import arch, linear
+    def fit_key(self, info, entry):
+        return None
 
-        if entry == "cublas":
-            return []
-        return [linear.kernel_spec(linear.Config(**entry), info["M"], info["N"], info["K"],
-                                   arch.sm_count(device()), self.key)]
+    def fit_specs(self, info, entry):
+        """None to check: `linear.plan` holds the stages within the arch's shared memory (SHARED_BUDGET)."""
+        return []
 
     def table(self, measured):
         out = {}
@@ -412,8 +414,8 @@ class AttentionTuner:
 
         if info["kind"] == "merge":
             return list(mla_attention.merge_blocks(info["S"], self.key))
-        q, caches, _, _ = self.case(info)
-        p = mla_attention.plan(q, caches[0], causal=False)
+        q = torch.empty(1, info["T"], self.HEADS, 576, dtype=float_dtype(), device=device())
+        p = mla_attention.plan(q, torch.empty(1, info["L"], 576, dtype=q.dtype, device=q.device), causal=False)
         return dict(tiles=list(p.entry.tiles), splits=p.splits, tail_split=p.tail_split,
                     partials="fp32" if p.partials == torch.float32 and q.dtype != torch.float32 else "q", tma=p.tma)
 
@@ -474,6 +476,11 @@ class AttentionTuner:
 
         err = rel_err(call(caches[0]), reference)
         return (f"rel. error {err:.3g}" if not err < TOLERANCE else None), [lambda kv=kv: call(kv) for kv in caches]
+
+    def fit_key(self, info, entry):
+        if info["kind"] == "merge":
+            return None
+        return canonical([info["T"] * self.HEADS <= 16, entry["tiles"], entry.get("tma"), entry["partials"]])
 
     def fit_specs(self, info, entry):
         from triton_kernels import mla_attention
@@ -614,6 +621,9 @@ class TreeTuner:
             ok = equal(got, reference)
         return (None if ok else "outputs differ from the reference"), [tuned] * 8
 
+    def fit_key(self, info, entry):
+        return None  # compile failures show at the first launch
+
     def fit_specs(self, info, entry):
         return []
 
@@ -736,7 +746,8 @@ def measure(tuner, name, info, deadline, reps, margin, fits, bar):
                 continue
         seen.add(canonical(entry))
         bar.set_postfix_str(f"{tuner.op} {name} {label}"[:70])
-        reason = fits[name, canonical(entry)].result() if (name, canonical(entry)) in fits else None
+        fit = fits.get(tuner.fit_key(info, entry))
+        reason = fit.result() if fit is not None else None
         if reason:
             notes[label] = f"skipped: {reason}"
             tqdm.write(f"  {tuner.op} {name} {label}: skipped: {reason}")
@@ -780,10 +791,11 @@ def tune_op(tuner, measured, deadline_s, reps, margin, save):
 
         pool = ProcessPoolExecutor(max_workers=max(1, min(8, (os.cpu_count() or 2) - 1)),
                                    mp_context=multiprocessing.get_context("spawn"))
-        for name, info in buckets:
+        for _, info in buckets:
             for _, entry in [("default", tuner.default(info))] + tuner.candidates(info):
-                fits.setdefault((name, canonical(entry)), pool.submit(fit_reason, tuner.op, tuner.key, info, entry,
-                                                                      tuner.tiny))
+                key = tuner.fit_key(info, entry)
+                if key is not None and key not in fits:
+                    fits[key] = pool.submit(fit_reason, tuner.op, tuner.key, info, entry, tuner.tiny)
     else:
         pool = None
     bar = tqdm(buckets, desc=tuner.op, unit="bucket", file=sys.stderr, dynamic_ncols=True)
