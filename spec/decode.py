@@ -85,6 +85,9 @@ def parse_args(argv):
     p.add_argument("--no-spec", action="store_true", help="target-only autoregressive decoding")
     p.add_argument("--kernels", default=None, help="op=backend,... e.g. moe=triton,attention=torch or all=triton")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
+    p.add_argument("--kernel-configs", default=None, metavar="FILE",
+                   help="tuned kernel configs (python -m bench.tune) over SPEC_KERNEL_CONFIGS and the shipped ones; "
+                        "'defaults': the Python tables")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay the verify and draft passes as CUDA graphs per tree-size bucket, captured once "
                         "after load (CUDA only; --no-cuda-graphs runs eagerly)")
@@ -97,6 +100,7 @@ def parse_args(argv):
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_model_paths(args)
+    choose_kernel_configs(args.kernel_configs, args.device)
     try:
         SamplingParams(args.temperature, args.top_p, 0, args.seed)
     except SamplingError as err:
@@ -152,6 +156,23 @@ def choose_kernels(kernels, device):
     if wants_triton and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise UsageError(f"--kernels / SPEC_KERNELS: {', '.join(wants_triton)} set to triton, which needs a CUDA "
                          "device (or TRITON_INTERPRET=1)")
+
+
+def choose_kernel_configs(path, device_name):
+    """Take the tuned kernel configs of --kernel-configs (else SPEC_KERNEL_CONFIGS's or the shipped ones) and check
+    them now for the arch in force on the device: a bad file or one for another arch is one `error:` line."""
+    from triton_kernels import arch, tuning
+
+    if path is not None:
+        tuning.use(path)
+    try:
+        device = torch.device(device_name) if device_name else None
+    except RuntimeError:
+        device = None  # a bad --device: pick_device says so
+    try:
+        tuning.tables(arch.current(device))
+    except ValueError as err:
+        raise UsageError(f"--kernel-configs: {err}" if path else str(err)) from None
 
 
 def pick_device(name):

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import arch, pdl
+from triton_kernels import arch, pdl, tuning
 from triton_kernels.counters import arrival_counters
 from triton_kernels.keys import ordered, unordered
 
@@ -520,6 +520,13 @@ def _compact_kernel(kv_ptr, starts_ptr, path_ptr, len_ptr, hid_ptr, out_ptr, lay
 
 # ---- launchers ----
 
+def config_for(device, budget):
+    """The config for trees of `budget` nodes (top-k's K, the build's budget, accept's nodes past the root) on the
+    arch in force for `device`: the tuned file's (tuning.py) where it has one for the budget, else CONFIGS'."""
+    key = arch.current(device)
+    return tuning.tree_entry(key, budget) or CONFIGS[key]
+
+
 def _cap(maxnreg):
     """Launch keywords for a register cap (None: the compiler's choice)."""
     return {} if maxnreg is None else dict(maxnreg=maxnreg)
@@ -559,7 +566,7 @@ def draft_topk(logits, k):
     B, L, V = x.shape
     dev = x.device
     rows = B * L
-    cfg = CONFIGS[arch.current(dev)]
+    cfg = config_for(dev, k)
     chunk, chunks, mp, warps, tile, maxnreg = topk_plan(V, k, cfg)
     cval = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
     cid = torch.empty(rows, chunks, k, dtype=torch.int32, device=dev)
@@ -585,7 +592,7 @@ def build_tree(logprobs, tokens, root_tokens, budget):
     N1 = N + 1
     W = triton.cdiv(N1, 32)
     dev = logprobs.device
-    cfg = CONFIGS[arch.current(dev)]
+    cfg = config_for(dev, budget)
     lp, tok = logprobs.contiguous(), tokens.contiguous()
     tokens_out = torch.empty(B, N1, dtype=torch.int64, device=dev)
     parents, depths, first_child, next_sibling = (torch.empty(B, N1, dtype=torch.int32, device=dev) for _ in range(4))
@@ -610,7 +617,7 @@ def accept(tree, target_logits, temperature, floor, seeds, step):
     B, N1, V = target_logits.shape
     L = tree.max_depth
     x = target_logits.contiguous()
-    cfg = CONFIGS[arch.current(x.device)]
+    cfg = config_for(x.device, N1 - 1)
     block = min(cfg["block_v"], triton.next_power_of_2(V))
     rows = B * N1
     unroll = max(1, min(cfg["unroll_v"], triton.cdiv(V, block)))

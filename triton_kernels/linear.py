@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from triton_kernels import arch, pdl
+from triton_kernels import arch, pdl, tuning
 from triton_kernels.counters import arrival_counters
 
 MAX_ROWS = 128
@@ -323,9 +323,16 @@ def _descriptors(x, weight, block_m, cfg):
 
 
 def adopted(device, M, N, K):
-    """The adopted Config for this shape and M on `device`, or None (cuBLAS)."""
+    """The adopted Config for this shape and M on `device`, or None (cuBLAS): the tuned file's choice for the shape
+    and bucket where the file in force lists it (tuning.py), else ADOPTED's."""
     bucket = bucket_of(M) if M >= 1 else None
-    return ADOPTED[arch.current(device)].get((N, K), {}).get(bucket) if bucket else None
+    if bucket is None:
+        return None
+    key = arch.current(device)
+    listed, tuned = tuning.linear_entry(key, N, K, bucket)
+    if listed:
+        return Config(**tuned) if tuned else None
+    return ADOPTED[key].get((N, K), {}).get(bucket)
 
 
 def linear(x, weight):

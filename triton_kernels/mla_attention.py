@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import arch, pdl
+from triton_kernels import arch, pdl, tuning
 from triton_kernels.mla_splits import D_LAT, D_PE, ENTRY, default_splits, program_range, tail_split_default
 
 
@@ -264,10 +264,25 @@ def entry_for(rows, key):
     return next(entry for entry in CONFIGS[key] if entry.max_rows is None or rows <= entry.max_rows)
 
 
-def merge_blocks(num_splits):
-    """(BLOCK_S, BLOCK_D, warps) of the merge for `num_splits` splits."""
+def merge_blocks(num_splits, key=None):
+    """(BLOCK_S, BLOCK_D, warps) of the merge for `num_splits` splits on arch `key` (None: the arch in force): the
+    tuned file's (tuning.py) where it lists the splits' power of two, else MERGE_BLOCKS'."""
     splits_block = min(triton.next_power_of_2(num_splits), MERGE_MAX_SPLITS_BLOCK)
-    return MERGE_BLOCKS.get(splits_block, (splits_block, D_LAT, 4))
+    tuned = tuning.merge_entry(key or arch.current(), splits_block)
+    return tuned or MERGE_BLOCKS.get(splits_block, (splits_block, D_LAT, 4))
+
+
+def with_tuned(config, key, rows, max_len, dtype):
+    """`config` with the tuned file's choices (tuning.py) for `rows` query rows over max_len cache entries where it
+    leaves them None."""
+    tuned = tuning.attention_entry(key, rows, max_len)
+    if not tuned:
+        return config
+    partials = {"fp32": torch.float32, "q": dtype, None: None}[tuned.get("partials")]
+    tiles = tuned.get("tiles")
+    found = dict(tiles=Tiles(*tiles) if tiles else None, splits=tuned.get("splits"), partials=partials,
+                 tma=tuned.get("tma"), tail_split=tuned.get("tail_split"))
+    return config._replace(**{name: value for name, value in found.items() if getattr(config, name) is None})
 
 
 def _check(q, kv_cache, value_dim):
@@ -298,11 +313,12 @@ class Plan(NamedTuple):
 
 def plan(q, kv_cache, causal, config=None):
     """The `Plan` of a call on q [B, T, H, 576] over kv_cache [B, L_max, 576] (causal: no tree mask): the tables'
-    choices for the arch in force (`arch.current`), overridden by `config` (a Config) where it says."""
-    config = config or Config()
+    choices for the arch in force (`arch.current`) and the tuned file's (`with_tuned`), overridden by `config` (a
+    Config) where it says."""
     B, T, H, _ = q.shape
     rows = T * H
     key = arch.current(q.device)
+    config = with_tuned(config or Config(), key, rows, kv_cache.shape[1], q.dtype)
     entry = entry_for(rows, key)
     if config.tiles is not None:
         entry = entry._replace(tiles=Tiles(*config.tiles))
@@ -376,7 +392,7 @@ def gluon_launcher(gluon, key, q, kv_cache, tiles, partials):
 def _merged(o_part, lse_part, out, rows, num_splits, B, direct, q):
     """out, after the merge kernel has combined the splits' partials into it (unless the split kernel wrote it)."""
     if not direct:
-        block_s, block_d, warps = merge_blocks(num_splits)
+        block_s, block_d, warps = merge_blocks(num_splits, arch.current(q.device))
         _merge_kernel[(rows, D_LAT // block_d, B)](
             o_part, lse_part, out, rows, num_splits, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=warps,
             **pdl.options(q),

@@ -13,7 +13,7 @@ the MMA's M operand), `lop3` (dequantisation by one PTX lop3), `scales_ahead` (a
 
 import functools
 
-from triton_kernels import arch
+from triton_kernels import arch, tuning
 
 _SWAP = dict(BN=64, num_warps=4, num_stages=3, swap=True, lop3=True, scales_ahead=True)
 
@@ -86,8 +86,12 @@ def with_overrides(cfg, over):
 def config_for(device, M, intermediate=None):
     """The entry for M tokens on the arch in force for `device` (`arch.current`), with the BY_INTERMEDIATE override
     of its bucket for experts of that intermediate size, if any, and on a Triton newer than TUNED_TRITON the
-    NEWER_TRITON_BY_INTERMEDIATE one on top of it (the NEWER_TRITON one where BY_INTERMEDIATE has none)."""
+    NEWER_TRITON_BY_INTERMEDIATE one on top of it (the NEWER_TRITON one where BY_INTERMEDIATE has none); the tuned
+    file's entry for the bucket instead, where the file in force has one (tuning.py)."""
     key = arch.current(device)
+    tuned = tuning.moe_entry(key, M, intermediate)
+    if tuned is not None:
+        return tuned
     max_m, cfg = next((max_m, cfg) for max_m, cfg in CONFIGS[key] if max_m is None or M <= max_m)
     by_size = BY_INTERMEDIATE[key].get(intermediate, {}).get(max_m)
     overrides = [by_size] if by_size else []

@@ -1,0 +1,209 @@
+"""The tuner (bench/tune.py) and the tuned files the kernels load (triton_kernels/tuning.py), on tiny shapes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import TRITON_DEVICE, requires_triton
+from triton_kernels import arch, linear, tuning
+
+tune = pytest.importorskip("bench.tune")
+
+
+@pytest.fixture(autouse=True)
+def no_tuned_file(monkeypatch, tmp_path):
+    """Each test starts with no tuned file in force (no environment variable, an empty shipped folder)."""
+    monkeypatch.delenv(tuning.ENV_VAR, raising=False)
+    monkeypatch.setattr(tuning, "TUNED_DIR", tmp_path / "shipped")
+    tuning.use(None)
+    yield
+    tuning.use(None)
+
+
+def few_candidates(monkeypatch, tuner, n):
+    """The tuner's candidates cut to its first n per bucket (the interpreter is slow)."""
+    full = tuner.candidates
+    monkeypatch.setattr(tuner, "candidates", lambda self, info: full(self, info)[:n])
+
+
+def tuned_file(tmp_path, key, **ops):
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(dict(format=tuning.FORMAT, header=dict(arch=key), **ops)))
+    return path
+
+
+@requires_triton
+def test_tuner_writes_a_valid_file_and_resumes(monkeypatch, tmp_path, capsys):
+    """End to end on the skinny GEMM: every bucket measured (the default first), a file the loader accepts; a rerun
+    with the same --out measures nothing again, and after a bucket is dropped from the file, that bucket alone."""
+    few_candidates(monkeypatch, tune.LinearTuner, 2)
+    out = tmp_path / "t.json"
+    argv = ["--ops", "linear", "--shapes", "tiny", "--reps", "5", "--out", str(out)]
+    assert tune.main(argv) == 0
+    data = json.loads(out.read_text())
+    key = arch.current()
+    assert data["header"]["arch"] == key and {"gpu", "triton", "torch", "date", "command"} <= set(data["header"])
+    buckets = [name for name, _ in tune.LinearTuner(key, True).buckets()]
+    assert sorted(data["measured"]["linear"]) == sorted(buckets)
+    for record in data["measured"]["linear"].values():
+        assert "default" in record["candidates"] and record["best_us"] <= record["default_us"]
+    assert set(tuning.load(out, key)) <= {"linear"}
+    assert "default us" in capsys.readouterr().out
+
+    measured = []
+    real = tune.measure
+    monkeypatch.setattr(tune, "measure", lambda tuner, name, *a: measured.append(name) or real(tuner, name, *a))
+    assert tune.main(argv) == 0
+    assert measured == []
+    data["measured"]["linear"].pop(buckets[-1])
+    out.write_text(json.dumps(data))
+    assert tune.main(argv) == 0
+    assert measured == [buckets[-1]]
+    assert sorted(json.loads(out.read_text())["measured"]["linear"]) == sorted(buckets)
+
+
+@requires_triton
+def test_wrong_candidate_is_rejected(monkeypatch, tmp_path):
+    """A candidate whose kernel returns a wrong result (zeros, at once: the fastest) fails the reference check and
+    is never chosen."""
+    wrong = linear.Config("gemv", 16, 256, 4, 3, 1)
+    real = linear.linear_kernel
+    monkeypatch.setattr(linear, "linear_kernel", lambda x, w, cfg=None, raw=False: (
+        torch.zeros(x.shape[0], w.shape[0], dtype=x.dtype) if cfg == wrong else real(x, w, cfg, raw)))
+    monkeypatch.setattr(tune.LinearTuner, "candidates", lambda self, info: [
+        ("wrong", wrong._asdict()), ("gemv", linear.Config("gemv", 32, 256, 4, 3, 2)._asdict())])
+    monkeypatch.setattr(tune.LinearTuner, "__init__", lambda self, key, tiny: (
+        setattr(self, "key", key), setattr(self, "tiny", tiny), setattr(self, "shapes", [(64, 256)]),
+        setattr(self, "ms", (1,)), setattr(self, "cases", {})) and None)
+    out = tmp_path / "t.json"
+    assert tune.main(["--ops", "linear", "--shapes", "tiny", "--reps", "5", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())["measured"]["linear"]["64x256/M1"]
+    assert record["candidates"]["wrong"].startswith("rejected: rel. error")
+    assert record["chosen"] != "wrong" and "gemv" in record["candidates"]
+
+
+@requires_triton
+def test_tuned_linear_entry_runs_in_place_of_the_table(monkeypatch, tmp_path, capsys):
+    """SPEC_KERNEL_CONFIGS names a file: the skinny GEMM launches with its config for that shape and bucket, cuBLAS
+    where it says "cublas", the Python table elsewhere; the file in force is announced once."""
+    key = arch.current()
+    cfg = linear.Config("gemv", 16, 256, 4, 3, 1)
+    path = tuned_file(tmp_path, key, linear={"64x256": {"1": cfg._asdict(), "2": "cublas"}})
+    monkeypatch.setenv(tuning.ENV_VAR, str(path))
+    used = []
+    real = linear.linear_kernel
+    monkeypatch.setattr(linear, "linear_kernel", lambda x, w, cfg=None: used.append(cfg) or real(x, w, cfg))
+    dev = torch.device(TRITON_DEVICE)
+    w = torch.randn(64, 256, device=dev).half()
+    out = linear.linear(torch.randn(1, 256, device=dev).half(), w)
+    assert used == [cfg] and torch.isfinite(out).all()
+    linear.linear(torch.randn(2, 256, device=dev).half(), w)
+    assert used == [cfg]  # cuBLAS
+    assert linear.adopted(dev, 2, 2112, 7168) == linear.ADOPTED[key].get((2112, 7168), {}).get(2)
+    err = capsys.readouterr().err
+    assert err.count("kernel configs:") == 1 and f"kernel configs: {path} ({key})" in err
+
+
+@requires_triton
+def test_tuned_moe_entry_runs_in_place_of_the_table(monkeypatch, tmp_path):
+    """The MoE launches its kernels with the tuned entry of M's bucket for experts of that intermediate size (the
+    entry a file gives, not the table's), and the result still matches the reference."""
+    from ops.moe import PackedExperts, moe_torch
+    from tests.test_moe_kernel import make_experts, make_routing
+    from triton_kernels import moe_configs, moe_layout, moe_w4a16
+
+    key = arch.current()
+    kernel = dict(BN=32, waves=1, num_warps=4, num_stages=2)
+    entry = dict(BM=16, kmajor=moe_configs.KMAJOR[key], gate_up=kernel, down=dict(kernel, BN=64))
+    path = tuned_file(tmp_path, key, moe={"64": [[2, entry], [None, None]]})
+    monkeypatch.setenv(tuning.ENV_VAR, str(path))
+    seen = []
+    real = moe_w4a16.gate_up
+    monkeypatch.setattr(moe_w4a16, "gate_up", lambda *a: seen.append(a[7]) or real(*a))
+    raw = make_experts(4, 256, 64)
+    ids, weights = make_routing(2, 4, 2)
+    x = torch.randn(2, 256, device=ids.device).half()
+    out = moe_w4a16.moe(x, ids, weights, moe_layout.prepare_moe(*raw))
+    assert seen == [kernel]
+    assert ((out.float() - moe_torch(x.float(), ids, weights, PackedExperts(*raw))).norm()
+            / moe_torch(x.float(), ids, weights, PackedExperts(*raw)).norm()) < 1e-2
+    assert moe_configs.config_for(torch.device("cpu"), 3, intermediate=64) == moe_configs.config_for(
+        torch.device("cpu"), 3, intermediate=256)  # past the bucket: the table's
+
+
+def test_tuned_attention_and_tree_entries_are_looked_up_per_bucket(monkeypatch, tmp_path):
+    """Attention: the tuned split count and tiles where the rows and cache length fall in the bucket; the merge's
+    blocks; DDTree: the tuned config for budgets in its bucket, CONFIGS' past it."""
+    from triton_kernels import ddtree, mla_attention
+
+    key = arch.current()
+    tree = dict(ddtree.CONFIGS[key], topk=[[512, 2048, 8, 2048, None]], block_v=1024)
+    path = tuned_file(tmp_path, key, tree=[[16, tree], [None, None]], attention=dict(
+        splits=[[16, 4096, dict(splits=3, tiles=[16, 32, 4, 2, False])], [None, None, None]],
+        merge={"8": [8, 64, 4]}))
+    monkeypatch.setenv(tuning.ENV_VAR, str(path))
+    q = torch.empty(1, 2, 8, 576, dtype=torch.float16)
+    p = mla_attention.plan(q, torch.empty(1, 4000, 576, dtype=torch.float16), causal=False)
+    assert p.splits == 3 and p.entry.tiles == mla_attention.Tiles(16, 32, 4, 2, False)
+    longer = mla_attention.plan(q, torch.empty(1, 5000, 576, dtype=torch.float16), causal=False)
+    assert longer.entry.tiles == mla_attention.entry_for(16, key).tiles  # past the bucket: the tables'
+    assert mla_attention.merge_blocks(7, key) == (8, 64, 4)
+    assert mla_attention.merge_blocks(16, key) == mla_attention.MERGE_BLOCKS[16]
+    assert ddtree.config_for(torch.device("cpu"), 16) == tree
+    assert ddtree.config_for(torch.device("cpu"), 17) is ddtree.CONFIGS[key]
+    chunk = ddtree.topk_plan(163840, 16, ddtree.config_for(torch.device("cpu"), 16))[0]
+    assert chunk == 2048
+
+
+def test_defaults_and_shipped_file(monkeypatch, tmp_path):
+    """Without a named file the shipped file for the arch is in force; SPEC_KERNEL_CONFIGS=defaults (or
+    tuning.use("defaults")) runs the Python tables."""
+    key = arch.current()
+    shipped = tuning.TUNED_DIR
+    shipped.mkdir()
+    (shipped / f"{key}.json").write_text(json.dumps(dict(format=1, header=dict(arch=key), linear={
+        "64x256": {"1": "cublas"}})))
+    assert tuning.source(key) == shipped / f"{key}.json" and tuning.linear_entry(key, 64, 256, 1) == (True, None)
+    monkeypatch.setenv(tuning.ENV_VAR, "defaults")
+    tuning.use(None)
+    assert tuning.source(key) is None and tuning.linear_entry(key, 64, 256, 1) == (False, None)
+
+
+@pytest.mark.parametrize("content,message", [
+    ("{not json", "not JSON"),
+    (dict(format=1, header=dict(arch="sm_120" if arch.current() != "sm_120" else "sm_90")), "but the arch in force"),
+    (dict(format=1, header=dict(arch="ARCH"), linear={"64x256": {"1": dict(kind="gemv", block_n="wide", block_k=256,
+                                                                            warps=4, stages=3, waves=1)}}),
+     "linear.64x256.1.block_n: expected a positive integer"),
+    (dict(format=1, header=dict(arch="ARCH"), moe={"256": [[1, dict(BM=8, gate_up={}, down={})]]}),
+     "moe.256[0].gate_up.BN: expected a value (missing)"),
+    (dict(format=1, header=dict(arch="ARCH"), tree=[[8, dict(block_v=1024)]]), "tree[0].topk: expected a value"),
+    (dict(format=1, header=dict(arch="ARCH"), atention={}), "atention: expected one of moe, linear"),
+    (dict(format=2, header=dict(arch="ARCH")), "format: expected 1"),
+], ids=["json", "arch", "type", "missing", "tree", "op", "format"])
+def test_bad_file_gives_one_line(monkeypatch, tmp_path, content, message):
+    key = arch.current()
+    path = tmp_path / "bad.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content).replace("ARCH", key))
+    monkeypatch.setenv(tuning.ENV_VAR, str(path))
+    with pytest.raises(ValueError) as err:
+        linear.adopted(torch.device("cpu"), 1, 64, 256)
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(f"{tuning.ENV_VAR} {path}: ") and message in text, text
+
+
+def test_tuner_cli_refuses_a_bad_file(tmp_path):
+    """The tuner with a bad file in force: one line `error: ...`, exit code 2, no traceback."""
+    path = tmp_path / "bad.json"
+    path.write_text("[]")
+    root = Path(__file__).parent.parent
+    env = dict(os.environ, **{tuning.ENV_VAR: str(path), "PYTHONPATH": f"{root / 'src'}:{root}"})
+    proc = subprocess.run([sys.executable, "-m", "bench.tune", "--ops", "linear", "--shapes", "tiny", "--out",
+                           str(tmp_path / "t.json")], capture_output=True, text=True, env=env, timeout=120, cwd=root)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: {tuning.ENV_VAR} {path}: the file: expected a JSON object"], proc.stderr
