@@ -85,9 +85,7 @@ def parse_args(argv):
     p.add_argument("--no-spec", action="store_true", help="target-only autoregressive decoding")
     p.add_argument("--kernels", default=None, help="op=backend,... e.g. moe=triton,attention=torch or all=triton")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
-    p.add_argument("--kernel-configs", default=None, metavar="FILE",
-                   help="tuned kernel configs (python -m bench.tune) over SPEC_KERNEL_CONFIGS and the shipped ones; "
-                        "'defaults': the Python tables")
+    add_kernel_configs(p)
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay the verify and draft passes as CUDA graphs per tree-size bucket, captured once "
                         "after load (CUDA only; --no-cuda-graphs runs eagerly)")
@@ -156,6 +154,12 @@ def choose_kernels(kernels, device):
     if wants_triton and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise UsageError(f"--kernels / SPEC_KERNELS: {', '.join(wants_triton)} set to triton, which needs a CUDA "
                          "device (or TRITON_INTERPRET=1)")
+
+
+def add_kernel_configs(parser):
+    parser.add_argument("--kernel-configs", default=None, metavar="FILE",
+                        help="tuned kernel configs (python -m bench.tune) over SPEC_KERNEL_CONFIGS and the shipped "
+                             "ones; 'defaults': the Python tables")
 
 
 def choose_kernel_configs(path, device_name):

@@ -37,8 +37,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from spec.batching import SlotBatch
-from spec.decode import (DEFAULT_BUDGET, Parser, UsageError, add_collective_timeout, check_model_paths, choose_kernels,
-                         command_main, join_ranks, load)
+from spec.decode import (DEFAULT_BUDGET, Parser, UsageError, add_collective_timeout, add_kernel_configs,
+                         check_model_paths, choose_kernel_configs, choose_kernels, command_main, join_ranks, load)
 from spec.engine import MAX_BUDGET, SEED_LIMIT, Engine, SamplingError, SamplingParams
 from spec.scheduler import Control, Plan, QueueFull, Request, Scheduler, follow, log
 
@@ -74,6 +74,7 @@ def parse_args(argv):
     p.add_argument("--no-spec", action="store_true", help="target-only autoregressive decoding")
     p.add_argument("--kernels", default=None, help="op=backend,... e.g. moe=triton,attention=torch or all=triton")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present)")
+    add_kernel_configs(p)
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay verify and draft passes as CUDA graphs per (batch, tree) bucket (CUDA only)")
     add_collective_timeout(p)
@@ -90,6 +91,7 @@ def parse_args(argv):
     if args.api_key == "":
         raise UsageError("--api-key is empty")
     check_model_paths(args)
+    choose_kernel_configs(args.kernel_configs, args.device)
     args.json = False  # spec.decode.load shows load progress unless json
     return args
 

@@ -194,7 +194,7 @@ def test_bad_file_gives_one_line(monkeypatch, tmp_path, content, message):
     with pytest.raises(ValueError) as err:
         linear.adopted(torch.device("cpu"), 1, 64, 256)
     text = str(err.value)
-    assert "\n" not in text and text.startswith(f"{tuning.ENV_VAR} {path}: ") and message in text, text
+    assert "\n" not in text and text.startswith(f"{tuning.ENV_VAR}={path}: ") and message in text, text
 
 
 def test_tuner_cli_refuses_a_bad_file(tmp_path):
@@ -206,4 +206,19 @@ def test_tuner_cli_refuses_a_bad_file(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.tune", "--ops", "linear", "--shapes", "tiny", "--out",
                            str(tmp_path / "t.json")], capture_output=True, text=True, env=env, timeout=120, cwd=root)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        f"error: {tuning.ENV_VAR} {path}: the file: expected a JSON object"], proc.stderr
+        f"error: {tuning.ENV_VAR}={path}: the file: expected a JSON object"], proc.stderr
+
+
+@pytest.mark.parametrize("command", ["decode", "serve"])
+def test_commands_refuse_a_bad_kernel_configs_flag(tmp_path, command):
+    """--kernel-configs of spec.decode and spec.serve: a bad file is a usage error naming the flag, at parse time."""
+    import importlib
+
+    from spec.decode import UsageError
+
+    path = tmp_path / "bad.json"
+    path.write_text("[]")
+    parse = importlib.import_module(f"spec.{command}").parse_args
+    prompt = ["--prompt", "x"] if command == "decode" else []
+    with pytest.raises(UsageError, match=f"^--kernel-configs: {path}: the file: expected a JSON object$"):
+        parse([*prompt, "--device", "cpu", "--kernel-configs", str(path)])

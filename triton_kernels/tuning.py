@@ -91,7 +91,7 @@ def table(op, key):
 def load(path, key=None, named=True):
     """The validated {op: table} of the tuned file at `path`, for arch `key` (None: any arch). ValueError in one
     line naming the file and the key that is wrong."""
-    where = f"{ENV_VAR} {path}" if named else str(path)
+    where = f"{ENV_VAR}={path}" if named and _named is None else str(path)  # named by the environment
     try:
         data = json.loads(Path(path).read_text())
     except OSError as err:
