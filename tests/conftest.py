@@ -33,6 +33,17 @@ def restore_backends():
         yield
 
 
+@pytest.fixture
+def python_tables():
+    """The kernels' Python tables in force during the test, whatever tuned file the package ships (tests of the
+    tables themselves)."""
+    from triton_kernels import tuning
+
+    tuning.use(tuning.DEFAULTS)
+    yield
+    tuning.use(None)
+
+
 def interpreting():
     return os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -12,7 +12,7 @@ import torch
 
 import triton_kernels
 from tests.conftest import compiled_in_child, gpu, requires_gpu
-from triton_kernels import arch
+from triton_kernels import arch, tuning
 
 
 @pytest.fixture
@@ -73,8 +73,15 @@ def test_override_by_function(fake_gpu):
         assert arch.device_arch(cuda) == "sm_90" and not arch.hopper_features(cuda)
         assert os.environ["DISABLE_MMA_V3"] == "1"
         assert arch.shared_limit() == 101_376
-        assert moe_configs.config_for(cuda, 1) is moe_configs.CONFIGS["sm_120"][0][1]  # BM 16
-        assert linear.adopted(cuda, 4, 1536, 1536) is None and ddtree.CONFIGS[arch.current(cuda)]["warps_v"] == 4
+        shipped = tuning.moe_entry("sm_120", 1, 256)  # the shipped tuned file's, for the TP8 rank's experts
+        assert shipped is not None and moe_configs.config_for(cuda, 1, intermediate=256) == shipped
+        tuning.use(tuning.DEFAULTS)
+        try:
+            assert moe_configs.config_for(cuda, 1) is moe_configs.CONFIGS["sm_120"][0][1]  # BM 16
+            assert linear.adopted(cuda, 4, 1536, 1536) is None
+        finally:
+            tuning.use(None)
+        assert ddtree.CONFIGS[arch.current(cuda)]["warps_v"] == 4
     assert "DISABLE_MMA_V3" not in os.environ and arch.current(cuda) == "sm_90"
     assert moe_configs.config_for(cuda, 1)["BM"] == 8
 
@@ -114,15 +121,15 @@ def test_override_from_the_environment():
 
 
 def arch_tables():
-    """Every module-level dict of triton_kernels whose keys look like architectures ('sm_90', or the ints 90 and
-    120 of an older form): (module.name, its keys)."""
+    """Every public module-level dict of triton_kernels whose keys look like architectures ('sm_90', or the ints 90
+    and 120 of an older form): (module.name, its keys)."""
     found = []
     for info in pkgutil.iter_modules(triton_kernels.__path__):
         if info.name == "mla_gluon":
             pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
         module = importlib.import_module(f"triton_kernels.{info.name}")
         for name, value in vars(module).items():
-            if isinstance(value, dict) and any(
+            if not name.startswith("_") and isinstance(value, dict) and any(
                     (isinstance(k, str) and re.fullmatch(r"sm_\d+", k)) or k in (80, 90, 100, 120) for k in value):
                 found.append((f"{info.name}.{name}", set(value)))
     return found

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ops
-from triton_kernels import arch
+from triton_kernels import arch, tuning
 from triton_kernels import linear as lk
 from tests.conftest import TRITON_DEVICE, compiled_in_child, kernel_dtypes, rel_err, requires_gpu, requires_triton
 
@@ -191,7 +191,7 @@ def test_linear_kernel_rejects_what_it_cannot_run():
 
 
 def sm120_resources():
-    """Resources of every sm_120 config (defaults, adopted and the router's) compiled for sm_120 at K2.6-like strides,
+    """Resources of every sm_120 config (defaults, adopted, the shipped tuned file's and the router's) compiled for sm_120 at K2.6-like strides,
     per BLOCK_M it can run with, with programmatic dependent launch as the GPU runs them (needs real @triton.jit
     objects)."""
     from triton_kernels.aot import compile_for
@@ -199,6 +199,8 @@ def sm120_resources():
 
     configs = {(cfg, False) for cfg in lk.DEFAULTS["sm_120"].values()}
     configs |= {(cfg, False) for entries in lk.ADOPTED["sm_120"].values() for cfg in entries.values()}
+    configs |= {(lk.Config(**cfg), False) for entries in (tuning.table("linear", "sm_120") or {}).values()
+                for cfg in entries.values() if cfg != "cublas"}  # the shipped tuned file's
     configs |= {(ONE_ROW["sm_120"], True), (MANY_ROWS["sm_120"], True)}  # the router's logits: raw partials
     out = []
     for cfg, raw in sorted(configs):

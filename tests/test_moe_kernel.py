@@ -10,7 +10,7 @@ from ops.moe import PackedExperts, moe_torch
 from tests.conftest import compiled_in_child, gpu, kernel_dtypes, rel_err, requires_gpu, requires_triton
 
 moe_w4a16 = pytest.importorskip("triton_kernels.moe_w4a16")
-from triton_kernels import arch, moe_configs, moe_layout  # noqa: E402
+from triton_kernels import arch, moe_configs, moe_layout, tuning  # noqa: E402
 
 
 def device():
@@ -222,7 +222,7 @@ def base_entry(key, M):
     return next((max_m, cfg) for max_m, cfg in moe_configs.CONFIGS[key] if max_m is None or M <= max_m)
 
 
-def test_configs_resolve_by_intermediate_size_and_triton(monkeypatch):
+def test_configs_resolve_by_intermediate_size_and_triton(monkeypatch, python_tables):
     """config_for: every bucket's entry as it is, or with BY_INTERMEDIATE's override for experts of that
     intermediate size; on a Triton newer than TUNED_TRITON with NEWER_TRITON's (NEWER_TRITON_BY_INTERMEDIATE's on top
     of a BY_INTERMEDIATE override); on the tuned Triton never."""
@@ -247,10 +247,11 @@ def test_configs_resolve_by_intermediate_size_and_triton(monkeypatch):
 
 
 def test_every_config_runs_on_its_arch_layout():
-    """Every entry expects the layout `prepare_moe` chooses on its arch (KMAJOR), and each kernel's N tiles a program
-    divide K2.6's hidden size."""
+    """Every entry (the Python table's and the shipped tuned file's) expects the layout `prepare_moe` chooses on its
+    arch (KMAJOR), and each kernel's N tiles a program divide K2.6's hidden size."""
     for key in arch.ARCHS:
-        for _, cfg in moe_configs.CONFIGS[key]:
+        tuned = [cfg for rows in (tuning.table("moe", key) or {}).values() for _, cfg in rows if cfg]
+        for cfg in [cfg for _, cfg in moe_configs.CONFIGS[key]] + tuned:
             assert cfg.get("kmajor", False) == moe_configs.KMAJOR[key], key
             assert 7168 % (cfg["down"]["BN"] * cfg["down"].get("tiles", 1)) == 0, key
 
@@ -410,14 +411,18 @@ RESOURCES = """
 import json
 import sys
 import torch
-from triton_kernels import arch
+from triton_kernels import arch, tuning
 from triton_kernels.aot import compile_for
 from triton_kernels.moe_configs import CONFIGS, config_for
 from triton_kernels.moe_w4a16 import compile_specs
 tables, target = sys.argv[1], sys.argv[2]
 with arch.using(tables):
+    tuning.use(tuning.DEFAULTS)
     entries = [(max_m, config_for(torch.device("cpu"), max_m or 1000, intermediate=I), I)
                for max_m, _ in CONFIGS[tables] for I in (256, 2048)]
+    tuning.use(None)
+    entries += [(max_m, cfg, int(I)) for I, rows in (tuning.table("moe", tables) or {}).items()
+                for max_m, cfg in rows if cfg]  # the shipped tuned file's
 print(json.dumps([dict(max_m=max_m, I=I, kernel=kernel.__name__, maxnreg=options["maxnreg"],
                        **vars(compile_for(kernel, signature, constexprs, **dict(options, arch=target))))
                   for max_m, cfg, I in entries
@@ -426,11 +431,12 @@ print(json.dumps([dict(max_m=max_m, I=I, kernel=kernel.__name__, maxnreg=options
 
 
 def test_sm120_configs_fit():
-    """Every sm_120 entry (TP8 and EP8 intermediate sizes) compiles for sm_120 as the JIT specialises it, within
-    sm_120's shared memory and without spills. Runs in a subprocess: under TRITON_INTERPRET=1 the kernels are
-    interpreter objects that cannot be compiled."""
+    """Every sm_120 entry (TP8 and EP8 intermediate sizes; the Python table's and the shipped tuned file's)
+    compiles for sm_120 as the JIT specialises it, within sm_120's shared memory and without spills. Runs in a
+    subprocess: under TRITON_INTERPRET=1 the kernels are interpreter objects that cannot be compiled."""
     results = compiled_in_child(RESOURCES, "sm_120", "sm_120")
-    assert len(results) == 4 * len(moe_configs.CONFIGS["sm_120"])
+    tuned = sum(cfg is not None for rows in (tuning.table("moe", "sm_120") or {}).values() for _, cfg in rows)
+    assert len(results) == 2 * (2 * len(moe_configs.CONFIGS["sm_120"]) + tuned)
     for res in results:
         assert res["shared"] <= arch.SHARED_LIMIT["sm_120"] and res["spill_bytes"] == 0, res
 
