@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: bash bench/device.sh PART[:SECONDS] ...   (parts run in the order given, each bounded)
-#   tests:180     every GPU test (8 xdist workers; the CPU-only compile checks and multi-process tests are CI's:
+#   tests:300     every GPU test (12 xdist workers; the CPU-only compile checks and multi-process tests are CI's:
 #                 TEST_FILTER overrides the -k expression)
 #   warm:90       each sweep case once in 8 processes, no timing: fills Triton's cache for the timed run
 #   sweeps:210    the four sweeps (`pytest bench --benchmark-json`), rendered; or one alone: moe:90, attention:90,
@@ -8,6 +8,9 @@
 #   step:150      the step benchmark (python -m bench.bench_step $STEP_ARGS)
 #   old:230       the benchmarks of the old tree in .old/ (aa1fe5d's bench_moe/attention/tree/linear/glue) on this GPU
 #   old-step:150  the old tree's bench_step.py with the same $STEP_ARGS
+#   tune:400      python -m bench.tune on $TUNE_ARCH (default sm_120: the proxy on a Hopper GPU), ops $TUNE_OPS
+#                 (default all four, the seconds shared), resuming the package's tuned file for that arch; the
+#                 result is results/tuned_<arch>.json in the tarball (copy it to triton_kernels/tuned/<arch>.json)
 #   compare       new against old, case by case (python -m bench.compare; also run last whenever both exist)
 #   all           tests warm sweeps step
 # Everything is written under $OUT/bench and comes back as $OUT/bench.tar.gz (logs; new/ and old/ raw JSON;
@@ -33,7 +36,7 @@ outcome() {  # NAME LOG EXIT: one line for the summary, the failures after it
 }
 
 tests() {
-  timeout "$1" python -m pytest -q -n 8 -rf --tb=short -p no:cacheprovider tests -k "$TEST_FILTER" \
+  timeout -s INT "$1" python -m pytest -q -n 12 -rf --tb=short -p no:cacheprovider tests -k "$TEST_FILTER" \
     >"$R/gpu_tests_$GPU.log" 2>&1
   outcome tests "$R/gpu_tests_$GPU.log" $?
   cp "$R/gpu_tests_$GPU.log" "$R/results/"
@@ -50,6 +53,17 @@ sweep() {  # NAME SECONDS FILES...: cases not started 30 s before the end are sk
     --benchmark-json "$R/new/$name.json" --benchmark-columns=median,rounds >"$R/$name.log" 2>&1
   outcome "$name" "$R/$name.log" $?
   [ -f "$R/new/$name.json" ] && python -m bench.render "$R/new/$name.json" --out "$R/results"
+}
+
+tune() {
+  local key=${TUNE_ARCH:-sm_120} ops=${TUNE_OPS:-moe,linear,attention,tree}
+  local n; n=$(tr ',' '\n' <<<"$ops" | wc -l)
+  local out="$R/results/tuned_$key.json"
+  [ -f "triton_kernels/tuned/$key.json" ] && cp "triton_kernels/tuned/$key.json" "$out"
+  SPEC_ARCH=$key timeout -s INT "$1" python -m bench.tune --ops "$ops" --budget-s $(($1 / n - 15)) --out "$out" \
+    >"$R/tune.log" 2>&1
+  echo "tune: exit $?" | tee -a "$R/summary.md"
+  tr '\r' '\n' <"$R/tune.log" | grep -a -E "^(op |moe |linear |attention |tree )" | tee -a "$R/summary.md"
 }
 
 step() {
@@ -104,8 +118,8 @@ has_old_tree() {
   return 1
 }
 
-declare -A SECONDS_OF=([tests]=180 [warm]=90 [sweeps]=210 [moe]=90 [attention]=90 [tree]=60 [dense]=60
-                       [step]=150 [old]=230 [old-step]=150 [compare]=60)
+declare -A SECONDS_OF=([tests]=300 [warm]=90 [sweeps]=210 [moe]=90 [attention]=90 [tree]=60 [dense]=60
+                       [step]=150 [old]=230 [old-step]=150 [tune]=400 [compare]=60)
 [[ " $* " == *" all "* ]] && set -- tests warm sweeps step
 for arg in "$@"; do
   if [ -z "${SECONDS_OF[${arg%%:*}]+x}" ]; then
@@ -123,6 +137,7 @@ for arg in "$@"; do
     sweeps) sweep sweeps "$s" bench ;;
     moe|attention|tree|dense) sweep "$part" "$s" "bench/test_$part.py" ;;
     step) step "$s" ;;
+    tune) tune "$s" ;;
     old) old "$s" ;;
     old-step) old_step "$s" ;;
     compare) compare; compared=1 ;;
