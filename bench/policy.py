@@ -271,7 +271,7 @@ def record(args):
 
 # ---- replay ---------------------------------------------------------------------------------------------------
 
-def simulate(rec, name, latency, context, extra_ms=0.0):
+def simulate(rec, name, latency, context, extra_ms=0.0, smooth=None):
     """Walk every recorded text under one policy; (tokens, seconds, steps, budgets chosen)."""
     budgets, L = tuple(rec["meta"]["budgets"]), rec["meta"]["depth"]
     candidates = tuple(b for b in budgets if b in latency.budgets)
@@ -282,7 +282,8 @@ def simulate(rec, name, latency, context, extra_ms=0.0):
         n, pos = len(text["chain"]), 0
         if name == "auto":
             scorer = MassScorer(candidates, L, "cpu")
-            policy = BudgetPolicy(candidates, L, latency, scorer=scorer)
+            policy = BudgetPolicy(candidates, L, latency, scorer=scorer,
+                                  **({} if smooth is None else dict(smooth=smooth)))
             columns = [budgets.index(b) for b in candidates]
         while pos < n:
             if name == "ar":
@@ -328,13 +329,14 @@ def replay(args):
     for name in ["ar", "chain"] + [str(b) for b in fixed] + ["auto"]:
         if name == "ar" and 0 not in latency.budgets:
             continue
-        tokens, seconds, steps, chosen = simulate(rec, name, latency, context, args.auto_extra_ms)
+        tokens, seconds, steps, chosen = simulate(rec, name, latency, context, args.auto_extra_ms, args.auto_smooth)
         rows.append(dict(policy=name, tokens_per_s=tokens / seconds, mean_accept=tokens / steps, steps=steps,
                          budgets=dict(sorted(chosen.items()))))
         print(json.dumps(rows[-1]), flush=True)
     meta = dict(record=args.record, pair=rec["meta"]["pair"], steps_file=latency.source, context=context, depth=L,
                 positions=sum(len(p["chain"]) for p in rec["prompts"]), prompts=len(rec["prompts"]),
-                auto_extra_ms=args.auto_extra_ms, chain_bucket=min(b for b in latency.budgets if b >= L))
+                auto_extra_ms=args.auto_extra_ms, auto_smooth=args.auto_smooth,
+                chain_bucket=min(b for b in latency.budgets if b >= L))
     write(args.out, meta, rows, replay_markdown(meta, rows))
 
 
@@ -452,6 +454,8 @@ def main(argv=None):
     s.add_argument("steps", help="bench_step json or LatencyTable json")
     s.add_argument("--context", type=int, default=None, help="context of the table to charge (default: its first)")
     s.add_argument("--auto-extra-ms", type=float, default=0.0, help="auto's own cost a step (its scorer)")
+    s.add_argument("--auto-smooth", type=float, default=None,
+                   help="auto's weight of the past in its average gains (default: spec.budget.BudgetPolicy's)")
     s.add_argument("--tree-cost-scale", type=float, default=1.0,
                    help="scale each budget's step ms above the smallest budget's (a what-if: cheaper trees)")
     s.add_argument("--out", default=None)

@@ -265,17 +265,21 @@ class BudgetPolicy:
 
     budgets: the buckets it may pick (each in `latency`); depth: L; scorer: the MassScorer whose factors it sets.
     After a step verified with `self.budget`, `update` takes what that step read back and returns the next
-    step's budget: argmax over b of (live + gain(b)) / (step ms of b). Per step that is an append and a
-    handful of float operations; the per-depth sums are folded in (and the factors copied to the device) after
-    1, 2, 4 and 8 steps, then every `refresh` steps. No clock is read: the choices are a function of the table
-    and of what the steps read back, so tensor-parallel ranks agree and, given the same table, a seeded run
-    repeats itself.
-    decay: weight of the past per step; prior: steps' worth of "the drafter is calibrated" the sums start with
-    (in the first step's masses); max_bias: cap of a factor.
+    step's budget: argmax over b of (1 + gain(b)) / (step ms of b), gain(b) a sequence's corrected gain averaged
+    over the past steps (weight `smooth` per step). Averaged, since the choice lags one step: a step's own masses
+    say little of the next step's draft, and choosing from them alone costs 4% against the best fixed budget on
+    the default pair, where the average costs none (bench/results/policy_replay_cpu.md). Per step that is an
+    append and a handful of float operations; the per-depth sums are folded in (and the factors copied to the
+    device) after 1, 2, 4 and 8 steps, then every `refresh` steps. No clock is read: the choices are a function of
+    the table and of what the steps read back, so tensor-parallel ranks agree and, given the same table, a seeded
+    run repeats itself.
+    decay: weight of the past per step in the per-depth sums; prior: steps' worth of "the drafter is calibrated"
+    the sums start with (in the first step's masses); max_bias: cap of a factor; smooth: weight of the past per
+    step in the average gains (0: the last step's alone).
     """
 
     def __init__(self, budgets, depth, latency, scorer=None, decay=0.97, prior=2.0, max_bias=16.0, refresh=16,
-                 start=None):
+                 start=None, smooth=0.99):
         self.budgets = tuple(sorted(set(budgets)))
         if not self.budgets or self.budgets[0] < 1:
             raise ValueError(f"auto budget: candidate budgets must be >= 1, got {budgets}")
@@ -285,7 +289,8 @@ class BudgetPolicy:
         if scorer is not None and scorer.budgets != self.budgets:
             raise ValueError(f"auto budget: scorer budgets {scorer.budgets} differ from {self.budgets}")
         self.depth, self.latency, self.scorer = depth, latency, scorer
-        self.decay, self.prior, self.max_bias, self.refresh = decay, prior, max_bias, refresh
+        self.decay, self.prior, self.max_bias, self.refresh, self.smooth = decay, prior, max_bias, refresh, smooth
+        self.gains = None  # a sequence's average corrected gain per candidate (fixed point)
         self.budget = start if start is not None else next((b for b in self.budgets if b > depth), self.budgets[-1])
         self.reached = self.predicted = None  # per depth d + 1: decayed sequences that reached it, drafter mass
         self.window, self.folded = [], 0  # (accepted, masses) of the steps since the last fold; steps folded
@@ -309,8 +314,10 @@ class BudgetPolicy:
         window.append((accepted, masses))
         if len(window) >= self.refresh or len(window) > self.folded:  # folds after 1, 2, 4, 8, then every refresh
             self.fold()
-        base = len(accepted) * MASS_SCALE
-        rates = [(base + g) / t for g, t in zip(gains, self.step_ms(context))]
+        now = [g / len(accepted) for g in gains]
+        keep = self.smooth if self.gains is not None else 0.0
+        self.gains = [keep * a + (1 - keep) * g for a, g in zip(self.gains or now, now)]
+        rates = [(MASS_SCALE + g) / t for g, t in zip(self.gains, self.step_ms(context))]
         self.budget = self.budgets[rates.index(max(rates))]
         return self.budget
 

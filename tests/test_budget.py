@@ -142,16 +142,28 @@ def fixed(values):
 
 def test_policy_picks_the_best_rate():
     table = LatencyTable({0: {8: 10.0, 16: 12.0, 32: 20.0}})
-    policy = BudgetPolicy((8, 16, 32), 3, table)
+    policy = BudgetPolicy((8, 16, 32), 3, table, smooth=0.0)  # the last step's gains alone
     assert policy.budget == 8  # the first candidate past L
     masses = fixed([0.9, 0.8, 0.7])
     # rates: (1 + 2.0) / 10 = 0.30, (1 + 2.7) / 12 = 0.308, (1 + 3.0) / 20 = 0.2
     assert policy.update(fixed([2.0, 2.7, 3.0]), masses, [3]) == 16
     # a shallower draft: (1 + 1.0) / 10 = 0.2 beats (1 + 1.1) / 12
     assert policy.update(fixed([1.0, 1.1, 1.2]), masses, [3]) == 8
-    # a batch of two live sequences: (2 + 2.5) / 10 = 0.45 against (2 + 3.6) / 12 = 0.467
+    # a batch of two live sequences, gains summed: (1 + 1.25) / 10 = 0.225 against (1 + 1.8) / 12 = 0.233
     assert policy.update(fixed([2.5, 3.6, 4.0]), masses, [3, 1]) == 16
     assert policy.update(fixed([9.0, 9.0, 9.0]), masses, []) == 16  # nothing live: no change
+
+
+def test_policy_chooses_from_the_average_gain():
+    """Drafts alternating between deep and shallow: the last step alone flips the choice every step; the average
+    (smooth 0.9) settles on the budget whose average rate is best, (1 + 2.1) / 12 = 0.258 against (1 + 1.5) / 10."""
+    table = LatencyTable({0: {8: 10.0, 16: 12.0}})
+    masses = fixed([0.9, 0.8, 0.7])
+    deep, shallow = fixed([2.0, 3.2]), fixed([1.0, 1.0])
+    flips, settles = BudgetPolicy((8, 16), 3, table, smooth=0.0), BudgetPolicy((8, 16), 3, table, smooth=0.9)
+    chosen = {id(p): [p.update(deep if i % 2 == 0 else shallow, masses, [3]) for i in range(60)]
+              for p in (flips, settles)}
+    assert chosen[id(flips)][-4:] == [16, 8, 16, 8] and set(chosen[id(settles)][-30:]) == {16}
 
 
 def test_policy_learns_per_depth_factors():

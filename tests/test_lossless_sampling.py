@@ -114,7 +114,8 @@ def auto_budgets():
 
     def budgets_after(step1_accepted):
         scorer = MassScorer(AUTO_CANDIDATES, L, "cpu")
-        policy = BudgetPolicy(AUTO_CANDIDATES, L, table, scorer=scorer, refresh=1, prior=0.1, start=BUDGET)
+        policy = BudgetPolicy(AUTO_CANDIDATES, L, table, scorer=scorer, refresh=1, prior=0.1, start=BUDGET,
+                              smooth=0.0)  # no averaging: each choice follows the step before it
         picked = []
         for accepted in (step1_accepted, 0):  # step 2's outcome would matter from step 4 on
             gains = (scorer.gains(masses) * MASS_SCALE).round().long().tolist()
