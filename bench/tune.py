@@ -87,7 +87,8 @@ def proxy(key):
 
 class MoeTuner:
     """W4A16 MoE at the TP8 (384 experts, intermediate 256) and EP8 (48, 2048) ranks' shapes, top-8 routing,
-    M buckets; the expert layout is the arch's (moe_configs.KMAJOR)."""
+    M buckets; the expert layout is the arch's (moe_configs.KMAJOR). TP8 buckets past M = 4 (the verify's trees)
+    route as the verify step does, to as many distinct experts (bench.test_moe.step_pool); the rest uniformly."""
 
     op = "moe"
     BOUNDS = (1, 4, 16, 33, 128, None)  # plus the Python table's bounds
@@ -202,9 +203,12 @@ class MoeTuner:
             n_calls = 2
         else:
             from bench.test_moe import CALLS as n_calls
+            from bench.test_moe import step_pool
+        pool = E if self.tiny or info["shape"] != "tp8" or M <= 4 else step_pool(M, E)
         calls = []
         for _ in range(n_calls):
-            ids = torch.rand(M, E, generator=gen, device=dev).topk(self.top_k, dim=-1).indices.int()
+            chosen = torch.randperm(E, generator=gen, device=dev)[:pool]
+            ids = chosen[torch.rand(M, pool, generator=gen, device=dev).topk(self.top_k, dim=-1).indices].int()
             weights = torch.rand(M, self.top_k, generator=gen, device=dev)
             calls.append((torch.randn(M, D, generator=gen, device=dev).to(float_dtype()), ids, weights))
         by_m[M] = calls
@@ -437,7 +441,8 @@ class AttentionTuner:
                 other = "q" if base["partials"] == "fp32" else "fp32"
                 out.append((f"partials {other}", dict(base, partials=other)))
         tiles = {tuple(e.tiles) for e in mla_attention.CONFIGS[self.key]} | {
-            (16, 64, 4, 2, False), (32, 32, 4, 2, False), (16, 32, 4, 3, False), (32, 64, 8, 2, False)}
+            (16, 64, 4, 2, False), (32, 32, 4, 2, False), (16, 32, 4, 3, False), (32, 64, 8, 2, False),
+            (64, 16, 8, 2, False)}  # 64 rows a tile: a tree's rows re-read the cache half as often as at 32
         for t in sorted(tiles - {tuple(base["tiles"])}):
             if t[0] <= 16 or info["T"] * self.HEADS > 16:
                 out.append((f"tiles {t[0]}x{t[1]} w{t[2]} s{t[3]}", dict(base, tiles=list(t), splits=None)))
