@@ -165,16 +165,12 @@ def add_kernel_configs(parser):
 def choose_kernel_configs(path, device_name):
     """Take the tuned kernel configs of --kernel-configs (else SPEC_KERNEL_CONFIGS's or the shipped ones) and check
     them now for the arch in force on the device: a bad file or one for another arch is one `error:` line."""
-    from triton_kernels import arch, tuning
-
-    if path is not None:
-        tuning.use(path)
     try:
         device = torch.device(device_name) if device_name else None
     except RuntimeError:
         device = None  # a bad --device: pick_device says so
     try:
-        tuning.tables(arch.current(device))
+        ops.use_kernel_configs(path, device)
     except ValueError as err:
         raise UsageError(f"--kernel-configs: {err}" if path else str(err)) from None
 

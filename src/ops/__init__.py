@@ -4,7 +4,8 @@ The model calls only these functions; `ops.use(...)` / `--kernels` / SPEC_KERNEL
 """
 
 from ops.absorb import absorb_output, absorb_query
-from ops._backend import apply_env, current, dispatch, env_problem, has_triton, op_names, table, use, use_spec, using
+from ops._backend import (apply_env, current, dispatch, env_problem, has_triton, op_names, table, use,
+                          use_kernel_configs, use_spec, using)
 from ops.attention import mla_attention, pack_tree_mask, tree_mask_dense, write_kv
 from ops.drafter_attention import drafter_attention
 from ops.latent import write_latent
@@ -21,6 +22,6 @@ __all__ = [
     "absorb_output", "absorb_query", "accept", "add_rms_norm", "apply_env", "apply_rope", "build_tree", "compact",
     "current", "dispatch", "draft_topk", "drafter_attention", "env_problem", "has_triton", "head_norm_rope", "linear",
     "mla_attention", "mlp", "moe", "op_names", "pack_int4", "pack_tree_mask", "PackedExperts", "prepare_moe",
-    "rms_norm", "route", "table", "Tree", "tree_mask_dense", "unpack_int4", "use", "use_spec", "using", "write_kv",
-    "write_latent", "yarn_inv_freq", "yarn_mscale",
+    "rms_norm", "route", "table", "Tree", "tree_mask_dense", "unpack_int4", "use", "use_kernel_configs", "use_spec",
+    "using", "write_kv", "write_latent", "yarn_inv_freq", "yarn_mscale",
 ]

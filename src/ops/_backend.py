@@ -100,6 +100,17 @@ def table(device=None):
     return {name: current(name, device) for name in op_names()}
 
 
+def use_kernel_configs(path, device=None):
+    """The tuned kernel configs in force (`triton_kernels.tuning`): `path` (a tuned file, "defaults" for the
+    Python tables; None: SPEC_KERNEL_CONFIGS's or the package's file for the arch), loaded and checked now for the
+    arch in force on `device`: ValueError naming the file and the key."""
+    from triton_kernels import arch, tuning
+
+    if path is not None:
+        tuning.use(path)
+    tuning.tables(arch.current(device))
+
+
 def dispatch(name, device=None, dtype=None):
     """The callable implementing op `name` under the current backend, for activations of `dtype` on `device`."""
     if current(name, device, dtype) == "torch":
