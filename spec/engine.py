@@ -165,33 +165,36 @@ class Engine:
         return bucket
 
     def step_graphs(self, batch, cache_len, hidden_layers, buckets):
-        """A StepGraphs with its own cache of batch x >= cache_len entries (emptied), captured for `buckets`: the
-        last one while its batch, layers and buckets match and its cache is long enough (no capture), else new."""
-        key = (batch, tuple(hidden_layers), tuple(buckets))
-        if self.graphs is None or self.graphs.key != key or self.graphs.cache.max_len < cache_len:
-            self.graphs = None
-            cache = self.target.new_cache(batch, cache_len)
-            graphs = StepGraphs(self.target, cache, batch, buckets, hidden_layers, log=self.graph_log)
-            graphs.key = key
-            self.graphs = graphs.capture()
-        self.graphs.cache.reset()
-        return self.graphs
+        """A StepGraphs with its own cache of batch x >= cache_len entries (emptied), captured for `buckets`."""
+        graphs = self.kept("graphs", (batch, tuple(hidden_layers), tuple(buckets)), cache_len, lambda: StepGraphs(
+            self.target, self.target.new_cache(batch, cache_len), batch, buckets, hidden_layers,
+            log=self.graph_log).capture())
+        graphs.cache.reset()
+        return graphs
+
+    def step_drafts(self, batch, cache_len, graphed):
+        """The Drafts of a run (emptied, auto's factors back to 1)."""
+        drafts = self.kept("drafts", (batch, graphed), cache_len, lambda: Drafts(self, batch, cache_len, graphed))
+        drafts.reset()
+        return drafts
+
+    def kept(self, name, key, cache_len, build):
+        """What the engine keeps in attribute `name` (its graphs, its drafts) while it was built for `key` and its
+        cache holds cache_len entries, so that a later run replays its graphs instead of capturing them again;
+        else the one `build()` makes (the old one dropped first, freeing its memory)."""
+        held = getattr(self, name)
+        if held is None or held.key != key or held.cache.max_len < cache_len:
+            setattr(self, name, None)
+            held = build()
+            held.key = key
+            setattr(self, name, held)
+        return held
 
     def kept_len(self, tokens, room):
         """The length of a cache the engine keeps for later runs, for sequences of up to `tokens` and a step's
         `room` past them: rounded up to KEPT_GRANULE entries, at most what the whole context needs, so that runs
         of similar lengths share one cache and its graphs."""
         return min(-(-(tokens + room) // KEPT_GRANULE) * KEPT_GRANULE, self.context_len + room)
-
-    def step_drafts(self, batch, cache_len, graphed):
-        """The Drafts of a run (emptied): the last one while its batch and graphing match and its cache is long
-        enough, so that its captured draft graphs replay in the next run instead of being captured again."""
-        key = (batch, graphed)
-        if self.drafts is None or self.drafts.key != key or self.drafts.cache.max_len < cache_len:
-            self.drafts = None
-            self.drafts = Drafts(self, batch, cache_len, graphed)
-        self.drafts.reset()
-        return self.drafts
 
     def latency_for(self, batch, step):
         """Auto's LatencyTable: the one given, else `step(budget)` (a whole step, nothing committed) timed once
@@ -254,7 +257,7 @@ class Drafts:
 
     def __init__(self, engine, batch, cache_len, graphed):
         e = engine
-        self.key = (batch, graphed)
+        self.key = None  # what the engine built it for (Engine.kept)
         self.cache = e.drafter.new_cache(batch, cache_len)
         self.scorer = MassScorer(e.candidates, e.drafter.cfg.draft_len, e.device) if e.auto else None
         if e.auto:
