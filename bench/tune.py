@@ -34,12 +34,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench.common import graph_us, rel_err
+
 OPS = ("moe", "linear", "attention", "tree")
 TOLERANCE = 1e-2  # relative error norm of a float output against the fp32 reference
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def canonical(entry):
@@ -53,8 +51,6 @@ def time_us(calls, reps):
     """Median microseconds per call of `calls` (thunks): GPU time of one CUDA graph of them on CUDA, the host clock
     elsewhere (the interpreter)."""
     if torch.cuda.is_available():
-        from bench.common import graph_us
-
         return graph_us(calls, reps)
     times = []
     for _ in range(max(1, reps // 5)):
@@ -562,9 +558,8 @@ class TreeTuner:
                                     dict(base, block_v=block, warps_v=warps, programs_per_sm=per_sm)))
             out.append(("maxnreg 48" if base["maxnreg_v"] is None else "no maxnreg",
                         dict(base, maxnreg_v=48 if base["maxnreg_v"] is None else None)))
-            out.append(("unroll 2" if base["unroll_v"] != 2 else "unroll 4", dict(base, unroll_v=6 - base["unroll_v"]
-                                                                                   if base["unroll_v"] in (2, 4)
-                                                                                   else 2)))
+            unroll = 4 if base["unroll_v"] == 2 else 2
+            out.append((f"unroll {unroll}", dict(base, unroll_v=unroll)))
         return [(label, entry) for label, entry in out if canonical(entry) != canonical(base)]
 
     def case(self, info):
