@@ -46,8 +46,13 @@ def start_server(flags):
         return proc, wait_healthy(proc, log, time.monotonic() + 1800), log  # a real checkpoint loads for minutes
     except BaseException:  # not up, or interrupted while waiting: no server left behind
         proc.kill()
-        print("the server's log ends:\n" + "\n".join(log.read_text().splitlines()[-25:]), file=sys.stderr)
+        print_log_end(log)
         raise
+
+
+def print_log_end(log):
+    """The server log's last lines, on stderr: where the server was when the benchmark stopped."""
+    print("the server's log ends:\n" + "\n".join(log.read_text().splitlines()[-25:]), file=sys.stderr)
 
 
 def wait_healthy(proc, log, deadline):
@@ -197,7 +202,7 @@ def main(argv=None):
             first += clients * args.requests_per_client
     except BaseException:  # Ctrl-C or `timeout -s INT` included: the server's last lines say where it was
         if log is not None:
-            print("the server's log ends:\n" + "\n".join(log.read_text().splitlines()[-25:]), file=sys.stderr)
+            print_log_end(log)
         raise
     finally:
         if proc is not None:
