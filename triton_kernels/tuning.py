@@ -173,14 +173,17 @@ def _expect(ok, where, key, what):
 
 
 def _int(v):
+    """a positive integer"""
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 def _num(v):
+    """a positive number"""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
 
 
 def _bool(v):
+    """true or false"""
     return isinstance(v, bool)
 
 
@@ -207,27 +210,24 @@ def _doc(check, doc):
     return check
 
 
-_INT = _doc(lambda v: _int(v), "a positive integer")
-_NUM = _doc(lambda v: _num(v), "a positive number")
-_BOOL = _doc(lambda v: _bool(v), "true or false")
-_MOE_KERNEL = dict(BN=_INT, waves=_NUM, num_warps=_INT, num_stages=_INT, maxnreg=_optional(_INT), swap=_BOOL,
-                   lop3=_BOOL, scales_ahead=_BOOL, prescale=_BOOL, mma_v2=_BOOL, device_split=_BOOL, tiles=_INT,
-                   persistent=_BOOL)
+_MOE_KERNEL = dict(BN=_int, waves=_num, num_warps=_int, num_stages=_int, maxnreg=_optional(_int), swap=_bool,
+                   lop3=_bool, scales_ahead=_bool, prescale=_bool, mma_v2=_bool, device_split=_bool, tiles=_int,
+                   persistent=_bool)
 _KERNEL_KEYS = ("BN", "waves", "num_warps", "num_stages")
-_MOE = dict(BM=_INT, kmajor=_BOOL, decode=_BOOL, pdl=_BOOL,
+_MOE = dict(BM=_int, kmajor=_bool, decode=_bool, pdl=_bool,
             gate_up=_doc(lambda v: isinstance(v, dict), "an object"), down=_doc(lambda v: isinstance(v, dict),
                                                                                  "an object"))
-_LINEAR = dict(kind=_doc(lambda v: v in ("gemv", "dot", "swap"), '"gemv", "dot" or "swap"'), block_n=_INT,
-               block_k=_INT, warps=_INT, stages=_INT, waves=_NUM, pdl=_BOOL, tma=_BOOL)
+_LINEAR = dict(kind=_doc(lambda v: v in ("gemv", "dot", "swap"), '"gemv", "dot" or "swap"'), block_n=_int,
+               block_k=_int, warps=_int, stages=_int, waves=_num, pdl=_bool, tma=_bool)
 _TILES = _doc(lambda v: (isinstance(v, list) and len(v) == 5 and all(_int(x) for x in v[:4]) and _bool(v[4])),
               "[block_m, block_n, warps, stages, unchain]")
-_ATTENTION = dict(tiles=_optional(_TILES), splits=_optional(_INT), tail_split=_optional(_BOOL),
-                  partials=_optional(_doc(lambda v: v in ("fp32", "q"), '"fp32" or "q"')), tma=_optional(_BOOL))
+_ATTENTION = dict(tiles=_optional(_TILES), splits=_optional(_int), tail_split=_optional(_bool),
+                  partials=_optional(_doc(lambda v: v in ("fp32", "q"), '"fp32" or "q"')), tma=_optional(_bool))
 _TOPK_ROW = _doc(lambda v: isinstance(v, list) and len(v) == 5 and all(_int(x) for x in v[:4])
                  and (v[4] is None or _int(v[4])), "[K up to, chunk, warps, scan tile, maxnreg or null]")
 _TREE = dict(topk=_doc(lambda v: isinstance(v, list) and v and all(_TOPK_ROW(r) for r in v), "a list of top-k rows "
-                       + _TOPK_ROW.__doc__), block_v=_INT, warps_v=_INT, maxnreg_v=_optional(_INT),
-             programs_per_sm=_INT, unroll_v=_INT, build_warps=_INT, levels_from=_INT, levels_warps=_INT)
+                       + _TOPK_ROW.__doc__), block_v=_int, warps_v=_int, maxnreg_v=_optional(_int),
+             programs_per_sm=_int, unroll_v=_int, build_warps=_int, levels_from=_int, levels_warps=_int)
 
 
 def _bucket_rows(rows, n_bounds, where, key, check_entry):
