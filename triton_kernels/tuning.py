@@ -214,9 +214,8 @@ _MOE_KERNEL = dict(BN=_int, waves=_num, num_warps=_int, num_stages=_int, maxnreg
                    lop3=_bool, scales_ahead=_bool, prescale=_bool, mma_v2=_bool, device_split=_bool, tiles=_int,
                    persistent=_bool)
 _KERNEL_KEYS = ("BN", "waves", "num_warps", "num_stages")
-_MOE = dict(BM=_int, kmajor=_bool, decode=_bool, pdl=_bool,
-            gate_up=_doc(lambda v: isinstance(v, dict), "an object"), down=_doc(lambda v: isinstance(v, dict),
-                                                                                 "an object"))
+_OBJECT = _doc(lambda v: isinstance(v, dict), "an object")
+_MOE = dict(BM=_int, kmajor=_bool, decode=_bool, pdl=_bool, gate_up=_OBJECT, down=_OBJECT)
 _LINEAR = dict(kind=_doc(lambda v: v in ("gemv", "dot", "swap"), '"gemv", "dot" or "swap"'), block_n=_int,
                block_k=_int, warps=_int, stages=_int, waves=_num, pdl=_bool, tma=_bool)
 _TILES = _doc(lambda v: (isinstance(v, list) and len(v) == 5 and all(_int(x) for x in v[:4]) and _bool(v[4])),
@@ -269,8 +268,7 @@ def _validate_linear(data, where, op):
 
 
 def _validate_attention(data, where, op):
-    _fields(data, dict(splits=_doc(lambda v: True, ""), merge=_doc(lambda v: isinstance(v, dict), "an object")),
-            (), where, op)
+    _fields(data, dict(splits=_doc(lambda v: True, ""), merge=_OBJECT), (), where, op)
     if "splits" in data:
         _bucket_rows(data["splits"], 2, where, f"{op}.splits",
                      lambda entry, where, key: _fields(entry, _ATTENTION, (), where, key))
