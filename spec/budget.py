@@ -34,8 +34,8 @@ import ops
 from ops.tree import Tree
 
 MASS_SCALE = 1 << 24  # masses travel to the host as int64 in units of 1/MASS_SCALE (error < 6e-8 a value)
-# auto's candidates: spec.graphs' buckets and 4, the best fixed budget of the default pair on a CPU
-# (bench/results/policy_cpu.md); each is a captured verify and draft graph on a GPU
+# auto's candidates: spec.graphs' buckets and 4 (a tree below the chain's size, for drafts whose mass sits in
+# their first nodes); each is a captured verify and draft graph on a GPU
 AUTO_BUDGETS = (4, 8, 16, 32, 64, 128)
 
 
