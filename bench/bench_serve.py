@@ -56,13 +56,16 @@ def print_log_end(log):
 
 
 def wait_healthy(proc, log, deadline):
-    """The URL the server's log names, once its /health answers 200."""
+    """The URL the server's log names, once its /health answers 200 (an error where it answers 503)."""
     while time.monotonic() < deadline:
         found = re.search(r"on (http://[^:]+:\d+)", log.read_text())
         if found:
             try:
-                if httpx.get(found[1] + "/health", timeout=5).status_code == 200:
+                status = httpx.get(found[1] + "/health", timeout=5).status_code
+                if status == 200:
                     return found[1]
+                if status == 503:  # the engine thread started before the server listened, and has stopped
+                    sys.exit("error: the server's engine stopped (/health answers 503)")
             except httpx.TransportError:
                 pass
         if proc.poll() is not None:

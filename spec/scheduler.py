@@ -207,6 +207,9 @@ class Scheduler:
 
     def __init__(self, slots, tok, max_queue, control=None):
         self.slots, self.tok, self.max_queue, self.control = slots, tok, max_queue, control
+        device = slots.device  # "cuda" names the creating thread's current device, which the engine thread sets
+        self.cuda_index = None if device.type != "cuda" else (
+            device.index if device.index is not None else torch.cuda.current_device())
         self.cond = threading.Condition()
         self.waiting = deque()
         self.running = {}  # slot -> Request
@@ -257,8 +260,8 @@ class Scheduler:
     def loop(self):
         message = "the server is shutting down"
         try:
-            if self.slots.device.type == "cuda":
-                torch.cuda.set_device(self.slots.device)  # the current device is per thread
+            if self.cuda_index is not None:
+                torch.cuda.set_device(self.cuda_index)  # the current device is per thread
             while True:
                 plan, admitting = self.next_plan()
                 if self.control is not None:

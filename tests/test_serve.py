@@ -481,3 +481,17 @@ def test_slot_graphs_equal_eager_on_a_gpu():
                 got[owner[out.slot]] += out.tokens
         outs.append(got)
     assert outs[0] == outs[1]
+
+
+@requires_gpu
+def test_a_server_on_the_gpu_decodes_from_its_engine_thread(tmp_path):
+    """`--device cuda` (no index): the engine thread takes the device the server was built on as its own, then
+    serves a completion; /health stays 200."""
+    proc, url = start_server(tmp_path / "server.log", "--device", "cuda", "--max-batch", "2", "--context-len", "256")
+    try:
+        gpu = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        out = gpu.completions.create(model=MODEL, prompt="Hello", max_tokens=16, temperature=0)
+        assert out.usage.completion_tokens > 0 and out.choices[0].text
+        assert health(url)["status"] == "ok"
+    finally:
+        stop_server(proc)

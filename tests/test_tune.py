@@ -74,7 +74,7 @@ def test_wrong_candidate_is_rejected(monkeypatch, tmp_path):
     wrong = linear.Config("gemv", 16, 256, 4, 3, 1)
     real = linear.linear_kernel
     monkeypatch.setattr(linear, "linear_kernel", lambda x, w, cfg=None, raw=False: (
-        torch.zeros(x.shape[0], w.shape[0], dtype=x.dtype) if cfg == wrong else real(x, w, cfg, raw)))
+        torch.zeros(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device) if cfg == wrong else real(x, w, cfg, raw)))
     monkeypatch.setattr(tune.LinearTuner, "candidates", lambda self, info: [
         ("wrong", wrong._asdict()), ("gemv", linear.Config("gemv", 32, 256, 4, 3, 2)._asdict())])
     monkeypatch.setattr(tune.LinearTuner, "__init__", lambda self, key, tiny: (
