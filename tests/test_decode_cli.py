@@ -33,19 +33,21 @@ def cli(*args, timeout=120):
 
 
 def test_readme_first_command_prints_text_and_stats_fast():
-    """The README's first command, on the machine at hand: within a minute where CI runs it (a CPU). On a GPU its
-    first run compiles the Triton kernels, which a loaded parallel test run can stretch past minutes: there only
-    its output is checked."""
+    """The README's first command, within a minute. On a GPU an untimed run goes first: it compiles the Triton
+    kernels, which a parallel test run's other compiles can stretch past minutes."""
     command = shlex.split(readme_commands()[0].split("&&")[1])
     assert command[:3] == ["python", "-m", "spec.decode"]
+    if torch.cuda.is_available():
+        warm = cli(*command[3:], timeout=600)
+        assert warm.returncode == 0, warm.stderr
     start = time.perf_counter()
-    proc = cli(*command[3:], timeout=600 if torch.cuda.is_available() else 120)
+    proc = cli(*command[3:])
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
     text, stats = proc.stdout.rstrip("\n").rsplit("\n", 1)
     assert text.strip()
     assert re.match(r"\[DDTree auto \(budget \d+ x\d+(, \d+ x\d+)*\)\] 64 tokens in ", stats) and "tok/s" in stats
-    assert elapsed < 60 or torch.cuda.is_available()
+    assert elapsed < 60
     accept = float(re.search(r"mean accept length ([0-9.]+)", stats)[1])
     assert accept > 1.5, "the shipped drafter no longer fits the default target: python -m spec.default_model"
     assert run_json(*command[3:])["text"] == text  # the streamed text is the whole text
