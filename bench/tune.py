@@ -438,7 +438,9 @@ class AttentionTuner:
                 out.append((f"partials {other}", dict(base, partials=other)))
         tiles = {tuple(e.tiles) for e in mla_attention.CONFIGS[self.key]} | {
             (16, 64, 4, 2, False), (32, 32, 4, 2, False), (16, 32, 4, 3, False), (32, 64, 8, 2, False),
-            (64, 16, 8, 2, False)}  # 64 rows a tile: a tree's rows re-read the cache half as often as at 32
+            (64, 16, 8, 2, False),  # 64 rows a tile: a tree's rows re-read the cache half as often as at 32
+            (32, 16, 8, 2, False),  # the default's rows, half its KV tile: 58 KB
+            (16, 16, 4, 2, False)}  # 38 KB and 128 registers a thread: two programs an SM on sm_120
         for t in sorted(tiles - {tuple(base["tiles"])}):
             if t[0] <= 16 or info["T"] * self.HEADS > 16:
                 out.append((f"tiles {t[0]}x{t[1]} w{t[2]} s{t[3]}", dict(base, tiles=list(t), splits=None)))
