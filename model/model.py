@@ -176,11 +176,19 @@ SUM_SHARED_IN_NORM = True  # False: a MoE layer adds its shared expert's output 
 _SIDE_STREAMS = {}
 
 
+def cuda_index(device):
+    """The index of CUDA device `device` ("cuda" alone: this thread's current device), None off the GPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _side_stream(device):
     """One extra CUDA stream per device for work that overlaps the main stream; None off the GPU."""
     if device.type != "cuda" or not OVERLAP_SHARED_EXPERT:
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     if index not in _SIDE_STREAMS:
         _SIDE_STREAMS[index] = torch.cuda.Stream(index)
     return _SIDE_STREAMS[index]

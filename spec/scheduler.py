@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from model.model import cuda_index
 from spec.engine import SamplingParams
 
 HEARTBEAT_S = 1.0
@@ -207,9 +208,7 @@ class Scheduler:
 
     def __init__(self, slots, tok, max_queue, control=None):
         self.slots, self.tok, self.max_queue, self.control = slots, tok, max_queue, control
-        device = slots.device  # "cuda" names the creating thread's current device, which the engine thread sets
-        self.cuda_index = None if device.type != "cuda" else (
-            device.index if device.index is not None else torch.cuda.current_device())
+        self.cuda_index = cuda_index(slots.device)  # "cuda" alone: this thread's device, which the engine thread sets
         self.cond = threading.Condition()
         self.waiting = deque()
         self.running = {}  # slot -> Request
