@@ -83,8 +83,9 @@ def proxy(key):
 
 class MoeTuner:
     """W4A16 MoE at the TP8 (384 experts, intermediate 256) and EP8 (48, 2048) ranks' shapes, top-8 routing,
-    M buckets; the expert layout is the arch's (moe_configs.KMAJOR). TP8 buckets past M = 4 (the verify's trees)
-    route as the verify step does, to as many distinct experts (bench.test_moe.step_pool); the rest uniformly."""
+    M buckets. TP8 buckets past M = 4 (the verify's trees) route as the verify step does, to as many distinct
+    experts (bench.test_moe.step_pool); the rest uniformly. The swapped-tile forms run in both expert layouts
+    (K-major or not); a shape's table takes the layout whose buckets' best times sum lower (`table`)."""
 
     op = "moe"
     BOUNDS = (1, 4, 16, 33, 128, None)  # plus the Python table's bounds
@@ -98,7 +99,6 @@ class MoeTuner:
         self.key, self.tiny = key, tiny
         self.shapes = {"tiny": dict(E=4, D=256, I=64)} if tiny else SHAPES
         self.top_k = 2 if tiny else TOP_K
-        self.kmajor = moe_configs.KMAJOR[key]
         bounds = (2, None) if tiny else sorted({b for b in self.BOUNDS if b} |
                                                {b for b, _ in moe_configs.CONFIGS[key] if b}) + [None]
         self.bounds = bounds
@@ -118,7 +118,8 @@ class MoeTuner:
         return moe_configs.config_for(device(), self.rows(info), intermediate=self.shapes[info["shape"]]["I"])
 
     def candidates(self, info):
-        """The default's neighbours and the swapped-tile forms that need no Hopper-only feature (mma.sync)."""
+        """The swapped-tile forms that need no Hopper-only feature (mma.sync) in both layouts, then the default's
+        neighbours in its layout."""
         M, D = self.rows(info), self.shapes[info["shape"]]["D"]
         base = self.default(info)
         out = []
@@ -127,17 +128,25 @@ class MoeTuner:
             return {**k, **changes}
 
         def add(label, entry):
-            out.append((label, dict(entry, kmajor=self.kmajor)))
+            out.append((label, dict(entry, kmajor=entry.get("kmajor", base["kmajor"]))))
 
         swap = dict(BN=64, num_warps=4, num_stages=3, swap=True, lop3=True, scales_ahead=True, mma_v2=True)
         bm = 8 if M <= 128 else 16
-        for waves in (4, 2):
-            entry = dict(BM=bm, decode=M <= 4, pdl=True, gate_up=dict(swap, waves=waves),
-                         down=dict(swap, waves=waves, tiles=4 if D % 256 == 0 else 1))
-            add(f"swap BM{bm} waves{waves}", entry)
-        if 5 <= M <= 33:
-            add("swap device-split", dict(BM=8, pdl=True, gate_up=dict(swap, waves=4, device_split=True),
-                                          down=dict(swap, waves=4, tiles=4 if D % 256 == 0 else 1, persistent=True)))
+        tiles = 4 if D % 256 == 0 else 1
+        for kmajor in (base["kmajor"], not base["kmajor"]):
+            layout = " kmajor" if kmajor else ""
+            for waves in (4, 2):
+                add(f"swap BM{bm} waves{waves}{layout}", dict(BM=bm, decode=M <= 4, pdl=True, kmajor=kmajor,
+                                                               gate_up=dict(swap, waves=waves),
+                                                               down=dict(swap, waves=waves, tiles=tiles)))
+            if M <= 4:
+                add(f"swap decode maxnreg128{layout}", dict(BM=8, decode=True, pdl=True, kmajor=kmajor,
+                                                             gate_up=dict(swap, waves=4, maxnreg=128),
+                                                             down=dict(swap, waves=4, tiles=tiles)))
+            if 5 <= M <= 33:
+                add(f"swap device-split{layout}", dict(BM=8, pdl=True, kmajor=kmajor,
+                                                       gate_up=dict(swap, waves=4, device_split=True),
+                                                       down=dict(swap, waves=4, tiles=tiles, persistent=True)))
         g, d = base["gate_up"], base["down"]
         for name, k in (("gate_up", g), ("down", d)):
             for bn in (32, 64, 128):
@@ -157,8 +166,8 @@ class MoeTuner:
         return out
 
     def layers(self, shape):
-        """(layers prepared in the arch's layout, the first one's checkpoint form), built once per shape (the last
-        shape's kept): enough layers that the calls of a graph find their experts cold in L2."""
+        """({kmajor: the layers prepared in that layout}, the first one's checkpoint form, {M: calls}), built once
+        per shape (the last shape's kept): enough layers that the calls of a graph find their experts cold in L2."""
         from ops.moe import PackedExperts
         from triton_kernels import moe_layout
 
@@ -181,9 +190,12 @@ class MoeTuner:
                 return w, s
 
             raw = [PackedExperts(*words(2 * I, D), *words(D, I)) for _ in range(n_layers)]
-            self.cases[shape] = ([moe_layout.prepare_moe(layer.gate_up_packed, layer.gate_up_scale, layer.down_packed,
-                                                        layer.down_scale, kmajor=self.kmajor)
-                                for layer in raw], raw[0], {})
+            def prepared(layer, kmajor):
+                return moe_layout.prepare_moe(layer.gate_up_packed, layer.gate_up_scale, layer.down_packed,
+                                              layer.down_scale, kmajor=kmajor)
+
+            self.cases[shape] = ({kmajor: [prepared(layer, kmajor) for layer in raw] for kmajor in (False, True)},
+                                 raw[0], {})
         return self.cases[shape]
 
     def case(self, info):
@@ -221,7 +233,8 @@ class MoeTuner:
         """(error or None, the timing thunks) of `entry`."""
         from triton_kernels import moe_w4a16
 
-        calls, layers, _ = self.case(info)
+        calls, by_layout, _ = self.case(info)
+        layers = by_layout[entry["kmajor"]]
         out = moe_w4a16.moe(*calls[0], layers[0], config=entry)
         err = rel_err(out, reference)
         thunks = [lambda c=c, j=j: moe_w4a16.moe(*c, layers[j % len(layers)], config=entry)
@@ -237,13 +250,26 @@ class MoeTuner:
         shape = self.shapes[info["shape"]]
         return compile_specs(entry, key=self.key, D=shape["D"], I=shape["I"], top_k=self.top_k)
 
+    def group(self, entry):
+        """The layout an entry runs in: a shape's table keeps to one (`table`)."""
+        return "kmajor" if entry["kmajor"] else "slab"
+
     def table(self, measured):
-        """{intermediate: [[bound, entry or null], ...]} over every bucket of every shape."""
+        """{intermediate: [[bound, entry or null], ...]} over every bucket of every shape: per shape the layout
+        whose measured buckets' best times sum lower among those no slower than the default in any bucket (the
+        default's always), and per bucket its fastest entry in that layout."""
         out = {}
-        for name, info in self.buckets():
-            record = measured.get(name)
-            out.setdefault(str(self.shapes[info["shape"]]["I"]), []).append(
-                [info["bound"], record["entry"] if record else None])
+        for shape in self.shapes:
+            names = [(name, info) for name, info in self.buckets() if info["shape"] == shape]
+            records = [measured.get(name) for name, _ in names]
+            both = [r for r in records if r and len(r.get("by_group", {})) == 2]
+            fits = [g for g in ("slab", "kmajor") if all(r["default_group"] == g or r["by_group"][g]["us"] <=
+                                                         r["default_us"] for r in both)]
+            layout = min(fits, key=lambda g: sum(r["by_group"][g]["us"] for r in both)) if both else None
+            rows = out.setdefault(str(self.shapes[shape]["I"]), [])
+            for (_, info), record in zip(names, records):
+                pick = record and record.get("by_group", {}).get(layout)
+                rows.append([info["bound"], pick["entry"] if pick else record["entry"] if record else None])
         return out
 
 
@@ -733,7 +759,8 @@ def write(path, head, tuners, measured, earlier):
 
 def measure(tuner, name, info, deadline, reps, margin, fits, bar):
     """One bucket: the default, then the candidates until `deadline`; the winner re-timed against the default.
-    Returns its record, or None where the default does not run."""
+    Returns its record, or None where the default does not run. The record's entry is the winner's, the default's
+    included, so a rerun over a tuned file in force keeps the entries that still win."""
     reference = tuner.reference(info)
     default = tuner.default(info)
     seen = {canonical(default)}
@@ -770,6 +797,11 @@ def measure(tuner, name, info, deadline, reps, margin, fits, bar):
         return None
     best = min(timed, key=timed.get)
     default_us, best_us = timed["default"], timed[best]
+    by_group = {}
+    if hasattr(tuner, "group"):  # per group, its fastest: `tuner.table` may keep to one group
+        for label in sorted(timed, key=timed.get):
+            by_group.setdefault(tuner.group(thunks[label][0]), dict(label=label, us=round(timed[label], 3),
+                                                                    entry=thunks[label][0]))
     if best != "default":  # both again, alternating: the winner must hold its lead
         again = {label: [] for label in ("default", best)}
         for _ in range(3):
@@ -778,9 +810,12 @@ def measure(tuner, name, info, deadline, reps, margin, fits, bar):
         default_us, best_us = (statistics.median(again[label]) for label in ("default", best))
         if best_us > default_us * (1 - margin):
             best, best_us = "default", default_us
-    return dict(default_us=round(default_us, 3), best_us=round(best_us, 3), chosen=best,
-                entry=None if best == "default" else thunks[best][0],
-                candidates={**{k: round(v, 3) for k, v in timed.items()}, **notes})
+    record = dict(default_us=round(default_us, 3), best_us=round(best_us, 3), chosen=best, entry=thunks[best][0],
+                  candidates={**{k: round(v, 3) for k, v in timed.items()}, **notes})
+    if by_group:
+        by_group[tuner.group(thunks[best][0])] = dict(label=best, us=round(best_us, 3), entry=thunks[best][0])
+        record.update(by_group=by_group, default_group=tuner.group(default))
+    return record
 
 
 def tune_op(tuner, measured, deadline_s, reps, margin, save):

@@ -1,5 +1,6 @@
 """The Triton W4A16 MoE (triton_kernels/moe_w4a16.py) against the fp32 reference ops.moe_torch."""
 
+import json
 import os
 
 import pytest
@@ -243,17 +244,58 @@ def test_configs_resolve_by_intermediate_size_and_triton(monkeypatch, python_tab
                                  else moe_configs.NEWER_TRITON[key]).get(max_m)
                         if newer and later:
                             want = moe_configs.with_overrides(want, later)
+                        want = {**want, "kmajor": moe_configs.KMAJOR[key]}  # no tuned file: the arch's layout
                         assert moe_configs.config_for(cpu, M, intermediate=I) == want, (key, newer, M, I)
 
 
-def test_every_config_runs_on_its_arch_layout():
-    """Every entry (the Python table's and the shipped tuned file's) expects the layout `prepare_moe` chooses on its
-    arch (KMAJOR), and each kernel's N tiles a program divide K2.6's hidden size."""
+def test_every_config_runs_on_its_layout():
+    """Every entry expects the layout `prepare_moe` chooses for its experts: the Python table's the arch's (KMAJOR),
+    the shipped tuned file's the one its entries for that intermediate size name; and each kernel's N tiles a
+    program divide K2.6's hidden size."""
+    cpu = torch.device("cpu")
     for key in arch.ARCHS:
+        with arch.using(key):
+            for size, rows in (tuning.table("moe", key) or {}).items():
+                layout = moe_configs.kmajor_for(cpu, int(size))
+                assert all(cfg.get("kmajor", layout) == layout for _, cfg in rows if cfg), (key, size)
+                assert moe_configs.config_for(cpu, 10**6, int(size))["kmajor"] == layout, (key, size)
+        for cfg in [cfg for _, cfg in moe_configs.CONFIGS[key]]:
+            assert cfg.get("kmajor", False) == moe_configs.KMAJOR[key], key
         tuned = [cfg for rows in (tuning.table("moe", key) or {}).values() for _, cfg in rows if cfg]
         for cfg in [cfg for _, cfg in moe_configs.CONFIGS[key]] + tuned:
-            assert cfg.get("kmajor", False) == moe_configs.KMAJOR[key], key
             assert 7168 % (cfg["down"]["BN"] * cfg["down"].get("tiles", 1)) == 0, key
+
+
+@requires_triton
+def test_a_tuned_layout_is_the_one_the_experts_get(monkeypatch, tmp_path):
+    """A tuned file whose entries for an intermediate size name the other layout: `prepare_moe` lays those experts
+    out that way, and the Python table's buckets that the file leaves null run in it; a file mixing layouts for
+    one size is refused, naming the size."""
+    key = arch.current()
+    other = not moe_configs.KMAJOR[key]
+    kernel = dict(BN=32, waves=1, num_warps=4, num_stages=2)
+    path = tmp_path / "tuned.json"
+    rows = [[2, dict(BM=16, kmajor=other, gate_up=kernel, down=dict(kernel, BN=64))], [None, None]]
+    path.write_text(json.dumps(dict(format=tuning.FORMAT, header=dict(arch=key), moe={"64": rows})))
+    monkeypatch.setenv(tuning.ENV_VAR, str(path))
+    tuning.use(None)
+    try:
+        raw = make_experts(4, 256, 64)
+        assert moe_layout.prepare_moe(*raw).kmajor == other
+        assert moe_configs.config_for(raw[0].device, 100, intermediate=64)["kmajor"] == other
+        assert moe_layout.prepare_moe(*make_experts(4, 256, 128)).kmajor == moe_configs.KMAJOR[key]
+        ids, weights = make_routing(5, 4, 2)
+        x = torch.randn(5, 256, device=ids.device).half()
+        want = moe_torch(x.float(), ids, weights, PackedExperts(*raw))
+        out = moe_w4a16.moe(x, ids, weights, moe_layout.prepare_moe(*raw))
+        assert ((out.float() - want).norm() / want.norm()) < 1e-2
+        rows[1][1] = dict(rows[0][1], kmajor=not other)
+        path.write_text(json.dumps(dict(format=tuning.FORMAT, header=dict(arch=key), moe={"64": rows})))
+        tuning.use(None)
+        with pytest.raises(ValueError, match="moe.64: expected entries of one layout"):
+            tuning.tables(key)
+    finally:
+        tuning.use(None)
 
 
 def test_mma_v2_only_sets_and_restores_the_switch(monkeypatch):

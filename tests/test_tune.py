@@ -136,6 +136,50 @@ def test_tuned_moe_entry_runs_in_place_of_the_table(monkeypatch, tmp_path):
         torch.device("cpu"), 3, intermediate=256)  # past the bucket: the table's
 
 
+def test_moe_table_keeps_each_shape_to_the_layout_whose_buckets_sum_lower():
+    """Per shape one layout: the one whose buckets' best times sum lower, even where a bucket's overall winner is
+    in the other, unless it is slower than the default (here: the slab layout's) in some bucket; each bucket then
+    takes its fastest entry in that layout."""
+    tuner = tune.MoeTuner(arch.current(), True)
+    slab, kmajor = (dict(BM=8, kmajor=k, gate_up={}, down={}) for k in (False, True))
+    fast_slab = dict(slab, BM=16)
+
+    def record(slab_us, kmajor_us, default_us):
+        best = fast_slab if slab_us < kmajor_us else kmajor
+        return dict(entry=best, default_us=default_us, default_group="slab",
+                    by_group=dict(slab=dict(us=slab_us, entry=fast_slab), kmajor=dict(us=kmajor_us, entry=kmajor)))
+
+    names = [name for name, _ in tuner.buckets()]
+    measured = {names[0]: record(10.0, 11.0, 12.0), names[1]: record(30.0, 20.0, 30.0)}
+    assert tuner.table(measured) == {"64": [[2, kmajor], [None, kmajor]]}
+    measured[names[0]] = record(10.0, 11.0, 10.5)  # K-major slower than the default at M <= 2
+    assert tuner.table(measured) == {"64": [[2, fast_slab], [None, fast_slab]]}
+    measured = {names[0]: record(10.0, 11.0, 12.0), names[1]: record(30.0, 29.5, 30.0)}
+    assert tuner.table(measured) == {"64": [[2, fast_slab], [None, fast_slab]]}
+
+
+@requires_triton
+def test_moe_tuner_writes_one_layout_the_experts_then_get(monkeypatch, tmp_path):
+    """End to end on tiny MoE shapes, a candidate in each layout: every bucket's entry in the file is in one
+    layout, the loader accepts it, and `prepare_moe` lays the experts out in it."""
+    from tests.test_moe_kernel import make_experts
+    from triton_kernels import moe_configs, moe_layout
+
+    full = tune.MoeTuner.candidates
+    monkeypatch.setattr(tune.MoeTuner, "candidates", lambda self, info: [
+        next(c for c in full(self, info) if c[1]["kmajor"] == k) for k in (False, True)])
+    out = tmp_path / "t.json"
+    assert tune.main(["--ops", "moe", "--shapes", "tiny", "--reps", "5", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = data["moe"]["64"]
+    layouts = {entry["kmajor"] for _, entry in rows}
+    assert len(layouts) == 1 and all(len(r["by_group"]) == 2 for r in data["measured"]["moe"].values())
+    monkeypatch.setenv(tuning.ENV_VAR, str(out))
+    tuning.use(None)
+    assert moe_layout.prepare_moe(*make_experts(4, 256, 64)).kmajor == layouts.pop()
+    assert moe_configs.config_for(torch.device("cpu"), 1, 64) == rows[0][1]
+
+
 def test_tuned_attention_and_tree_entries_are_looked_up_per_bucket(monkeypatch, tmp_path):
     """Attention: the tuned split count and tiles where the rows and cache length fall in the bucket; the merge's
     blocks; DDTree: the tuned config for budgets in its bucket, CONFIGS' past it."""

@@ -48,6 +48,7 @@ CONFIGS = {
 }
 
 # The weight layout `prepare_moe` chooses once at load: K-major words where the entries' swapped tiles read them.
+# A tuned file's entries for an intermediate size name their own (`kmajor_for`).
 KMAJOR = {"sm_90": True, "sm_120": False}
 
 # Overrides of an entry (per-kernel dicts merged), applied by the tables below.
@@ -83,11 +84,20 @@ def with_overrides(cfg, over):
     return {**cfg, **over, **{kernel: {**cfg[kernel], **over.get(kernel, {})} for kernel in ("gate_up", "down")}}
 
 
+def kmajor_for(device, intermediate=None):
+    """The expert layout for experts of that intermediate size on the arch in force for `device`: the one the tuned
+    file's entries for that size name, else KMAJOR."""
+    key = arch.current(device)
+    tuned = tuning.moe_layout(key, intermediate)
+    return KMAJOR[key] if tuned is None else tuned
+
+
 def config_for(device, M, intermediate=None):
     """The entry for M tokens on the arch in force for `device` (`arch.current`), with the BY_INTERMEDIATE override
     of its bucket for experts of that intermediate size, if any, and on a Triton newer than TUNED_TRITON the
-    NEWER_TRITON_BY_INTERMEDIATE one on top of it (the NEWER_TRITON one where BY_INTERMEDIATE has none); the tuned
-    file's entry for the bucket instead, where the file in force has one (tuning.py)."""
+    NEWER_TRITON_BY_INTERMEDIATE one on top of it (the NEWER_TRITON one where BY_INTERMEDIATE has none), in the
+    layout `kmajor_for` gives; the tuned file's entry for the bucket instead, where the file in force has one
+    (tuning.py)."""
     key = arch.current(device)
     tuned = tuning.moe_entry(key, M, intermediate)
     if tuned is not None:
@@ -100,4 +110,4 @@ def config_for(device, M, intermediate=None):
         overrides.append(newer.get(max_m))
     for over in filter(None, overrides):
         cfg = with_overrides(cfg, over)
-    return cfg
+    return {**cfg, "kmajor": kmajor_for(device, intermediate)}

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from triton_kernels import arch
-from triton_kernels.moe_configs import KMAJOR
+from triton_kernels.moe_configs import kmajor_for
 
 GROUP, PACK = 32, 8  # K values a scale covers; nibbles a word holds
 SLAB = 256  # K values per repacked slab: 32 words x 8 nibbles per column, 8 quantisation groups
@@ -100,9 +99,9 @@ def unpack_int4(words, scales, K):
 
 def prepare_moe(gate_up_packed, gate_up_scale, down_packed, down_scale, kmajor=None):
     """Repack compressed-tensors experts (see ops.prepare_moe) into `TritonExperts`, K-major or in the slab layout
-    (default: moe_configs.KMAJOR of the arch in force)."""
+    (default: the layout moe_configs.kmajor_for gives)."""
     D, I = down_packed.shape[1], gate_up_packed.shape[1] // 2
-    kmajor = KMAJOR[arch.current(gate_up_packed.device)] if kmajor is None else kmajor
+    kmajor = kmajor_for(gate_up_packed.device, I) if kmajor is None else kmajor
     gate_up, gate_up_s = repack_int4(gate_up_packed, gate_up_scale)
     down, down_s = repack_int4(down_packed, down_scale)
     if kmajor:
