@@ -77,7 +77,8 @@ def test_override_by_function(fake_gpu):
         assert shipped is not None and moe_configs.config_for(cuda, 1, intermediate=256) == shipped
         tuning.use(tuning.DEFAULTS)
         try:
-            assert moe_configs.config_for(cuda, 1) is moe_configs.CONFIGS["sm_120"][0][1]  # BM 16
+            want = moe_configs.CONFIGS["sm_120"][0][1]  # BM 16, in the arch's layout
+            assert moe_configs.config_for(cuda, 1) == {**want, "kmajor": moe_configs.KMAJOR["sm_120"]}
             assert linear.adopted(cuda, 4, 1536, 1536) is None
         finally:
             tuning.use(None)
