@@ -10,8 +10,12 @@
 #   old:230       the benchmarks of the old tree in .old/ (aa1fe5d's bench_moe/attention/tree/linear/glue) on this GPU
 #   old-step:150  the old tree's bench_step.py with the same $STEP_ARGS
 #   tune:400      python -m bench.tune on $TUNE_ARCH (default sm_120: the proxy on a Hopper GPU), ops $TUNE_OPS
-#                 (default all four, the seconds shared), resuming the package's tuned file for that arch; the
-#                 result is results/tuned_<arch>.json in the tarball (copy it to triton_kernels/tuned/<arch>.json)
+#                 (default all four, the seconds shared), resuming the package's tuned file for that arch
+#                 (TUNE_FRESH=1: its buckets of those ops measured again); the result is results/tuned_<arch>.json
+#                 in the tarball (copy it to triton_kernels/tuned/<arch>.json)
+#   tests120:200  the GPU tests of the kernels, graphs and engine on the sm_120 proxy (SPEC_ARCH=sm_120)
+#   step120:150   the step benchmark on the sm_120 proxy: results/step_sm120_proxy_<gpu>.json; both take the
+#                 file of an earlier tune part in the same call, where there is one (else the shipped one)
 #   compare       new against old, case by case (python -m bench.compare; also run last whenever both exist)
 #   all           tests warm sweeps step
 # Everything is written under $OUT/bench and comes back as $OUT/bench.tar.gz (logs; new/ and old/ raw JSON;
@@ -61,18 +65,35 @@ tune() {
   local n; n=$(tr ',' '\n' <<<"$ops" | wc -l)
   local out="$R/results/tuned_$key.json"
   [ -f "triton_kernels/tuned/$key.json" ] && cp "triton_kernels/tuned/$key.json" "$out"
+  # shellcheck disable=SC2046
   SPEC_ARCH=$key timeout -s INT "$1" python -m bench.tune --ops "$ops" --budget-s $(($1 / n - 15)) --out "$out" \
-    >"$R/tune.log" 2>&1
+    $([ "${TUNE_FRESH:-0}" = 1 ] && echo --fresh) >"$R/tune.log" 2>&1
   echo "tune: exit $?" | tee -a "$R/summary.md"
   tr '\r' '\n' <"$R/tune.log" | grep -a -E "^(op |moe |linear |attention |tree )" | tee -a "$R/summary.md"
 }
 
-step() {
+step() {  # SECONDS [NAME]: NAME (default "step") names the run's folder, log and results file
+  local name=${2:-step}
   # shellcheck disable=SC2086
-  timeout "$1" python -m bench.bench_step --out "$R/new/step" $STEP_ARGS >"$R/step.log" 2>&1
-  echo "step: exit $?" | tee -a "$R/summary.md"
-  for f in json md; do [ -f "$R/new/step/step.$f" ] && cp "$R/new/step/step.$f" "$R/results/step_$GPU.$f"; done
-  tail -12 "$R/step.log"
+  timeout "$1" python -m bench.bench_step --out "$R/new/$name" $STEP_ARGS >"$R/$name.log" 2>&1
+  echo "$name: exit $?" | tee -a "$R/summary.md"
+  for f in json md; do [ -f "$R/new/$name/step.$f" ] && cp "$R/new/$name/step.$f" "$R/results/${name}_$GPU.$f"; done
+  tail -12 "$R/$name.log"
+}
+
+proxy() {  # COMMAND...: on the sm_120 proxy, with the tune part's file where this call made one
+  local tuned="$R/results/tuned_sm_120.json"
+  if [ -f "$tuned" ]; then SPEC_ARCH=sm_120 SPEC_KERNEL_CONFIGS="$tuned" "$@"; else SPEC_ARCH=sm_120 "$@"; fi
+}
+
+tests120() {
+  local files="tests/test_moe_kernel.py tests/test_linear_kernel.py tests/test_attention_kernel.py
+               tests/test_glue_kernels.py tests/test_tree_ops.py tests/test_graphs.py tests/test_engine.py"
+  # shellcheck disable=SC2086
+  proxy timeout -s INT "$1" python -m pytest -q -n 12 -rf --tb=short -p no:cacheprovider $files -k "$TEST_FILTER" \
+    >"$R/gpu_tests_sm120_proxy_$GPU.log" 2>&1
+  outcome tests120 "$R/gpu_tests_sm120_proxy_$GPU.log" $?
+  cp "$R/gpu_tests_sm120_proxy_$GPU.log" "$R/results/"
 }
 
 old_tree() {  # SECONDS COMMAND...: a command of the old tree (.old/, its own imports first), bounded
@@ -120,7 +141,8 @@ has_old_tree() {
 }
 
 declare -A SECONDS_OF=([tests]=360 [warm]=90 [sweeps]=210 [moe]=90 [attention]=90 [tree]=60 [dense]=60
-                       [step]=150 [old]=230 [old-step]=150 [tune]=400 [compare]=60)
+                       [step]=150 [old]=230 [old-step]=150 [tune]=400 [compare]=60 [tests120]=200
+                       [step120]=150)
 [[ " $* " == *" all "* ]] && set -- tests warm sweeps step
 for arg in "$@"; do
   if [ -z "${SECONDS_OF[${arg%%:*}]+x}" ]; then
@@ -138,6 +160,8 @@ for arg in "$@"; do
     sweeps) sweep sweeps "$s" bench ;;
     moe|attention|tree|dense) sweep "$part" "$s" "bench/test_$part.py" ;;
     step) step "$s" ;;
+    step120) proxy step "$s" step_sm120_proxy ;;
+    tests120) tests120 "$s" ;;
     tune) tune "$s" ;;
     old) old "$s" ;;
     old-step) old_step "$s" ;;

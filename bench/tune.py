@@ -879,6 +879,8 @@ def parser():
     p.add_argument("--margin", type=float, default=0.02, help="a candidate replaces the default where it is this "
                                                                "much faster, re-timed (default 0.02)")
     p.add_argument("--reps", type=int, default=10, help="graph replays a timing takes the median of")
+    p.add_argument("--fresh", action="store_true", help="measure every bucket of the ops named again, not only "
+                                                         "those the --out file lacks (its other ops' tables kept)")
     p.add_argument("--shapes", choices=("k26", "tiny"), default="k26", help="tiny: small shapes, for the tests")
     return p
 
@@ -904,6 +906,8 @@ def main(argv=None):
     measured = earlier.get("measured", {})
     tuners = {op: TUNERS[op](key, args.shapes == "tiny") for op in args.ops}
     for op, tuner in tuners.items():
+        if args.fresh:
+            measured[op] = {}
         measured.setdefault(op, {})
         tune_op(tuner, measured[op], args.budget_s, args.reps, args.margin,
                 lambda: write(args.out, head, tuners, measured, earlier))

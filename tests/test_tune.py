@@ -65,6 +65,9 @@ def test_tuner_writes_a_valid_file_and_resumes(monkeypatch, tmp_path, capsys):
     assert tune.main(argv) == 0
     assert measured == [buckets[-1]]
     assert sorted(json.loads(out.read_text())["measured"]["linear"]) == sorted(buckets)
+    measured.clear()
+    assert tune.main(argv + ["--fresh"]) == 0  # every bucket again
+    assert sorted(measured) == sorted(buckets)
 
 
 @requires_triton
