@@ -723,8 +723,9 @@ SAME_RUN = ("arch", "gpu", "triton")  # a file's buckets are reused by a run wit
 
 
 def resume(path, head):
-    """The file an earlier run wrote to `path` on the same arch, GPU and Triton ({} otherwise): its tables and
-    measured buckets."""
+    """The file an earlier run wrote to `path` for the same arch: its tables and, where it ran on the same GPU and
+    Triton, its measured buckets ({} otherwise). Tables measured elsewhere are kept for the ops not tuned now, and
+    the header says where they come from."""
     if not path.is_file():
         return {}
     try:
@@ -733,11 +734,16 @@ def resume(path, head):
     except (OSError, ValueError, KeyError, TypeError):
         print(f"note: {path} is not a tuned file: starting afresh", file=sys.stderr)
         return {}
-    if any(old.get(k) != head[k] for k in SAME_RUN):
-        print(f"note: {path} was tuned on {', '.join(str(old.get(k)) for k in SAME_RUN)}: starting afresh",
-              file=sys.stderr)
+    if old.get("arch") != head["arch"]:
+        print(f"note: {path} holds {old.get('arch')}'s tables: starting afresh", file=sys.stderr)
         return {}
-    return data
+    carried = old.get("carried", {})  # op -> where its table was tuned, where not on this GPU
+    if any(old.get(k) != head[k] for k in SAME_RUN):
+        where = ", ".join(str(old.get(k)) for k in ("gpu", "triton", "date"))
+        print(f"note: {path} was tuned on {where}: its buckets are measured again", file=sys.stderr)
+        data = {op: data[op] for op in OPS if op in data}
+        carried = {op: carried.get(op, where) for op in data}
+    return dict(data, carried=carried)
 
 
 def write(path, head, tuners, measured, earlier):
@@ -746,11 +752,16 @@ def write(path, head, tuners, measured, earlier):
     from triton_kernels import tuning
 
     data = dict(format=tuning.FORMAT, header=head)
+    carried = {}
     for op in OPS:
         if op in tuners and measured.get(op):
             data[op] = tuners[op].table(measured[op])
         elif op not in tuners and earlier.get(op) is not None:
             data[op] = earlier[op]
+            if op in earlier.get("carried", {}):
+                carried[op] = earlier["carried"][op]
+    if carried:
+        data["header"] = dict(head, carried=carried)
     data["measured"] = measured
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")

@@ -71,6 +71,27 @@ def test_tuner_writes_a_valid_file_and_resumes(monkeypatch, tmp_path, capsys):
 
 
 @requires_triton
+def test_a_file_from_another_gpu_keeps_the_other_ops_tables_and_says_so(monkeypatch, tmp_path):
+    """--out naming a file tuned on another GPU: the ops tuned now are measured afresh, the others' tables are kept,
+    and the header names where those were tuned."""
+    few_candidates(monkeypatch, tune.LinearTuner, 1)
+    key = arch.current()
+    tree = [[None, None]]
+    out = tmp_path / "t.json"
+    out.write_text(json.dumps(dict(format=tuning.FORMAT, tree=tree, linear={"64x256": {"1": "cublas"}},
+                                   header=dict(arch=key, gpu="Another GPU", triton="0.1", date="then"),
+                                   measured=dict(linear={"64x256/M1": {}}))))
+    measured = []
+    real = tune.measure
+    monkeypatch.setattr(tune, "measure", lambda tuner, name, *a: measured.append(name) or real(tuner, name, *a))
+    assert tune.main(["--ops", "linear", "--shapes", "tiny", "--reps", "5", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert "64x256/M1" in measured and data["tree"] == tree
+    assert data["header"]["carried"] == {"tree": "Another GPU, 0.1, then"}
+    assert set(tuning.load(out, key)) == {"linear", "tree"}
+
+
+@requires_triton
 def test_wrong_candidate_is_rejected(monkeypatch, tmp_path):
     """A candidate whose kernel returns a wrong result (zeros, at once: the fastest) fails the reference check and
     is never chosen."""
