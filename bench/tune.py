@@ -118,8 +118,8 @@ class MoeTuner:
         return moe_configs.config_for(device(), self.rows(info), intermediate=self.shapes[info["shape"]]["I"])
 
     def candidates(self, info):
-        """The swapped-tile forms that need no Hopper-only feature (mma.sync) in both layouts, then the default's
-        neighbours in its layout."""
+        """On another arch than sm_90 first sm_90's entry with mma.sync dots; the swapped-tile forms that need no
+        Hopper-only feature (mma.sync) in both layouts; then the default's neighbours in its layout."""
         M, D = self.rows(info), self.shapes[info["shape"]]["D"]
         base = self.default(info)
         out = []
@@ -130,6 +130,12 @@ class MoeTuner:
         def add(label, entry):
             out.append((label, dict(entry, kmajor=entry.get("kmajor", base["kmajor"]))))
 
+        from triton_kernels import moe_configs
+
+        if self.key != "sm_90":  # Hopper's entry, its dots on mma.sync: the same instructions another arch has
+            hopper = moe_configs.with_overrides(moe_configs.table_entry("sm_90", M, self.shapes[info["shape"]]["I"]),
+                                                moe_configs.MMA_V2)
+            add("sm_90's entry", dict(hopper, kmajor=moe_configs.KMAJOR["sm_90"]))
         swap = dict(BN=64, num_warps=4, num_stages=3, swap=True, lop3=True, scales_ahead=True, mma_v2=True)
         bm = 8 if M <= 128 else 16
         tiles = 4 if D % 256 == 0 else 1

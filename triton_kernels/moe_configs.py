@@ -93,15 +93,19 @@ def kmajor_for(device, intermediate=None):
 
 
 def config_for(device, M, intermediate=None):
-    """The entry for M tokens on the arch in force for `device` (`arch.current`), with the BY_INTERMEDIATE override
-    of its bucket for experts of that intermediate size, if any, and on a Triton newer than TUNED_TRITON the
-    NEWER_TRITON_BY_INTERMEDIATE one on top of it (the NEWER_TRITON one where BY_INTERMEDIATE has none), in the
-    layout `kmajor_for` gives; the tuned file's entry for the bucket instead, where the file in force has one
-    (tuning.py)."""
+    """The entry for M tokens on the arch in force for `device` (`arch.current`): the tuned file's entry for the
+    bucket, where the file in force has one (tuning.py), else `table_entry`'s in the layout `kmajor_for` gives."""
     key = arch.current(device)
     tuned = tuning.moe_entry(key, M, intermediate)
     if tuned is not None:
         return tuned
+    return {**table_entry(key, M, intermediate), "kmajor": kmajor_for(device, intermediate)}
+
+
+def table_entry(key, M, intermediate=None):
+    """The Python table's entry for M tokens on arch `key`, with the BY_INTERMEDIATE override of its bucket for
+    experts of that intermediate size, if any, and on a Triton newer than TUNED_TRITON the
+    NEWER_TRITON_BY_INTERMEDIATE one on top of it (the NEWER_TRITON one where BY_INTERMEDIATE has none)."""
     max_m, cfg = next((max_m, cfg) for max_m, cfg in CONFIGS[key] if max_m is None or M <= max_m)
     by_size = BY_INTERMEDIATE[key].get(intermediate, {}).get(max_m)
     overrides = [by_size] if by_size else []
@@ -110,4 +114,4 @@ def config_for(device, M, intermediate=None):
         overrides.append(newer.get(max_m))
     for over in filter(None, overrides):
         cfg = with_overrides(cfg, over)
-    return {**cfg, "kmajor": kmajor_for(device, intermediate)}
+    return cfg
