@@ -262,20 +262,19 @@ class MoeTuner:
 
     def table(self, measured):
         """{intermediate: [[bound, entry or null], ...]} over every bucket of every shape: per shape the layout
-        whose measured buckets' best times sum lower among those no slower than the default in any bucket (the
-        default's always), and per bucket its fastest entry in that layout."""
+        whose measured buckets' best times sum lower, among those timed in every measured bucket and no slower
+        than the default in any (the default's always), and per bucket its fastest entry in that layout."""
         out = {}
         for shape in self.shapes:
             names = [(name, info) for name, info in self.buckets() if info["shape"] == shape]
             records = [measured.get(name) for name, _ in names]
-            both = [r for r in records if r and len(r.get("by_group", {})) == 2]
-            fits = [g for g in ("slab", "kmajor") if all(r["default_group"] == g or r["by_group"][g]["us"] <=
-                                                         r["default_us"] for r in both)]
-            layout = min(fits, key=lambda g: sum(r["by_group"][g]["us"] for r in both)) if both else None
+            timed = [r for r in records if r]
+            fits = [g for g in ("slab", "kmajor") if all(g in r["by_group"] and (
+                r["default_group"] == g or r["by_group"][g]["us"] <= r["default_us"]) for r in timed)]
+            layout = min(fits, key=lambda g: sum(r["by_group"][g]["us"] for r in timed)) if fits else None
             rows = out.setdefault(str(self.shapes[shape]["I"]), [])
             for (_, info), record in zip(names, records):
-                pick = record and record.get("by_group", {}).get(layout)
-                rows.append([info["bound"], pick["entry"] if pick else record["entry"] if record else None])
+                rows.append([info["bound"], record["by_group"][layout]["entry"] if record and layout else None])
         return out
 
 

@@ -180,6 +180,10 @@ def test_moe_table_keeps_each_shape_to_the_layout_whose_buckets_sum_lower():
     assert tuner.table(measured) == {"64": [[2, fast_slab], [None, fast_slab]]}
     measured = {names[0]: record(10.0, 11.0, 12.0), names[1]: record(30.0, 29.5, 30.0)}
     assert tuner.table(measured) == {"64": [[2, fast_slab], [None, fast_slab]]}
+    measured = {names[0]: record(12.0, 11.0, 12.0), names[1]: record(30.0, 20.0, 30.0)}
+    measured[names[0]]["by_group"].pop("kmajor")  # no K-major candidate timed there: the default's layout
+    assert tuner.table(measured) == {"64": [[2, fast_slab], [None, fast_slab]]}
+    assert tuner.table({names[1]: record(30.0, 20.0, 30.0)}) == {"64": [[2, None], [None, kmajor]]}
 
 
 @requires_triton
