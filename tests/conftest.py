@@ -44,6 +44,18 @@ def python_tables():
     tuning.use(None)
 
 
+@pytest.fixture
+def shipped_tables(monkeypatch):
+    """The package's shipped tuned files in force during the test, whatever file SPEC_KERNEL_CONFIGS names (tests
+    of the shipped files)."""
+    from triton_kernels import tuning
+
+    monkeypatch.delenv(tuning.ENV_VAR, raising=False)
+    tuning.use(None)
+    yield
+    tuning.use(None)
+
+
 def interpreting():
     return os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -61,7 +61,7 @@ def test_an_arch_without_tables_falls_back_with_one_warning(fake_gpu, capsys):
     assert "sm_121" in capsys.readouterr().err
 
 
-def test_override_by_function(fake_gpu):
+def test_override_by_function(fake_gpu, shipped_tables):
     """using("sm_120") on a Hopper GPU: sm_120's tables, no Hopper-only paths, tl.dot lowered to mma.sync
     (DISABLE_MMA_V3=1), grids still sized from the GPU at hand; everything put back afterwards."""
     from triton_kernels import ddtree, linear, moe_configs

@@ -248,7 +248,7 @@ def test_configs_resolve_by_intermediate_size_and_triton(monkeypatch, python_tab
                         assert moe_configs.config_for(cpu, M, intermediate=I) == want, (key, newer, M, I)
 
 
-def test_every_config_runs_on_its_layout():
+def test_every_config_runs_on_its_layout(shipped_tables):
     """Every entry expects the layout `prepare_moe` chooses for its experts: the Python table's the arch's (KMAJOR),
     the shipped tuned file's the one its entries for that intermediate size name; and each kernel's N tiles a
     program divide K2.6's hidden size."""
@@ -451,9 +451,11 @@ def test_moe_entries_in_a_graph_gpu(override):
 
 RESOURCES = """
 import json
+import os
 import sys
 import torch
 from triton_kernels import arch, tuning
+os.environ.pop(tuning.ENV_VAR, None)  # the shipped tuned files, whatever file the caller names
 from triton_kernels.aot import compile_for
 from triton_kernels.moe_configs import CONFIGS, config_for
 from triton_kernels.moe_w4a16 import compile_specs
