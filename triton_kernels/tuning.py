@@ -136,8 +136,13 @@ def moe_entry(key, M, intermediate):
 def moe_layout(key, intermediate):
     """The expert layout (kmajor) that the tuned MoE entries for experts of that intermediate size name, or None."""
     found = table("moe", key)
-    rows = found.get(str(intermediate), []) if found else []
-    return next((row[-1]["kmajor"] for row in rows if row[-1] and "kmajor" in row[-1]), None)
+    layouts = _moe_layouts(found.get(str(intermediate), []) if found else [])
+    return layouts.pop() if layouts else None
+
+
+def _moe_layouts(rows):
+    """The layouts (kmajor) that a MoE table's entries name."""
+    return {row[-1]["kmajor"] for row in rows if row[-1] and "kmajor" in row[-1]}
 
 
 def linear_entry(key, N, K, bucket):
@@ -259,8 +264,8 @@ def _validate_moe(data, where, op):
     for size, rows in data.items():
         _expect(size.isdigit(), where, f"{op}.{size}", "an intermediate size (digits)")
         _bucket_rows(rows, 1, where, f"{op}.{size}", _moe_entry)
-        layouts = {row[-1]["kmajor"] for row in rows if row[-1] and "kmajor" in row[-1]}
-        _expect(len(layouts) <= 1, where, f"{op}.{size}", "entries of one layout (kmajor): the experts have one")
+        _expect(len(_moe_layouts(rows)) <= 1, where, f"{op}.{size}", "entries of one layout (kmajor): the experts "
+                                                                      "have one")
 
 
 def _validate_linear(data, where, op):
