@@ -403,6 +403,7 @@ class AttentionTuner:
     def buckets(self):
         split = [(f"T{T}/L{L}", dict(kind="split", T=T, L=L, bound=bound))
                  for T in self.trees for L, bound in self.contexts]
+        split.sort(key=lambda bucket: bucket[1]["bound"] is None)  # the longest context, the slowest to time, last
         return split + [(f"merge/S{S}", dict(kind="merge", S=S)) for S in self.merge_splits]
 
     def case(self, info):
