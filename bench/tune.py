@@ -314,9 +314,14 @@ class LinearTuner:
         return cfg._asdict() if cfg else "cublas"
 
     def candidates(self, info):
-        from triton_kernels.linear import Config
+        """cuBLAS; on another arch than sm_90 first sm_90's adopted entry for the bucket (its TMA tiles need no
+        multicast or clusters); then the kernel's forms for the M."""
+        from triton_kernels.linear import ADOPTED, Config, bucket_of
 
         forms = self.GEMV if info["M"] == 1 else self.DOT
+        hopper = ADOPTED["sm_90"].get((info["N"], info["K"]), {}).get(bucket_of(info["M"]))
+        if self.key != "sm_90" and hopper:
+            forms = [tuple(hopper), *(form for form in forms if Config(*form) != hopper)]
         out = [("cublas", "cublas")]
         for form in forms:
             cfg = Config(*form)

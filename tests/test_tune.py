@@ -111,6 +111,21 @@ def test_wrong_candidate_is_rejected(monkeypatch, tmp_path):
     assert record["chosen"] != "wrong" and "gemv" in record["candidates"]
 
 
+def test_linear_candidates_start_with_sm90s_entry_on_another_arch():
+    """On sm_120 the skinny GEMM's candidates start, after cuBLAS, with sm_90's adopted entry for the shape and
+    bucket (once, even where it is one of the kernel's own forms); on sm_90 they are the forms alone."""
+    info = dict(N=512, K=7168, M=1)
+    hopper = linear.ADOPTED["sm_90"][512, 7168][1]
+    names = [name for name, _ in tune.LinearTuner("sm_120", False).candidates(info)]
+    entries = [entry for _, entry in tune.LinearTuner("sm_120", False).candidates(info)]
+    assert names[0] == "cublas" and entries[1] == hopper._asdict() and entries.count(hopper._asdict()) == 1
+    assert len(names) == len(tune.LinearTuner.GEMV) + 1  # it is one of the forms
+    own = [entry for _, entry in tune.LinearTuner("sm_90", False).candidates(dict(N=7168, K=43008, M=2))]
+    assert own == ["cublas"] + [linear.Config(*form)._asdict() for form in tune.LinearTuner.DOT]
+    first = tune.LinearTuner("sm_120", False).candidates(dict(N=2112, K=7168, M=2))[1][1]
+    assert first == linear.ADOPTED["sm_90"][2112, 7168][2]._asdict()
+
+
 @requires_triton
 def test_tuned_linear_entry_runs_in_place_of_the_table(monkeypatch, tmp_path, capsys):
     """SPEC_KERNEL_CONFIGS names a file: the skinny GEMM launches with its config for that shape and bucket, cuBLAS
