@@ -116,8 +116,7 @@ def test_linear_candidates_start_with_sm90s_entry_on_another_arch():
     bucket (once, even where it is one of the kernel's own forms); on sm_90 they are the forms alone."""
     info = dict(N=512, K=7168, M=1)
     hopper = linear.ADOPTED["sm_90"][512, 7168][1]
-    names = [name for name, _ in tune.LinearTuner("sm_120", False).candidates(info)]
-    entries = [entry for _, entry in tune.LinearTuner("sm_120", False).candidates(info)]
+    names, entries = zip(*tune.LinearTuner("sm_120", False).candidates(info))
     assert names[0] == "cublas" and entries[1] == hopper._asdict() and entries.count(hopper._asdict()) == 1
     assert len(names) == len(tune.LinearTuner.GEMV) + 1  # it is one of the forms
     own = [entry for _, entry in tune.LinearTuner("sm_90", False).candidates(dict(N=7168, K=43008, M=2))]
