@@ -13,7 +13,7 @@ only where it beats the default by >= --margin after both are timed again; else 
 
 The file (triton_kernels/tuning.py has its format) is written atomically after each bucket; a rerun with the same
 --out skips the buckets done for the same arch, GPU and Triton. --budget-s bounds each op: no candidate starts past
-a bucket's share of it, no bucket past the whole (rerun to go on). --shapes tiny: small shapes for tests (CPU,
+a bucket's share of what is left (but the first of each MoE layout), no bucket past the whole (rerun to go on). --shapes tiny: small shapes for tests (CPU,
 TRITON_INTERPRET=1, fp16). Take the file into use with SPEC_KERNEL_CONFIGS=FILE (or copy it to
 triton_kernels/tuned/<arch>.json); README.md, "Tuning on your GPU".
 """
@@ -779,20 +779,29 @@ def write(path, head, tuners, measured, earlier):
     os.replace(tmp, path)
 
 
-def measure(tuner, name, info, deadline, reps, margin, fits, bar):
-    """One bucket: the default, then the candidates until `deadline`; the winner re-timed against the default.
-    Returns its record, or None where the default does not run. The record's entry is the winner's, the default's
-    included, so a rerun over a tuned file in force keeps the entries that still win."""
+def measure(tuner, name, info, end, left, reps, margin, fits, bar):
+    """One bucket: the default, then the candidates within its share of the time to `end` (shared with the `left`
+    - 1 buckets after it, from when the default is timed: a shape's first bucket also builds its case); the winner
+    re-timed against the default. Where the tuner groups entries (`tuner.group`: a table keeps to one group), each
+    group's first candidate starts past the share too, so that every group has a time in every bucket. Returns its
+    record, or None where the default does not run. The record's entry is the winner's, the default's included, so
+    a rerun over a tuned file in force keeps the entries that still win."""
     reference = tuner.reference(info)
     default = tuner.default(info)
     seen = {canonical(default)}
     timed, notes = {}, {}
     thunks = {}
+    deadline = None
+    grouped = hasattr(tuner, "group")
     for label, entry in [("default", default)] + tuner.candidates(info):
         if label != "default":
             if canonical(entry) in seen:
                 continue
-            if time.monotonic() > deadline:
+            if deadline is None:
+                now = time.monotonic()
+                deadline = now + max(0.0, end - now) / left
+            first_of_group = grouped and all(tuner.group(e) != tuner.group(entry) for e, _ in thunks.values())
+            if time.monotonic() >= deadline and not first_of_group:
                 notes[label] = "not started: budget spent"
                 continue
         seen.add(canonical(entry))
@@ -864,8 +873,7 @@ def tune_op(tuner, measured, deadline_s, reps, margin, save):
                 tqdm.write(f"  {tuner.op}: --budget-s {deadline_s:g} spent; {len(buckets) - i} buckets left for a "
                            f"rerun")
                 break
-            share = start + deadline_s * (i + 1) / len(buckets)
-            record = measure(tuner, name, info, share, reps, margin, fits, bar)
+            record = measure(tuner, name, info, start + deadline_s, len(buckets) - i, reps, margin, fits, bar)
             if record is not None:
                 measured[name] = record
                 save()

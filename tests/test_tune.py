@@ -200,6 +200,45 @@ def test_moe_table_keeps_each_shape_to_the_layout_whose_buckets_sum_lower():
     assert tuner.table({names[1]: record(30.0, 20.0, 30.0)}) == {"64": [[2, None], [None, kmajor]]}
 
 
+class GroupedTuner:
+    """A tuner of entries {"group", "us"} whose calls do nothing: measure's scheduling alone."""
+
+    op = "grouped"
+
+    def __init__(self, candidates):
+        self.listed = candidates
+
+    def reference(self, info):
+        return None
+
+    def default(self, info):
+        return dict(group="slab", us=0)
+
+    def candidates(self, info):
+        return self.listed
+
+    def run(self, info, entry, reference):
+        return None, [lambda: None]
+
+    def fit_key(self, info, entry):
+        return None
+
+    def group(self, entry):
+        return entry["group"]
+
+
+def test_each_layout_gets_a_time_in_a_bucket_whose_share_is_spent():
+    """With no time left, a bucket still times the first candidate of each group the default is not in (a
+    shape's table keeps to one layout, so a layout untimed in one bucket could not be chosen for any), and no
+    other."""
+    listed = [(f"{group}{i}", dict(group=group, us=i)) for group in ("slab", "kmajor") for i in (1, 2)]
+    record = tune.measure(GroupedTuner(listed), "b", {}, end=0.0, left=1, reps=5, margin=0.0, fits={},
+                          bar=type("Bar", (), {"set_postfix_str": lambda self, text: None})())
+    notes = record["candidates"]
+    assert set(record["by_group"]) == {"slab", "kmajor"} and isinstance(notes["kmajor1"], float)
+    assert notes["slab1"] == notes["slab2"] == notes["kmajor2"] == "not started: budget spent"
+
+
 @requires_triton
 def test_moe_tuner_writes_one_layout_the_experts_then_get(monkeypatch, tmp_path):
     """End to end on tiny MoE shapes, a candidate in each layout: every bucket's entry in the file is in one
