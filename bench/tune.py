@@ -268,14 +268,39 @@ class MoeTuner:
         for shape in self.shapes:
             names = [(name, info) for name, info in self.buckets() if info["shape"] == shape]
             records = [measured.get(name) for name, _ in names]
-            timed = [r for r in records if r]
-            fits = [g for g in ("slab", "kmajor") if all(g in r["by_group"] and (
-                r["default_group"] == g or r["by_group"][g]["us"] <= r["default_us"]) for r in timed)]
-            layout = min(fits, key=lambda g: sum(r["by_group"][g]["us"] for r in timed)) if fits else None
+            layout, _ = self.layout({name: r for (name, _), r in zip(names, records) if r})
             rows = out.setdefault(str(self.shapes[shape]["I"]), [])
             for (_, info), record in zip(names, records):
                 rows.append([info["bound"], record["by_group"][layout]["entry"] if record and layout else None])
         return out
+
+    @staticmethod
+    def layout(records):
+        """(layout, {layout left out: why}) of a shape's measured buckets {name: record}: `table`'s rule."""
+        why = {}
+        for g in ("slab", "kmajor"):
+            for name, r in records.items():
+                if g not in r["by_group"]:
+                    why[g] = f"untimed in {name}"
+                elif r["default_group"] != g and r["by_group"][g]["us"] > r["default_us"]:
+                    why[g] = f"slower than the default in {name}"
+                if g in why:
+                    break
+        fits = [g for g in ("slab", "kmajor") if g not in why]
+        chosen = min(fits, key=lambda g: sum(r["by_group"][g]["us"] for r in records.values())) if fits else None
+        return chosen, why
+
+    def notes(self, measured):
+        """One line a shape: the layout its table keeps, and why the other was left out."""
+        lines = []
+        for shape in self.shapes:
+            layout, why = self.layout({name: measured[name] for name, info in self.buckets()
+                                       if info["shape"] == shape and name in measured})
+            left_out = "; ".join(f"{g}: {reason}" for g, reason in why.items())
+            kept = (f"the {layout} layout, each bucket its fastest entry there" if layout else
+                    "the Python table (no layout fits)")
+            lines.append(f"moe {shape}: the table keeps {kept}" + (f"; left out: {left_out}" if left_out else ""))
+        return lines
 
 
 # ---- dense projections
@@ -943,6 +968,9 @@ def main(argv=None):
                 lambda: write(args.out, head, tuners, measured, earlier))
     write(args.out, head, tuners, measured, earlier)
     print(summary({op: measured[op] for op in args.ops}))
+    for op, tuner in tuners.items():
+        for line in tuner.notes(measured[op]) if hasattr(tuner, "notes") else ():
+            print(line)
     print(f"wrote {args.out}: use it with SPEC_KERNEL_CONFIGS={args.out} (or copy it to "
           f"triton_kernels/tuned/{key}.json)")
     return 0

@@ -198,6 +198,8 @@ def test_moe_table_keeps_each_shape_to_the_layout_whose_buckets_sum_lower():
     measured[names[0]]["by_group"].pop("kmajor")  # no K-major candidate timed there: the default's layout
     assert tuner.table(measured) == {"64": [[2, fast_slab], [None, fast_slab]]}
     assert tuner.table({names[1]: record(30.0, 20.0, 30.0)}) == {"64": [[2, None], [None, kmajor]]}
+    assert tuner.notes(measured) == [f"moe tiny: the table keeps the slab layout, each bucket its fastest entry "
+                                     f"there; left out: kmajor: untimed in {names[0]}"]
 
 
 class GroupedTuner:
