@@ -868,7 +868,10 @@ def measure(tuner, name, info, end, left, reps, margin, fits, bar):
             best, best_us = "default", default_us
     record = dict(default_us=round(default_us, 3), best_us=round(best_us, 3), chosen=best, entry=thunks[best][0],
                   candidates={**{k: round(v, 3) for k, v in timed.items()}, **notes})
-    if by_group:
+    if by_group:  # the default's group keeps the default unless its best beats it by the margin too
+        home = by_group.get(tuner.group(default))
+        if home and home["label"] != "default" and home["us"] > timed["default"] * (1 - margin):
+            by_group[tuner.group(default)] = dict(label="default", us=round(timed["default"], 3), entry=default)
         by_group[tuner.group(thunks[best][0])] = dict(label=best, us=round(best_us, 3), entry=thunks[best][0])
         record.update(by_group=by_group, default_group=tuner.group(default))
     return record

@@ -214,13 +214,13 @@ class GroupedTuner:
         return None
 
     def default(self, info):
-        return dict(group="slab", us=0)
+        return dict(group="slab", us=100)
 
     def candidates(self, info):
         return self.listed
 
     def run(self, info, entry, reference):
-        return None, [lambda: None]
+        return None, [entry["us"]]  # "timed" by `fake_times`
 
     def fit_key(self, info, entry):
         return None
@@ -229,13 +229,34 @@ class GroupedTuner:
         return entry["group"]
 
 
-def test_each_layout_gets_a_time_in_a_bucket_whose_share_is_spent():
+def fake_times(monkeypatch):
+    """time_us reads each entry's "us" (GroupedTuner's calls)."""
+    monkeypatch.setattr(tune, "time_us", lambda calls, reps: float(calls[0]))
+
+
+def measure_grouped(listed, end=1e18, margin=0.0):
+    bar = type("Bar", (), {"set_postfix_str": lambda self, text: None})()
+    return tune.measure(GroupedTuner(listed), "b", {}, end=end, left=1, reps=5, margin=margin, fits={}, bar=bar)
+
+
+def test_the_defaults_layout_keeps_the_default_unless_beaten_by_the_margin(monkeypatch):
+    """A table may keep to the default's layout while the overall winner is in the other: there the layout's best
+    replaces the default only where it wins by the margin, as the winner must."""
+    fake_times(monkeypatch)
+    kmajor = ("kmajor", dict(group="kmajor", us=50))
+    close = measure_grouped([("slab", dict(group="slab", us=99)), kmajor], margin=0.02)
+    assert close["by_group"]["slab"]["label"] == "default" and close["by_group"]["kmajor"]["label"] == "kmajor"
+    ahead = measure_grouped([("slab", dict(group="slab", us=90)), kmajor], margin=0.02)
+    assert ahead["by_group"]["slab"]["label"] == "slab"
+
+
+def test_each_layout_gets_a_time_in_a_bucket_whose_share_is_spent(monkeypatch):
     """With no time left, a bucket still times the first candidate of each group the default is not in (a
     shape's table keeps to one layout, so a layout untimed in one bucket could not be chosen for any), and no
     other."""
+    fake_times(monkeypatch)
     listed = [(f"{group}{i}", dict(group=group, us=i)) for group in ("slab", "kmajor") for i in (1, 2)]
-    record = tune.measure(GroupedTuner(listed), "b", {}, end=0.0, left=1, reps=5, margin=0.0, fits={},
-                          bar=type("Bar", (), {"set_postfix_str": lambda self, text: None})())
+    record = measure_grouped(listed, end=0.0)
     notes = record["candidates"]
     assert set(record["by_group"]) == {"slab", "kmajor"} and isinstance(notes["kmajor1"], float)
     assert notes["slab1"] == notes["slab2"] == notes["kmajor2"] == "not started: budget spent"
