@@ -13,9 +13,9 @@ only where it beats the default by >= --margin after both are timed again; else 
 
 The file (triton_kernels/tuning.py has its format) is written atomically after each bucket; a rerun with the same
 --out skips the buckets done for the same arch, GPU and Triton. --budget-s bounds each op: no candidate starts past
-a bucket's share of what is left (but the first of each MoE layout), no bucket past the whole (rerun to go on). --shapes tiny: small shapes for tests (CPU,
-TRITON_INTERPRET=1, fp16). Take the file into use with SPEC_KERNEL_CONFIGS=FILE (or copy it to
-triton_kernels/tuned/<arch>.json); README.md, "Tuning on your GPU".
+a bucket's share of what is left (but the first of each MoE layout), no bucket past the whole (rerun to go on).
+--shapes tiny: small shapes for tests (CPU, TRITON_INTERPRET=1, fp16). Take the file into use with
+SPEC_KERNEL_CONFIGS=FILE (or copy it to triton_kernels/tuned/<arch>.json); README.md, "Tuning on your GPU".
 """
 
 import argparse
@@ -277,15 +277,15 @@ class MoeTuner:
     @staticmethod
     def layout(records):
         """(layout, {layout left out: why}) of a shape's measured buckets {name: record}: `table`'s rule."""
-        why = {}
-        for g in ("slab", "kmajor"):
+        def left_out(g):
             for name, r in records.items():
                 if g not in r["by_group"]:
-                    why[g] = f"untimed in {name}"
-                elif r["default_group"] != g and r["by_group"][g]["us"] > r["default_us"]:
-                    why[g] = f"slower than the default in {name}"
-                if g in why:
-                    break
+                    return f"untimed in {name}"
+                if r["default_group"] != g and r["by_group"][g]["us"] > r["default_us"]:
+                    return f"slower than the default in {name}"
+            return None
+
+        why = {g: reason for g in ("slab", "kmajor") if (reason := left_out(g))}
         fits = [g for g in ("slab", "kmajor") if g not in why]
         chosen = min(fits, key=lambda g: sum(r["by_group"][g]["us"] for r in records.values())) if fits else None
         return chosen, why
