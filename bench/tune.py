@@ -470,27 +470,36 @@ class AttentionTuner:
         self.cases[name] = (q, caches, lens, mask)
         return self.cases[name]
 
-    def default(self, info):
-        """The choices in force, in the file's form (the merge: its blocks)."""
+    def plan(self, info):
+        """The attention's plan in force for a split bucket, at its timed context."""
         from triton_kernels import mla_attention
+
+        q = torch.empty(1, info["T"], self.HEADS, 576, dtype=float_dtype(), device=device())
+        return mla_attention.plan(q, torch.empty(1, info["L"], 576, dtype=q.dtype, device=q.device), causal=False)
+
+    def default(self, info):
+        """The choices in force, in the file's form (the merge: its blocks). The split count stays None (the split
+        model's, per cache length) unless the file in force pins it: a bucket spans many lengths."""
+        from triton_kernels import mla_attention, tuning
 
         if info["kind"] == "merge":
             return list(mla_attention.merge_blocks(info["S"], self.key))
-        q = torch.empty(1, info["T"], self.HEADS, 576, dtype=float_dtype(), device=device())
-        p = mla_attention.plan(q, torch.empty(1, info["L"], 576, dtype=q.dtype, device=q.device), causal=False)
-        return dict(tiles=list(p.entry.tiles), splits=p.splits, tail_split=p.tail_split,
-                    partials="fp32" if p.partials == torch.float32 and q.dtype != torch.float32 else "q", tma=p.tma)
+        p = self.plan(info)
+        pinned = (tuning.attention_entry(self.key, info["T"] * self.HEADS, info["L"]) or {}).get("splits")
+        partials = "fp32" if p.partials == torch.float32 and float_dtype() != torch.float32 else "q"
+        return dict(tiles=list(p.entry.tiles), splits=pinned, tail_split=p.tail_split,
+                    partials=partials, tma=p.tma)
 
     def candidates(self, info):
-        from triton_kernels import mla_attention
-
         base = self.default(info)
         if info["kind"] == "merge":
             S = info["S"]
             forms = {(min(S, 16), 512, 2), (S, 64, 2), (S, 128, 4), (min(S, 32), 256, 4), (min(S, 8), 512, 4)}
             return [(f"{bs}x{bd} warps{w}", [bs, bd, w]) for bs, bd, w in sorted(forms) if [bs, bd, w] != base]
+        from triton_kernels import mla_attention
+
         out = []
-        s = base["splits"]
+        s = base["splits"] or self.plan(info).splits
         for splits in sorted({max(1, s // 2), s * 2, max(1, s * 3 // 4), s * 3 // 2} - {s}):
             out.append((f"splits{splits}", dict(base, splits=splits)))
         if s > 1:

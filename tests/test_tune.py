@@ -308,6 +308,24 @@ def test_tuned_attention_and_tree_entries_are_looked_up_per_bucket(monkeypatch, 
     assert chunk == 2048
 
 
+def test_attention_default_leaves_the_split_count_to_the_model_unless_a_file_pins_it(monkeypatch, tmp_path):
+    """A bucket spans many cache lengths, so the default the tuner writes where nothing beats it keeps the split
+    model's per-length count (None), and its split candidates start from the count the model gives at the timed
+    length; a file in force that pins a count keeps it."""
+    key = arch.current()
+    tuner = tune.AttentionTuner(key, True)
+    _, info = tuner.buckets()[0]
+    assert tuner.default(info)["splits"] is None
+    model = tuner.plan(info).splits
+    counts = {entry["splits"] for label, entry in tuner.candidates(info) if label.startswith("splits")}
+    assert counts and model not in counts and all(c in (max(1, model // 2), model * 2, max(1, model * 3 // 4),
+                                                        model * 3 // 2) for c in counts)
+    path = tuned_file(tmp_path, key, attention=dict(splits=[[None, None, dict(splits=model + 1)]]))
+    monkeypatch.setenv(tuning.ENV_VAR, str(path))
+    tuning.use(None)
+    assert tuner.default(info)["splits"] == model + 1
+
+
 def test_defaults_and_shipped_file(monkeypatch, tmp_path):
     """Without a named file the shipped file for the arch is in force; SPEC_KERNEL_CONFIGS=defaults (or
     tuning.use("defaults")) runs the Python tables."""
