@@ -112,11 +112,13 @@ def _sum_scores(q_lat, k_lat, s_pe, sm_scale_log2, UNCHAIN: tl.constexpr):
 
 @triton.jit
 def _probs(s, m_i, l_i, dtype: tl.constexpr):
-    """Online-softmax update of (max, sum) with log2-domain scores s [BM, BN]: (max, sum, p, acc rescale)."""
+    """Online-softmax update of (max, sums) with log2-domain scores s [BM, BN]: (max, sums, p, acc rescale). The
+    sums l_i [BM, BN] are per column, summed once after the loop: a row sum per tile would cross the warps that
+    split S's columns (triton_kernels/README.md, MLA attention: row sums once)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))  # [BM]; m_i starts finite, so no inf - inf
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])  # [BM, BN]
-    return m_new, l_i * alpha + tl.sum(p, 1), p.to(dtype), alpha
+    return m_new, l_i * alpha[:, None] + p, p.to(dtype), alpha
 
 
 @triton.jit
@@ -172,7 +174,7 @@ def _mla_split_kernel(
     kv_base = kv_ptr + b.to(tl.int64) * rows_kb * 576  # rows_kb: cache stride in entries; keeps 16-byte alignment
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # per column: `_probs`
     acc = tl.zeros([BLOCK_M, 512], dtype=tl.float32)
     offs_tile = tl.arange(0, BLOCK_N)
     n_all = tl.full([BLOCK_N], 1, tl.int1)
@@ -200,6 +202,7 @@ def _mla_split_kernel(
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN)
 
+    l_i = tl.sum(l_i, 1)  # [BM]
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [BM, 512]
     if DIRECT:
         o_rows = out_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 512
