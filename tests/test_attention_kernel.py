@@ -89,6 +89,33 @@ def test_mla_attention_matches_reference(B, T, H, lens, kind, splits, tiles, dty
     assert rel_err(out, ref) < bound(dtype)
 
 
+SUMS_ONCE_CASES = [
+    (3, 2, 16, [5, 70, 133], "wide", 3, None),
+    (2, 9, 8, [50, 120], "deep", 2, Tiles(32, 32, 4, 2, False)),
+    (2, 33, 2, [40, 131], "causal", 1, UNCHAINED),
+    (1, 7, 8, [90], "deep", 3, Tiles(32, 32, 4, 2, True)),
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("sums_once", [True, False], ids=["sums-once", "row-sum-a-tile"])
+@pytest.mark.parametrize("B,T,H,lens,kind,splits,tiles", SUMS_ONCE_CASES,
+                         ids=[f"B{c[0]}-T{c[1]}-{c[4]}-S{c[5]}" for c in SUMS_ONCE_CASES])
+def test_softmax_sums_per_tile_or_once_match_reference(monkeypatch, B, T, H, lens, kind, splits, tiles, sums_once):
+    """Both forms of the softmax sums (`SUMS_ONCE`: sm_120's per column, summed after the loop; sm_90's a row sum
+    a tile), whatever the arch in force here, with splits, trees, causal and unchained tiles."""
+    from triton_kernels import mla_attention
+
+    monkeypatch.setitem(mla_attention.SUMS_ONCE, arch.current(device()), sums_once)
+    dtype = kernel_dtypes()[0]
+    q, kv, cache_lens, mask = make_case(B, T, H, lens, kind, dtype, device(), seed=B * 100 + T)
+    if gpu() and tiles is not None and not tiles.unchain:
+        tiles = None  # as test_mla_attention_matches_reference
+    out = mla_attention.mla_attention(q, kv, cache_lens, mask, SCALE, config=Config(tiles=tiles, splits=splits))
+    ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
+    assert not out.isnan().any() and rel_err(out, ref) < bound(dtype)
+
+
 @requires_triton
 @pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
 def test_partials_in_the_inputs_dtype(dtype):

@@ -74,6 +74,10 @@ CONFIGS = {
 # Pipeline stages of the masked tail loop (a few tiles): on sm_90 one, which frees the shared memory of a second
 # pipeline for larger tiles; on sm_120 (mma.sync) the pipelined tail uses less shared memory. None: the entry's.
 TAIL_STAGES = {"sm_90": 1, "sm_120": None}
+# Softmax sums kept per column and summed once after the loop (triton_kernels/README.md, MLA attention: row sums
+# once): on sm_120's mma.sync tiles 2 barriers a KV tile fewer and fewer registers in the SASS, untimed; on sm_90
+# the 64-row wgmma tiles would spill more (64 -> 208 B), so sm_90 keeps the row sum a tile.
+SUMS_ONCE = {"sm_90": False, "sm_120": True}
 # The split kernel in Gluon (`mla_gluon.py`: Hopper, bf16, the 64x64 tiles) by default, where it can run: 1.05-1.5x
 # faster than Triton's at every timed shape (bench/results/attention_gluon_h200_s14_seesaw.json).
 GLUON = {"sm_90": True, "sm_120": False}
@@ -111,18 +115,21 @@ def _sum_scores(q_lat, k_lat, s_pe, sm_scale_log2, UNCHAIN: tl.constexpr):
 
 
 @triton.jit
-def _probs(s, m_i, l_i, dtype: tl.constexpr):
-    """Online-softmax update of (max, sums) with log2-domain scores s [BM, BN]: (max, sums, p, acc rescale). The
-    sums l_i [BM, BN] are per column, summed once after the loop: a row sum per tile would cross the warps that
-    split S's columns (triton_kernels/README.md, MLA attention: row sums once)."""
+def _probs(s, m_i, l_i, dtype: tl.constexpr, SUMS_ONCE: tl.constexpr):
+    """Online-softmax update of (max, sum) with log2-domain scores s [BM, BN]: (max, sum, p, acc rescale).
+    SUMS_ONCE: the sums l_i are [BM, BN], per column, summed once after the loop (`SUMS_ONCE`)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))  # [BM]; m_i starts finite, so no inf - inf
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])  # [BM, BN]
-    return m_new, l_i * alpha[:, None] + p, p.to(dtype), alpha
+    if SUMS_ONCE:
+        l_i = l_i * alpha[:, None] + p
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, p.to(dtype), alpha
 
 
 @triton.jit
-def _softmax_step(s, v, m_i, l_i, acc, live, UNCHAIN: tl.constexpr):
+def _softmax_step(s, v, m_i, l_i, acc, live, UNCHAIN: tl.constexpr, SUMS_ONCE: tl.constexpr):
     """Online-softmax step with a tile of log2-domain scores s [BM, BN] and its values v [BN, DV].
 
     UNCHAIN: the softmax runs under `if live` (always true at run time), a branch Triton's layout choice does
@@ -131,11 +138,11 @@ def _softmax_step(s, v, m_i, l_i, acc, live, UNCHAIN: tl.constexpr):
     """
     if UNCHAIN:
         if live:
-            m_new, l_i, p, alpha = _probs(s, m_i, l_i, v.dtype)
+            m_new, l_i, p, alpha = _probs(s, m_i, l_i, v.dtype, SUMS_ONCE)
         else:
             m_new, p, alpha = m_i, s.to(v.dtype), m_i
     else:
-        m_new, l_i, p, alpha = _probs(s, m_i, l_i, v.dtype)
+        m_new, l_i, p, alpha = _probs(s, m_i, l_i, v.dtype, SUMS_ONCE)
     acc = acc * alpha[:, None] + tl.dot(p, v)  # [BM, 512]
     return m_new, l_i, acc
 
@@ -146,7 +153,7 @@ def _mla_split_kernel(
     T, rows_kb, sm_scale_log2,
     H: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TAIL_STAGES: tl.constexpr, UNCHAIN: tl.constexpr, TMA: tl.constexpr, TAIL_SPLIT: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    SUMS_ONCE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Split pid 1 of query tile pid 0 of sequence pid 2: o = softmax(q K^T) V over the split's entries (rows
     t*H + h of q viewed [T*H, 576]), written to out (DIRECT: one split) or as partials o [B, splits, rows, 512]
@@ -174,7 +181,10 @@ def _mla_split_kernel(
     kv_base = kv_ptr + b.to(tl.int64) * rows_kb * 576  # rows_kb: cache stride in entries; keeps 16-byte alignment
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # per column: `_probs`
+    if SUMS_ONCE:
+        l_i = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, 512], dtype=tl.float32)
     offs_tile = tl.arange(0, BLOCK_N)
     n_all = tl.full([BLOCK_N], 1, tl.int1)
@@ -184,7 +194,7 @@ def _mla_split_kernel(
                                UNCHAIN)
         else:
             s, v = _scores(q_lat, q_pe, kv_base, start + i * BLOCK_N + offs_tile, n_all, sm_scale_log2, UNCHAIN)
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN, SUMS_ONCE)
     for j0 in tl.range(start + n_full * BLOCK_N, end, BLOCK_N, num_stages=TAIL_STAGES):  # the last few tiles
         offs_n = j0 + offs_tile  # [BN]
         n_ok = offs_n < end
@@ -200,9 +210,10 @@ def _mla_split_kernel(
             seen = ((words >> (node_c % 32)[None, :]) & 1) != 0
         visible = n_ok[None, :] & (~in_tree[None, :] | seen)
         s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN, SUMS_ONCE)
 
-    l_i = tl.sum(l_i, 1)  # [BM]
+    if SUMS_ONCE:
+        l_i = tl.sum(l_i, 1)  # [BM]
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [BM, 512]
     if DIRECT:
         o_rows = out_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 512
@@ -366,8 +377,8 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, co
         q, kv_cache, cache_lens, mask, out, o_part, lse_part, lat_desc, pe_desc,
         T, kv_cache.stride(0) // ENTRY, scale * 1.4426950408889634,
         H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, TAIL_STAGES=p.tail_stages,
-        UNCHAIN=unchain, TMA=lat_desc is not None, TAIL_SPLIT=p.tail_split and not direct, num_warps=warps,
-        num_stages=stages, **pdl.options(q),
+        UNCHAIN=unchain, TMA=lat_desc is not None, TAIL_SPLIT=p.tail_split and not direct,
+        SUMS_ONCE=SUMS_ONCE[arch.current(q.device)], num_warps=warps, num_stages=stages, **pdl.options(q),
     )
     return _merged(o_part, lse_part, out, rows, p.splits, B, direct, q)
 
@@ -425,6 +436,7 @@ def split_kernel_spec(entry, key, causal, H=8, partials="fp32"):
         signature.update(lat_desc=f"tensordesc<bf16[{block_n}, 512]>", pe_desc=f"tensordesc<bf16[{block_n}, 64]>")
     constexprs = dict(H=H, CAUSAL=causal, DIRECT=causal, BLOCK_M=block_m, BLOCK_N=block_n,
                       TAIL_STAGES=TAIL_STAGES[key] or stages, UNCHAIN=unchain, TMA=entry.tma, TAIL_SPLIT=not causal,
+                      SUMS_ONCE=SUMS_ONCE[key],
                       PDL=True, **({} if entry.tma else {"lat_desc": None, "pe_desc": None}))
     return _mla_split_kernel, signature, constexprs, dict(arch=key, num_warps=warps, num_stages=stages, aligned=True)
 
