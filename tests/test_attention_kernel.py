@@ -12,6 +12,7 @@ from tests.conftest import compiled_in_child, gpu, kernel_dtypes, rel_err, requi
 from tests.tree_ref import tree_visibility
 from triton_kernels import arch
 from triton_kernels.mla_attention import Config, Tiles
+from triton_kernels.mla_two_pass import TwoPassTiles
 
 SCALE = 0.1446802  # K2.6 softmax scale (ModelConfig.softmax_scale)
 
@@ -114,6 +115,55 @@ def test_softmax_sums_per_tile_or_once_match_reference(monkeypatch, B, T, H, len
     out = mla_attention.mla_attention(q, kv, cache_lens, mask, SCALE, config=Config(tiles=tiles, splits=splits))
     ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
     assert not out.isnan().any() and rel_err(out, ref) < bound(dtype)
+
+
+SMALL_TWO_PASS = TwoPassTiles(16, 16, 4, 1, 16, 256, 4, 1)  # few interpreted steps; on a GPU the table's tiles
+TWO_PASS_CASES = [  # B, T, H, lens, tree kind, num_splits (None: the launcher's)
+    (1, 1, 8, [37], "chain", None),
+    (3, 2, 16, [5, 70, 133], "wide", 3),
+    (2, 9, 8, [50, 120], "deep", 2),
+    (2, 33, 2, [40, 131], "causal", 3),
+    (1, 7, 8, [90], "padded", 1),
+    (2, 16, 8, [200, 17], "star", 5),  # more splits than the short sequence's tiles: empty splits
+]
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=str)
+@pytest.mark.parametrize("B,T,H,lens,kind,splits", TWO_PASS_CASES,
+                         ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-{c[4]}-S{c[5]}" for c in TWO_PASS_CASES])
+def test_two_pass_matches_reference(B, T, H, lens, kind, splits, dtype):
+    """The two-pass kernels (mla_two_pass.py): trees, causal, one split (the output direct), several, empty ones,
+    ragged last tiles and a cache whose rows are a larger cache's."""
+    from triton_kernels.mla_attention import mla_attention
+
+    q, kv, cache_lens, mask = make_case(B, T, H, lens, kind, dtype, device(), seed=B * 1000 + T * 10 + H)
+    tiles = True if gpu() else SMALL_TWO_PASS
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, config=Config(splits=splits, two_pass=tiles))
+    ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
+    assert out.shape == (B, T, H, 512) and out.dtype == dtype
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < bound(dtype)
+
+
+@pytest.mark.parametrize("key,T,causal,config,expected", [
+    ("sm_120", 16, False, None, True),  # 128 rows of a tree
+    ("sm_120", 15, False, None, False),  # 120 rows: the split kernel
+    ("sm_120", 33, True, None, False),  # causal (prefill): the split kernel
+    ("sm_120", 33, False, False, False),
+    ("sm_90", 33, False, None, False),
+    ("sm_90", 33, False, True, True),  # asked for: sm_120's tiles
+    ("sm_120", 33, False, Config(tiles=Tiles(16, 32, 4, 2, False)), False),  # split-kernel tiles named
+])
+def test_two_pass_runs_for_tall_trees_on_sm120(python_tables, key, T, causal, config, expected):
+    """TWO_PASS's rule (the Python tables; a tuned file may choose per bucket)."""
+    from triton_kernels.mla_attention import TWO_PASS, plan
+
+    q = torch.zeros(1, T, 8, 576, dtype=torch.float16)
+    kv = torch.zeros(1, 4096, 576, dtype=torch.float16)
+    with arch.using(key):
+        chosen = plan(q, kv, causal, config if isinstance(config, Config) else Config(two_pass=config)).two_pass
+    assert chosen == (TWO_PASS["sm_120"][1] if expected else None)
 
 
 @requires_triton
@@ -341,6 +391,26 @@ def test_sm120_configs_fit_shared_memory(mode):
     """Compile every sm_120 entry ahead of time: within its shared memory, no spills."""
     for block_m, block_n, shared, registers, spills in aot_report(mode, "sm_120"):
         assert shared <= arch.SHARED_LIMIT["sm_120"] and spills == 0, (block_m, block_n, shared, registers, spills)
+
+
+TWO_PASS_AOT = """
+import json, sys
+from triton_kernels.aot import compile_for
+from triton_kernels.mla_attention import TWO_PASS
+from triton_kernels.mla_two_pass import kernel_specs
+report = []
+for splits in (1, 2):
+    for kernel, signature, constexprs, options in kernel_specs(TWO_PASS["sm_120"][1], "sm_120", splits=splits):
+        res = compile_for(kernel, signature, constexprs, **options)
+        report.append([kernel.__name__, res.shared, res.registers, res.spill_bytes])
+print(json.dumps(report))
+"""
+
+
+def test_two_pass_sm120_tiles_fit_shared_memory():
+    """Both passes with sm_120's tiles, compiled for sm_120: within its shared memory, no spills."""
+    for name, shared, registers, spills in compiled_in_child(TWO_PASS_AOT):
+        assert shared <= arch.SHARED_LIMIT["sm_120"] and spills == 0, (name, shared, registers, spills)
 
 
 def test_sm90_configs_fit_shared_memory():

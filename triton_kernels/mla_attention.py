@@ -16,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import arch, pdl, tuning
+from triton_kernels import arch, mla_two_pass, pdl, tuning
 from triton_kernels.mla_splits import D_LAT, D_PE, ENTRY, default_splits, program_range, tail_split_default
+from triton_kernels.mla_two_pass import TwoPassTiles
 
 
 class Tiles(NamedTuple):
@@ -47,7 +48,8 @@ class Config(NamedTuple):
     """A call's choices where the tables' are not wanted (tests, sweeps); None takes the table's: tiles and
     partials (CONFIGS), splits (the split model, mla_splits.default_splits), tma (CONFIGS), tail_split (the last
     split takes the tree's tiles: mla_splits.TAIL_SPLIT), gluon (the Gluon split kernel: GLUON, where it can run;
-    True raises where it cannot)."""
+    True raises where it cannot), two_pass (the two-pass kernels, mla_two_pass.py: True with TWO_PASS's tiles, a
+    TwoPassTiles with those, False never; None: TWO_PASS's rule)."""
 
     tiles: Tiles | None = None
     splits: int | None = None
@@ -55,6 +57,7 @@ class Config(NamedTuple):
     tma: bool | None = None
     tail_split: bool | None = None
     gluon: bool | None = None
+    two_pass: TwoPassTiles | bool | None = None
 
 
 # Per arch, the first entry whose max_rows covers T*H. sm_90: the fastest measured (bench/results/attention_h200_run4.md;
@@ -81,6 +84,10 @@ SUMS_ONCE = {"sm_90": False, "sm_120": True}
 # The split kernel in Gluon (`mla_gluon.py`: Hopper, bf16, the 64x64 tiles) by default, where it can run: 1.05-1.5x
 # faster than Triton's at every timed shape (bench/results/attention_gluon_h200_s14_seesaw.json).
 GLUON = {"sm_90": True, "sm_120": False}
+# Tree attention in two passes (mla_two_pass.py) where T*H >= min_rows: (min_rows, tiles, values programs per SM).
+# sm_120: 1.4-1.6x faster than the split kernel at 72-520 rows over 4k-32k entries on the proxy
+# (bench/results/attention_two_pass_h100.md); sm_90 keeps its wgmma kernels.
+TWO_PASS = {"sm_90": None, "sm_120": (128, TwoPassTiles(128, 64, 4, 3, 32, 256, 4, 3), 4)}
 # The merge's (BLOCK_S splits a step, BLOCK_D values of a row a program, warps) by the splits' next power of two (at
 # most MERGE_MAX_SPLITS_BLOCK): the fastest measured with 16-bit partials (bench/results/attention_merge_h200_s13.md).
 MERGE_MAX_SPLITS_BLOCK = 512
@@ -294,8 +301,10 @@ def with_tuned(config, key, rows, max_len, dtype):
         return config
     partials = {"fp32": torch.float32, "q": dtype, None: None}[tuned.get("partials")]
     tiles = tuned.get("tiles")
+    two_pass = tuned.get("two_pass")
     found = dict(tiles=Tiles(*tiles) if tiles else None, splits=tuned.get("splits"), partials=partials,
-                 tma=tuned.get("tma"), tail_split=tuned.get("tail_split"))
+                 tma=tuned.get("tma"), tail_split=tuned.get("tail_split"),
+                 two_pass=TwoPassTiles(*two_pass) if isinstance(two_pass, list) else two_pass)
     return config._replace(**{name: value for name, value in found.items() if getattr(config, name) is None})
 
 
@@ -314,7 +323,8 @@ def _check(q, kv_cache, value_dim):
 
 class Plan(NamedTuple):
     """What a call runs: the entry (its tiles as the call's config sets them), the tail stages, splits, partials'
-    dtype, TMA tiles, tail split and the Gluon launcher (None: the Triton kernel)."""
+    dtype, TMA tiles, tail split, the Gluon launcher (None: the Triton kernel) and the two-pass tiles (None: the
+    split kernel)."""
 
     entry: Entry
     tail_stages: int
@@ -323,6 +333,32 @@ class Plan(NamedTuple):
     tma: bool
     tail_split: bool
     gluon: object
+    two_pass: TwoPassTiles | None = None
+
+
+def two_pass_tiles(caller, config, key, rows, causal):
+    """The two-pass kernels' tiles for a call, or None for the split kernel: the caller's `Config.two_pass` (True:
+    TWO_PASS's tiles); else the split kernel where the caller names its tiles or the Gluon kernel; else the tuned
+    file's choice (config: the caller's with the file's); else TWO_PASS's rule."""
+    table = TWO_PASS[key] or TWO_PASS["sm_120"]
+    if caller.two_pass is None and (caller.tiles is not None or caller.gluon):
+        return None
+    choice = config.two_pass
+    if choice is None:
+        choice = bool(TWO_PASS[key]) and not causal and rows >= table[0]
+    if isinstance(choice, TwoPassTiles):
+        return choice
+    return table[1] if choice else None
+
+
+def two_pass_plan(q, kv_cache, config, key, tiles):
+    """The `Plan` of a two-pass call: the splits from config or `mla_two_pass.default_splits`, q's partials."""
+    B, T, H, _ = q.shape
+    per_sm = (TWO_PASS[key] or TWO_PASS["sm_120"])[2]
+    splits = config.splits or mla_two_pass.default_splits(tiles, T * H, B, kv_cache.shape[1],
+                                                          arch.sm_count(q.device), per_sm)
+    entry = entry_for(T * H, key)
+    return Plan(entry, entry.tiles.stages, splits, config.partials or q.dtype, False, False, None, tiles)
 
 
 def plan(q, kv_cache, causal, config=None):
@@ -332,13 +368,18 @@ def plan(q, kv_cache, causal, config=None):
     B, T, H, _ = q.shape
     rows = T * H
     key = arch.current(q.device)
-    config = with_tuned(config or Config(), key, rows, kv_cache.shape[1], q.dtype)
-    entry = entry_for(rows, key)
-    if config.tiles is not None:
-        entry = entry._replace(tiles=Tiles(*config.tiles))
+    caller = config or Config()
+    config = with_tuned(caller, key, rows, kv_cache.shape[1], q.dtype)
     if config.partials not in (None, torch.float32, q.dtype):
         raise ValueError(f"mla_attention (triton): partials must be torch.float32 or q's {q.dtype}, "
                          f"got {config.partials}")
+    two_pass = two_pass_tiles(caller, config, key, rows, causal)
+    if two_pass:  # a split count the file pins is for the kernel its entry names
+        splits = caller.splits or (config.splits if config.two_pass is not None else None)
+        return two_pass_plan(q, kv_cache, config._replace(splits=splits), key, two_pass)
+    entry = entry_for(rows, key)
+    if config.tiles is not None:
+        entry = entry._replace(tiles=Tiles(*config.tiles))
     partials = config.partials or entry.partials or q.dtype
     tail = not causal and (tail_split_default(T, entry.tiles.block_n, key) if config.tail_split is None
                            else config.tail_split)
@@ -368,6 +409,10 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, co
         o_part = torch.empty(B, p.splits, rows, D_LAT, dtype=p.partials, device=q.device)
         lse_part = torch.empty(B, p.splits, rows, dtype=torch.float32, device=q.device)
     mask = cache_lens if causal else tree_mask.contiguous()
+    if p.two_pass:
+        mla_two_pass.run(q, kv_cache, cache_lens, mask, o_part, lse_part, p.splits, scale * 1.4426950408889634,
+                         causal, p.two_pass)
+        return _merged(o_part, lse_part, out, rows, p.splits, B, direct, q)
     if p.gluon:
         p.gluon(q, kv_cache, cache_lens, mask, o_part, lse_part, p.splits, scale * 1.4426950408889634, causal,
                 p.tail_split)
