@@ -470,12 +470,17 @@ class AttentionTuner:
         self.cases[name] = (q, caches, lens, mask)
         return self.cases[name]
 
-    def plan(self, info):
-        """The attention's plan in force for a split bucket, at its timed context."""
+    # Two-pass tiles beside the table's (mla_two_pass.TwoPassTiles): the runners-up of
+    # bench/results/attention_two_pass_h100.md.
+    TWO_PASS_FORMS = ((64, 64, 4, 4, 32, 256, 4, 3), (32, 64, 4, 4, 32, 256, 4, 3), (128, 64, 4, 3, 64, 128, 4, 3),
+                      (128, 64, 4, 3, 32, 128, 4, 3), (64, 128, 4, 3, 64, 64, 4, 3))
+
+    def plan(self, info, config=None):
+        """The attention's plan in force for a split bucket, at its timed context (config: a call's choices)."""
         from triton_kernels import mla_attention
 
         q = torch.empty(1, info["T"], self.HEADS, 576, dtype=float_dtype(), device=device())
-        return mla_attention.plan(q, torch.empty(1, info["L"], 576, dtype=q.dtype, device=q.device), causal=False)
+        return mla_attention.plan(q, torch.empty(1, info["L"], 576, dtype=q.dtype, device=q.device), False, config)
 
     def default(self, info):
         """The choices in force, in the file's form (the merge: its blocks). The split count stays None (the split
@@ -484,11 +489,24 @@ class AttentionTuner:
 
         if info["kind"] == "merge":
             return list(mla_attention.merge_blocks(info["S"], self.key))
+        tuned = tuning.attention_entry(self.key, info["T"] * self.HEADS, info["L"]) or {}
         p = self.plan(info)
-        pinned = (tuning.attention_entry(self.key, info["T"] * self.HEADS, info["L"]) or {}).get("splits")
-        partials = "fp32" if p.partials == torch.float32 and float_dtype() != torch.float32 else "q"
-        return dict(tiles=list(p.entry.tiles), splits=pinned, tail_split=p.tail_split,
-                    partials=partials, tma=p.tma)
+        if p.two_pass:  # the file's split count where its entry is a two-pass one
+            pinned = tuned.get("splits") if tuned.get("two_pass") else None
+            return dict(two_pass=list(p.two_pass), splits=pinned, partials=self._partials(p))
+        return self._split_kernel(p, tuned.get("splits"))
+
+    def _partials(self, p):
+        return "fp32" if p.partials == torch.float32 and float_dtype() != torch.float32 else "q"
+
+    def _split_kernel(self, p, splits):
+        """A split-kernel entry with plan p's choices (two_pass false where the arch has the two-pass kernels, so
+        that the entry keeps the split kernel at any row count)."""
+        from triton_kernels import mla_attention
+
+        entry = dict(tiles=list(p.entry.tiles), splits=splits, tail_split=p.tail_split, partials=self._partials(p),
+                     tma=p.tma)
+        return dict(entry, two_pass=False) if mla_attention.TWO_PASS[self.key] else entry
 
     def candidates(self, info):
         base = self.default(info)
@@ -502,6 +520,16 @@ class AttentionTuner:
         s = base["splits"] or self.plan(info).splits
         for splits in sorted({max(1, s // 2), s * 2, max(1, s * 3 // 4), s * 3 // 2} - {s}):
             out.append((f"splits{splits}", dict(base, splits=splits)))
+        table = mla_attention.TWO_PASS[self.key]
+        if table and info["T"] * self.HEADS > 16:
+            forms = {table[1], *self.TWO_PASS_FORMS} - {tuple(base.get("two_pass") or ())}
+            out += [("two-pass " + "x".join(map(str, t)), dict(two_pass=list(t), splits=None,
+                                                                partials=base["partials"])) for t in sorted(forms)]
+        if base.get("two_pass"):  # the split kernel's own default and tile forms
+            split_plan = self.plan(info, mla_attention.Config(two_pass=False))
+            base = self._split_kernel(split_plan, None)
+            out.append(("split kernel", base))
+            s = split_plan.splits
         if s > 1:
             out.append((f"tail {not base['tail_split']}", dict(base, tail_split=not base["tail_split"])))
             if float_dtype() != torch.float32:
@@ -554,13 +582,18 @@ class AttentionTuner:
     def fit_key(self, info, entry):
         if info["kind"] == "merge":
             return None
+        if entry.get("two_pass"):
+            return canonical(["two-pass", entry["two_pass"], entry["partials"]])
         return canonical([info["T"] * self.HEADS <= 16, entry["tiles"], entry.get("tma"), entry["partials"]])
 
     def fit_specs(self, info, entry):
-        from triton_kernels import mla_attention
+        from triton_kernels import mla_attention, mla_two_pass
 
         if info["kind"] == "merge":
             return []
+        if entry.get("two_pass"):
+            return mla_two_pass.kernel_specs(mla_two_pass.TwoPassTiles(*entry["two_pass"]), self.key, H=self.HEADS,
+                                             partials="fp32" if entry["partials"] == "fp32" else "bf16")
         base = mla_attention.entry_for(info["T"] * self.HEADS, self.key)
         entry_tiles = mla_attention.Tiles(*entry["tiles"])
         return [mla_attention.split_kernel_spec(base._replace(tiles=entry_tiles, tma=bool(entry.get("tma"))),

@@ -326,6 +326,38 @@ def test_attention_default_leaves_the_split_count_to_the_model_unless_a_file_pin
     assert tuner.default(info)["splits"] == model + 1
 
 
+def test_attention_tuner_times_the_two_pass_kernels_and_the_split_kernel(monkeypatch, tmp_path):
+    """On sm_120 a tree of 136 rows runs the two-pass kernels by default: the tuner's default says so, its candidates
+    are other two-pass tiles and the split kernel (pinned by two_pass false, since the rule would pick the
+    two-pass kernels), each checked against the reference; a file entry naming two-pass tiles is what runs."""
+    from triton_kernels import mla_attention
+
+    monkeypatch.setenv(tuning.ENV_VAR, "defaults")
+    tuning.use(None)
+    with arch.using("sm_120"):
+        tuner = tune.AttentionTuner("sm_120", True)
+        info = dict(kind="split", T=17, L=96, bound=None)
+        base = tuner.default(info)
+        assert base["two_pass"] == list(mla_attention.TWO_PASS["sm_120"][1]) and base["splits"] is None
+        candidates = dict(tuner.candidates(info))
+        assert candidates["split kernel"]["two_pass"] is False
+        assert all(e["two_pass"] is False for label, e in candidates.items() if label.startswith("tiles"))
+        assert {tuple(e["two_pass"]) for label, e in candidates.items() if label.startswith("two-pass")} == set(
+            tune.AttentionTuner.TWO_PASS_FORMS)
+        small = dict(two_pass=[16, 16, 4, 1, 16, 256, 4, 1], splits=2, partials="q")
+        for entry in (small, candidates["split kernel"]):
+            failed, calls = tuner.run(info, entry, tuner.reference(info))
+            assert failed is None and len(calls) == 1
+        path = tuned_file(tmp_path, "sm_120", attention=dict(splits=[[None, None, small]]))
+        monkeypatch.setenv(tuning.ENV_VAR, str(path))
+        tuning.use(None)
+        p = tuner.plan(info)
+        assert p.two_pass == (16, 16, 4, 1, 16, 256, 4, 1) and p.splits == 2
+        assert tuner.default(info)["splits"] == 2
+        named = tuner.plan(info, mla_attention.Config(tiles=mla_attention.Tiles(16, 32, 4, 2, False)))
+        assert named.two_pass is None and named.entry.tiles.block_n == 32  # a caller's tiles beat the file
+
+
 def test_defaults_and_shipped_file(monkeypatch, tmp_path):
     """Without a named file the shipped file for the arch is in force; SPEC_KERNEL_CONFIGS=defaults (or
     tuning.use("defaults")) runs the Python tables."""

@@ -14,8 +14,9 @@ refused. Lookups take static shapes and a bucket only, so the CUDA graphs captur
 The ops' tables in a file (the `header` says where and how it was made; `measured` keeps the tuner's timings):
 - moe: {intermediate: [[max M or null, entry or null], ...]}, entries of moe_configs.CONFIGS' form;
 - linear: {"NxK": {M bucket: Config fields as a dict, or "cublas"}} (linear.BUCKETS);
-- attention: {"splits": [[max rows or null, max cache entries or null, {tiles, splits, tail_split, partials}
-  or null], ...], "merge": {splits' power of two: [BLOCK_S, BLOCK_D, warps]}};
+- attention: {"splits": [[max rows or null, max cache entries or null, {tiles, splits, tail_split, partials,
+  tma, two_pass} or null], ...], "merge": {splits' power of two: [BLOCK_S, BLOCK_D, warps]}}; two_pass: false (the
+  split kernel), true or the two-pass tiles (mla_two_pass.TwoPassTiles as a list);
 - tree: [[max budget or null, entry of ddtree.CONFIGS' form or null], ...].
 """
 
@@ -232,8 +233,12 @@ _LINEAR = dict(kind=_doc(lambda v: v in ("gemv", "dot", "swap"), '"gemv", "dot" 
                block_k=_int, warps=_int, stages=_int, waves=_num, pdl=_bool, tma=_bool)
 _TILES = _doc(lambda v: (isinstance(v, list) and len(v) == 5 and all(_int(x) for x in v[:4]) and _bool(v[4])),
               "[block_m, block_n, warps, stages, unchain]")
+_TWO_PASS = _doc(lambda v: _bool(v) or (isinstance(v, list) and len(v) == 8 and all(_int(x) for x in v)),
+                 "false, true or the two-pass tiles [scores_m, scores_n, warps, stages, values_m, values_d, warps, "
+                 "stages]")
 _ATTENTION = dict(tiles=_optional(_TILES), splits=_optional(_int), tail_split=_optional(_bool),
-                  partials=_optional(_doc(lambda v: v in ("fp32", "q"), '"fp32" or "q"')), tma=_optional(_bool))
+                  partials=_optional(_doc(lambda v: v in ("fp32", "q"), '"fp32" or "q"')), tma=_optional(_bool),
+                  two_pass=_optional(_TWO_PASS))
 _TOPK_ROW = _doc(lambda v: isinstance(v, list) and len(v) == 5 and all(_int(x) for x in v[:4])
                  and (v[4] is None or _int(v[4])), "[K up to, chunk, warps, scan tile, maxnreg or null]")
 _TREE = dict(topk=_doc(lambda v: isinstance(v, list) and v and all(_TOPK_ROW(r) for r in v), "a list of top-k rows "
