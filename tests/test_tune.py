@@ -330,7 +330,7 @@ def test_attention_tuner_times_the_two_pass_kernels_and_the_split_kernel(monkeyp
     """On sm_120 a tree of 136 rows runs the two-pass kernels by default: the tuner's default says so, its candidates
     are other two-pass tiles and the split kernel (pinned by two_pass false, since the rule would pick the
     two-pass kernels), each checked against the reference; a file entry naming two-pass tiles is what runs."""
-    from triton_kernels import mla_attention
+    from triton_kernels import mla_attention, mla_two_pass
 
     monkeypatch.setenv(tuning.ENV_VAR, "defaults")
     tuning.use(None)
@@ -356,6 +356,15 @@ def test_attention_tuner_times_the_two_pass_kernels_and_the_split_kernel(monkeyp
         assert tuner.default(info)["splits"] == 2
         named = tuner.plan(info, mla_attention.Config(tiles=mla_attention.Tiles(16, 32, 4, 2, False)))
         assert named.two_pass is None and named.entry.tiles.block_n == 32  # a caller's tiles beat the file
+        split_entry = dict(candidates["split kernel"], splits=7)
+        path.write_text(json.dumps(dict(format=tuning.FORMAT, header=dict(arch="sm_120"),
+                                        attention=dict(splits=[[None, None, split_entry]]))))
+        tuning.use(None)
+        assert tuner.plan(info).two_pass is None and tuner.plan(info).splits == 7
+        asked = tuner.plan(info, mla_attention.Config(two_pass=True))  # the file's count is the split kernel's
+        min_rows, tiles, per_sm = mla_attention.TWO_PASS["sm_120"]
+        model = mla_two_pass.default_splits(tiles, 17 * 8, 1, 96, arch.sm_count("cpu"), per_sm)
+        assert asked.two_pass == tiles and asked.splits == model != 7
 
 
 def test_defaults_and_shipped_file(monkeypatch, tmp_path):

@@ -49,7 +49,7 @@ class Config(NamedTuple):
     partials (CONFIGS), splits (the split model, mla_splits.default_splits), tma (CONFIGS), tail_split (the last
     split takes the tree's tiles: mla_splits.TAIL_SPLIT), gluon (the Gluon split kernel: GLUON, where it can run;
     True raises where it cannot), two_pass (the two-pass kernels, mla_two_pass.py: True with TWO_PASS's tiles, a
-    TwoPassTiles with those, False never; None: TWO_PASS's rule)."""
+    TwoPassTiles with those, False never; None: the tuned file's bucket, else TWO_PASS's rule)."""
 
     tiles: Tiles | None = None
     splits: int | None = None
@@ -85,8 +85,9 @@ SUMS_ONCE = {"sm_90": False, "sm_120": True}
 # faster than Triton's at every timed shape (bench/results/attention_gluon_h200_s14_seesaw.json).
 GLUON = {"sm_90": True, "sm_120": False}
 # Tree attention in two passes (mla_two_pass.py) where T*H >= min_rows: (min_rows, tiles, values programs per SM).
-# sm_120: 1.4-1.6x faster than the split kernel at 72-520 rows over 4k-32k entries on the proxy
-# (bench/results/attention_two_pass_h100.md); sm_90 keeps its wgmma kernels.
+# sm_120: 1.4-1.6x faster than the split kernel from 136 to 520 rows on the proxy; at 72 rows its grids are under
+# a wave and it can lose (bench/results/attention_two_pass_h100.md), so the tuned file decides there. sm_90 keeps
+# its wgmma kernels.
 TWO_PASS = {"sm_90": None, "sm_120": (128, TwoPassTiles(128, 64, 4, 3, 32, 256, 4, 3), 4)}
 # The merge's (BLOCK_S splits a step, BLOCK_D values of a row a program, warps) by the splits' next power of two (at
 # most MERGE_MAX_SPLITS_BLOCK): the fastest measured with 16-bit partials (bench/results/attention_merge_h200_s13.md).
@@ -375,7 +376,7 @@ def plan(q, kv_cache, causal, config=None):
                          f"got {config.partials}")
     two_pass = two_pass_tiles(caller, config, key, rows, causal)
     if two_pass:  # a split count the file pins is for the kernel its entry names
-        splits = caller.splits or (config.splits if config.two_pass is not None else None)
+        splits = caller.splits or (config.splits if caller.two_pass is None and config.two_pass else None)
         return two_pass_plan(q, kv_cache, config._replace(splits=splits), key, two_pass)
     entry = entry_for(rows, key)
     if config.tiles is not None:
