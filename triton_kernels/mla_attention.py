@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from triton_kernels import arch, mla_two_pass, pdl, tuning
-from triton_kernels.mla_splits import D_LAT, D_PE, ENTRY, default_splits, program_range, tail_split_default
+from triton_kernels.mla_splits import (D_LAT, D_PE, ENTRY, default_splits, program_range, tail_split_default,
+                                       visible)
 from triton_kernels.mla_two_pass import TwoPassTiles
 
 
@@ -173,7 +174,6 @@ def _mla_split_kernel(
     rows = T * H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] row = t*H + h
     m_ok = offs_m < rows
-    t_row = offs_m // H  # [BM] new token of each row
     offs_lat = tl.arange(0, 512)
 
     pdl.wait(PDL)  # released at the end (pdl.py): the merge's programs do not wait beside this grid
@@ -207,17 +207,7 @@ def _mla_split_kernel(
         offs_n = j0 + offs_tile  # [BN]
         n_ok = offs_n < end
         s, v = _scores(q_lat, q_pe, kv_base, offs_n, n_ok, sm_scale_log2, UNCHAIN)
-        node = offs_n - tree_start  # [BN] new-token index of each entry (< 0: prefix)
-        in_tree = node >= 0
-        if CAUSAL:
-            seen = node[None, :] <= t_row[:, None]  # [BM, BN]
-        else:
-            node_c = tl.maximum(node, 0)
-            word_ptr = mask_ptr + (b * T + t_row)[:, None] * ((T + 31) // 32) + (node_c // 32)[None, :]
-            words = tl.load(word_ptr, mask=m_ok[:, None] & (in_tree & n_ok)[None, :], other=0)  # [BM, BN]
-            seen = ((words >> (node_c % 32)[None, :]) & 1) != 0
-        visible = n_ok[None, :] & (~in_tree[None, :] | seen)
-        s = tl.where(visible, s, float("-inf"))
+        s = tl.where(visible(offs_m, offs_n, end, tree_start, T, b, mask_ptr, H, CAUSAL), s, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, rows > 0, UNCHAIN, SUMS_ONCE)
 
     if SUMS_ONCE:
@@ -337,11 +327,17 @@ class Plan(NamedTuple):
     two_pass: TwoPassTiles | None = None
 
 
+def two_pass_table(key):
+    """TWO_PASS's (min_rows, tiles, values programs per SM) for arch `key`; sm_120's where the arch has none (a
+    call that asks for the two passes)."""
+    return TWO_PASS[key] or TWO_PASS["sm_120"]
+
+
 def two_pass_tiles(caller, config, key, rows, causal):
     """The two-pass kernels' tiles for a call, or None for the split kernel: the caller's `Config.two_pass` (True:
     TWO_PASS's tiles); else the split kernel where the caller names its tiles or the Gluon kernel; else the tuned
     file's choice (config: the caller's with the file's); else TWO_PASS's rule."""
-    table = TWO_PASS[key] or TWO_PASS["sm_120"]
+    table = two_pass_table(key)
     if caller.two_pass is None and (caller.tiles is not None or caller.gluon):
         return None
     choice = config.two_pass
@@ -355,7 +351,7 @@ def two_pass_tiles(caller, config, key, rows, causal):
 def two_pass_plan(q, kv_cache, config, key, tiles):
     """The `Plan` of a two-pass call: the splits from config or `mla_two_pass.default_splits`, q's partials."""
     B, T, H, _ = q.shape
-    per_sm = (TWO_PASS[key] or TWO_PASS["sm_120"])[2]
+    per_sm = two_pass_table(key)[2]
     splits = config.splits or mla_two_pass.default_splits(tiles, T * H, B, kv_cache.shape[1],
                                                           arch.sm_count(q.device), per_sm)
     entry = entry_for(T * H, key)
@@ -410,18 +406,18 @@ def mla_attention(q, kv_cache, cache_lens, tree_mask, scale, value_dim=D_LAT, co
         o_part = torch.empty(B, p.splits, rows, D_LAT, dtype=p.partials, device=q.device)
         lse_part = torch.empty(B, p.splits, rows, dtype=torch.float32, device=q.device)
     mask = cache_lens if causal else tree_mask.contiguous()
+    sm_scale_log2 = scale * 1.4426950408889634  # the kernels exponentiate with exp2
     if p.two_pass:
-        mla_two_pass.run(q, kv_cache, cache_lens, mask, o_part, lse_part, p.splits, scale * 1.4426950408889634,
-                         causal, p.two_pass)
+        mla_two_pass.run(q, kv_cache, cache_lens, mask, o_part, lse_part, p.splits, sm_scale_log2, causal,
+                         p.two_pass)
         return _merged(o_part, lse_part, out, rows, p.splits, B, direct, q)
     if p.gluon:
-        p.gluon(q, kv_cache, cache_lens, mask, o_part, lse_part, p.splits, scale * 1.4426950408889634, causal,
-                p.tail_split)
+        p.gluon(q, kv_cache, cache_lens, mask, o_part, lse_part, p.splits, sm_scale_log2, causal, p.tail_split)
         return _merged(o_part, lse_part, out, rows, p.splits, B, direct, q)
     lat_desc, pe_desc = _descriptors(kv_cache, block_n) if p.tma and kv_cache.data_ptr() % 16 == 0 else (None, None)
     _mla_split_kernel[(triton.cdiv(rows, block_m), p.splits, B)](
         q, kv_cache, cache_lens, mask, out, o_part, lse_part, lat_desc, pe_desc,
-        T, kv_cache.stride(0) // ENTRY, scale * 1.4426950408889634,
+        T, kv_cache.stride(0) // ENTRY, sm_scale_log2,
         H=H, CAUSAL=causal, DIRECT=direct, BLOCK_M=block_m, BLOCK_N=block_n, TAIL_STAGES=p.tail_stages,
         UNCHAIN=unchain, TMA=lat_desc is not None, TAIL_SPLIT=p.tail_split and not direct,
         SUMS_ONCE=SUMS_ONCE[arch.current(q.device)], num_warps=warps, num_stages=stages, **pdl.options(q),

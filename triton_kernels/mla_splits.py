@@ -1,6 +1,7 @@
 """How the MLA attention splits a sequence's cache: the device-side rule both split kernels follow (`program_range`:
-the Triton one in mla_attention.py, the Gluon one in mla_gluon.py) and the host-side model that picks the split
-count (`default_splits`), with its tables per arch (README.md, attention: the split model)."""
+the Triton one in mla_attention.py, the Gluon one in mla_gluon.py), the tree mask's rule of the Triton kernels
+(`visible`: the split kernel's and mla_two_pass.py's) and the host-side model that picks the split count
+(`default_splits`), with its tables per arch (README.md, attention: the split model)."""
 
 import functools
 import heapq
@@ -52,6 +53,25 @@ def program_range(length, T, pid_m, pid_s, num_splits, H: tl.constexpr, CAUSAL: 
         end = tl.minimum(start + split_len, kv_end)
     n_full = tl.maximum(tl.minimum(end, tree_start) - start, 0) // BLOCK_N  # tiles with every entry visible
     return tree_start, start, end, n_full
+
+
+@triton.jit
+def visible(offs_m, offs_n, end, tree_start, T, b, mask_ptr, H: tl.constexpr, CAUSAL: tl.constexpr):
+    """[BM, BN] which entries offs_n each query row offs_m (row = t*H + h) sees, of those before `end`: the prefix
+    (before tree_start), and of the last T entries (the tree) the ones its token's mask bits allow (mask_ptr:
+    [B, T, ceil(T/32)] int32 words) or, CAUSAL, entries up to its own token's."""
+    node = offs_n - tree_start  # [BN] new-token index of each entry (< 0: prefix)
+    in_tree = node >= 0
+    n_ok = offs_n < end
+    t_row = offs_m // H
+    if CAUSAL:
+        seen = node[None, :] <= t_row[:, None]
+    else:
+        node_c = tl.maximum(node, 0)
+        word_ptr = mask_ptr + (b * T + t_row)[:, None] * ((T + 31) // 32) + (node_c // 32)[None, :]
+        words = tl.load(word_ptr, mask=(offs_m < T * H)[:, None] & (in_tree & n_ok)[None, :], other=0)
+        seen = ((words >> (node_c % 32)[None, :]) & 1) != 0
+    return n_ok[None, :] & (~in_tree[None, :] | seen)
 
 
 def choose_splits(base, max_len, block_n, slots, per_slot, whole=False):

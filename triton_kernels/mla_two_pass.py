@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels import pdl
-from triton_kernels.mla_splits import D_LAT, ENTRY, choose_splits
+from triton_kernels.mla_splits import D_LAT, ENTRY, choose_splits, visible
 
 BLOCK_K = 64  # query/key dims a step of the scores' loop (576 = 9 steps)
 
@@ -38,24 +38,6 @@ class TwoPassTiles(NamedTuple):
     values_d: int
     values_warps: int
     values_stages: int
-
-
-@triton.jit
-def _visible(offs_m, offs_n, length, T, b, mask_ptr, H: tl.constexpr, CAUSAL: tl.constexpr):
-    """[BM, BN] which entries offs_n each query row offs_m sees: the prefix, and of the last T entries (the tree)
-    the ones its token's mask bits (or, CAUSAL, the causal rule) allow; none past `length`."""
-    tree_start = length - T
-    node = offs_n - tree_start  # [BN] new-token index of each entry (< 0: prefix)
-    in_tree = node >= 0
-    t_row = offs_m // H
-    if CAUSAL:
-        seen = node[None, :] <= t_row[:, None]
-    else:
-        node_c = tl.maximum(node, 0)
-        word_ptr = mask_ptr + (b * T + t_row)[:, None] * ((T + 31) // 32) + (node_c // 32)[None, :]
-        words = tl.load(word_ptr, mask=(t_row < T)[:, None] & (in_tree & (offs_n < length))[None, :], other=0)
-        seen = ((words >> (node_c % 32)[None, :]) & 1) != 0
-    return (offs_n < length)[None, :] & (~in_tree[None, :] | seen)
 
 
 @triton.jit(do_not_specialize=["T", "rows_kb", "n_tiles"])
@@ -85,7 +67,7 @@ def _scores_kernel(q_ptr, kv_ptr, lens_ptr, mask_ptr, p_ptr, m_ptr, l_ptr, T, ro
             s = tl.dot(q, tl.trans(k), s)
         s = s * sm_scale_log2
         if (pid_n + 1) * BLOCK_N > length - T:  # a tile holding tree entries or the sequence's end
-            s = tl.where(_visible(offs_m, offs_n, length, T, b, mask_ptr, H, CAUSAL), s, float("-inf"))
+            s = tl.where(visible(offs_m, offs_n, length, length - T, T, b, mask_ptr, H, CAUSAL), s, float("-inf"))
         m = tl.max(s, 1)  # [BM]; -inf where the row sees nothing here
         m = tl.where(m > float("-inf"), m, -1.0e30)  # finite: exp2(m - M) is 0, not nan
         p = tl.exp2(s - m[:, None])
@@ -166,7 +148,7 @@ def run(q, kv_cache, cache_lens, mask, o_part, lse_part, splits, sm_scale_log2, 
     """Both passes for q [B, T, H, 576] over kv_cache [B, L_max, 576]: with one split the output into o_part
     ([B, T, H, 512]), else the splits' partials into o_part [B, splits, rows, 512] and lse_part [B, splits, rows]
     (mla_attention's launcher contract). mask: the packed tree mask, or cache_lens where causal."""
-    B, T, H, _ = q.shape
+    _, T, H, _ = q.shape
     probs, row_max, row_sum = scores(q, kv_cache, cache_lens, mask, sm_scale_log2, causal, tiles)
     values(probs, row_max, row_sum, kv_cache, cache_lens, o_part, lse_part, splits, T, H, tiles)
 
