@@ -261,6 +261,28 @@ def test_mlp_matches_reference(M, I):
 
 
 @requires_triton
+@pytest.mark.parametrize("M", [1, 3])
+def test_mlp_forms_the_activation_in_the_down_projection(M, monkeypatch):
+    """Where the down projection runs the skinny GEMM, mlp hands it [gate ; up] and launches no silu kernel: the
+    bits of gate/up, the silu kernel, then the same config on its output."""
+    import torch.nn.functional as F
+
+    from tests.test_linear_kernel import silu_mul_rows
+    from triton_kernels import glue, linear
+
+    dtype, I = kernel_dtypes()[0], 200
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 96, generator=gen).to(dtype).to(DEV)
+    gate_up = (torch.randn(2 * I, 96, generator=gen) / 10).to(dtype).to(DEV)
+    down = (torch.randn(96, I, generator=gen) / 30).to(dtype).to(DEV)
+    cfg = linear.Config("gemv", 16, 128, 4, 3, 2) if M == 1 else linear.Config("dot", 32, 128, 4, 4, 2)
+    expected = linear.linear_kernel(silu_mul_rows(F.linear(x, gate_up)), down, cfg)
+    monkeypatch.setattr(linear, "kernel_config", lambda x, w: cfg if w is down else None)
+    monkeypatch.setattr(glue, "_silu_mul_kernel", None)  # launching it would fail
+    assert torch.equal(glue.mlp(x, gate_up, down), expected)
+
+
+@requires_triton
 def test_router_logits_kernel_past_the_skinny_gemm():
     """More tokens than the skinny GEMM takes: the logits kernel (several token blocks, a ragged last one, D off
     the tile), then the select kernel."""

@@ -80,6 +80,37 @@ def test_linear_kernel_unsummed_partials(cfg, M, N, K):
     assert torch.equal(total.to(dtype), y) if not x.is_cuda else rel_err(total.to(dtype), y) < 5e-3
 
 
+GLU_CASES = [CASES[0], CASES[3], CASES[7], CASES[10], TMA_CASES[2]]  # gemv ragged, swap, dot, 3 ragged splits, TMA
+
+
+def silu_mul_rows(gate_up):
+    """silu(gate) * up of [gate ; up] rows in one launch of glue's own kernel (what the fused load must equal)."""
+    from triton_kernels.glue import _silu_mul_kernel
+
+    M, I = gate_up.shape[0], gate_up.shape[1] // 2
+    act = torch.empty(M, I, dtype=gate_up.dtype, device=gate_up.device)
+    _silu_mul_kernel[(M, (I + 1023) // 1024)](gate_up, act, I, BLOCK=1024)
+    return act
+
+
+@requires_triton
+@pytest.mark.parametrize("cfg,M,N,K", GLU_CASES, ids=lambda v: v.kind if isinstance(v, lk.Config) else str(v))
+def test_linear_kernel_glu_is_the_kernel_on_silu_mul(cfg, M, N, K):
+    """glu: x is [gate ; up] and the kernel forms silu(gate) * up as it loads: the bits of the silu kernel's
+    output run through the same config (the activation rounded the same way, the same tiles summed)."""
+    dtype = kernel_dtypes()[0]
+    gate_up, w, _ = operands(M, N, 2 * K, dtype, M + N + K, rows_strided=False)
+    w = w[:, :K].contiguous()
+    fused = lk.linear_kernel(gate_up, w, cfg, glu=True)
+    act = silu_mul_rows(gate_up)
+    assert torch.equal(fused, lk.linear_kernel(act, w, cfg))
+    ref = torch.nn.functional.linear((torch.nn.functional.silu(gate_up[:, :K].float()) * gate_up[:, K:].float()),
+                                     w.float())
+    assert rel_err(fused, ref) < 1e-2
+    with pytest.raises(ValueError, match="2 x"):
+        lk.linear_kernel(act, w, cfg, glu=True)
+
+
 @requires_triton
 def test_linear_kernel_weight_rows_strided():
     """A weight view whose rows are further apart than K (a slice of a wider buffer)."""
@@ -182,6 +213,15 @@ def test_linear_op_defaults_to_the_adopted_table(monkeypatch):
     assert len(calls) == 2
 
 
+def test_glu_fits_the_shared_memory_budget():
+    """Gate and up tiles beside W's in one stage: on sm_120 not at 65-128 rows with 256-wide K tiles."""
+    wide = C("swap", 64, 256, 4, 3, 1, tma=True)
+    assert not lk.glu_fits(wide, 65, "sm_120") and lk.glu_fits(wide, 33, "sm_120") and lk.glu_fits(wide, 65, "sm_90")
+    assert lk.glu_fits(lk.GEMV, 1, "sm_120")
+    stages = [lk.plan(C("swap", 64, 128, 4, 4, 1), 33, 7168, 256, 170, "sm_120", glu).stages for glu in (False, True)]
+    assert stages == [3, 2]  # the stages cut to the budget with the up tile counted
+
+
 def test_linear_kernel_rejects_what_it_cannot_run():
     x, w = torch.randn(2, 8), torch.randn(4, 8)
     with pytest.raises(ValueError, match="one row"):
@@ -191,23 +231,27 @@ def test_linear_kernel_rejects_what_it_cannot_run():
 
 
 def sm120_resources():
-    """Resources of every sm_120 config (defaults, adopted, the shipped tuned file's and the router's) compiled for sm_120 at K2.6-like strides,
-    per BLOCK_M it can run with, with programmatic dependent launch as the GPU runs them (needs real @triton.jit
-    objects)."""
+    """Resources of every sm_120 config (defaults, adopted, the shipped tuned file's and the router's) compiled for
+    sm_120 at K2.6-like strides, per BLOCK_M it can run with, with programmatic dependent launch as the GPU runs
+    them (needs real @triton.jit objects); the shared expert's down projection (N x 256) also with glu."""
     from triton_kernels.aot import compile_for
     from triton_kernels.router import MANY_ROWS, ONE_ROW
 
-    configs = {(cfg, False) for cfg in lk.DEFAULTS["sm_120"].values()}
-    configs |= {(cfg, False) for entries in lk.ADOPTED["sm_120"].values() for cfg in entries.values()}
-    configs |= {(lk.Config(**cfg), False) for entries in (tuning.table("linear", "sm_120") or {}).values()
-                for cfg in entries.values() if cfg != "cublas"}  # the shipped tuned file's
-    configs |= {(ONE_ROW["sm_120"], True), (MANY_ROWS["sm_120"], True)}  # the router's logits: raw partials
+    tuned = tuning.table("linear", "sm_120") or {}
+    configs = set(lk.DEFAULTS["sm_120"].values())
+    configs |= {cfg for entries in lk.ADOPTED["sm_120"].values() for cfg in entries.values()}
+    configs |= {lk.Config(**cfg) for entries in tuned.values() for cfg in entries.values() if cfg != "cublas"}
+    specs = {(cfg, M, False, False) for cfg in configs for M in ((1,) if cfg.kind == "gemv" else (2, 17, 33, 65))}
+    specs |= {(cfg, M, True, False) for cfg in (ONE_ROW["sm_120"], MANY_ROWS["sm_120"])  # the router's: raw
+              for M in ((1,) if cfg.kind == "gemv" else (2, 17, 33, 65))}
+    downs = [(lk.Config(**cfg), int(M)) for shape, entries in tuned.items() if shape.endswith("x256")
+             for M, cfg in entries.items() if cfg != "cublas"]
+    specs |= {(cfg, M, False, True) for cfg, M in downs if lk.glu_fits(cfg, M, "sm_120")}  # as glue.mlp runs them
     out = []
-    for cfg, raw in sorted(configs):
-        for M in ((1,) if cfg.kind == "gemv" else (2, 17, 33, 65)):
-            kernel, signature, constexprs, options = lk.kernel_spec(cfg, M, 7168, 7168, 170, "sm_120", raw)
-            res = compile_for(kernel, signature, constexprs, **options)
-            out.append(dict(config=list(cfg), block_m=constexprs.get("BLOCK_M", 1), **vars(res)))
+    for cfg, M, raw, glu in sorted(specs):
+        kernel, signature, constexprs, options = lk.kernel_spec(cfg, M, 7168, 7168, 170, "sm_120", raw, glu)
+        res = compile_for(kernel, signature, constexprs, **options)
+        out.append(dict(config=list(cfg), glu=glu, block_m=constexprs.get("BLOCK_M", 1), **vars(res)))
     return out
 
 

@@ -8,10 +8,11 @@ libdevice's __nv_cosf/__nv_sinf (full range reduction), the functions torch's CU
 """
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from triton_kernels import linear, pdl
+from triton_kernels import arch, linear, pdl
 
 
 @triton.jit
@@ -219,18 +220,22 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr, PDL: tl.constexpr 
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < I
-    gate = tl.load(gu_ptr + row * 2 * I + offs, mask=ok, other=0.0).to(tl.float32)
+    gate = tl.load(gu_ptr + row * 2 * I + offs, mask=ok, other=0.0)
     up = tl.load(gu_ptr + row * 2 * I + I + offs, mask=ok, other=0.0)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # rounded, as torch's F.silu output
-    tl.store(out_ptr + row * I + offs, silu * up, mask=ok)
+    tl.store(out_ptr + row * I + offs, linear.silu_mul(gate, up), mask=ok)
 
 
 def mlp(x, gate_up_weight, down_weight):
     """See `ops.mlp.mlp`: the two projections as ops.linear's Triton backend runs them (`linear.linear`: the skinny
-    GEMM where adopted, cuBLAS elsewhere), silu(gate) * up in one launch between them."""
+    GEMM where adopted, cuBLAS elsewhere). Where the down projection runs the skinny GEMM and its tiles leave room
+    (`linear.glu_fits`), silu(gate) * up is formed as it loads its input (`linear_kernel(glu=True)`); else in a
+    launch of its own."""
     gate_up = linear.linear(x, gate_up_weight)  # [M, 2I]
     M, I = gate_up.shape[0], gate_up.shape[1] // 2
+    cfg = linear.kernel_config(gate_up, down_weight)
+    if cfg is not None and linear.glu_fits(cfg, M, arch.current(x.device)):
+        return linear.linear_kernel(gate_up, down_weight, cfg, glu=True)
     act = torch.empty(M, I, dtype=gate_up.dtype, device=x.device)
     if M:
         _silu_mul_kernel[(M, triton.cdiv(I, 1024))](gate_up, act, I, BLOCK=1024, **pdl.options(x))
-    return linear.linear(act, down_weight)
+    return F.linear(act, down_weight)

@@ -131,12 +131,34 @@ def _split_range(split, k_per_split, K, BLOCK_K: tl.constexpr):
     return k_start, k_end, k_start + (k_end - k_start) // BLOCK_K * BLOCK_K
 
 
+@triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in up's dtype, silu rounded to it first as torch's F.silu output is (fp32 math)."""
+    gate = gate.to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    return silu * up
+
+
+@triton.jit
+def _load_x(x_ptrs, K, GLU: tl.constexpr, mask=None):
+    """x's tile at x_ptrs, or with GLU silu(gate) * up of the [gate ; up] row halves K apart (`silu_mul`)."""
+    if mask is None:
+        x = tl.load(x_ptrs)
+        if GLU:
+            x = silu_mul(x, tl.load(x_ptrs + K))
+    else:
+        x = tl.load(x_ptrs, mask=mask, other=0.0)
+        if GLU:
+            x = silu_mul(x, tl.load(x_ptrs + K, mask=mask, other=0.0))
+    return x
+
+
 @triton.jit(do_not_specialize=["splits"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, splits, stride_wn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
-                 PDL: tl.constexpr, RAW: tl.constexpr = False):
+                 PDL: tl.constexpr, RAW: tl.constexpr = False, GLU: tl.constexpr = False):
     """One row: y [1, N] = x [1, K] @ W^T. Grid (N tiles, K splits). RAW: each split's fp32 partial [N] stored
-    at part_ptr + split * N for the caller to sum (no y, no counter)."""
+    at part_ptr + split * N for the caller to sum (no y, no counter). GLU: x is [gate ; up] [1, 2K] (`_load_x`)."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -148,12 +170,12 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, sp
         _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K)
     for k in tl.range(k_start, k_full, BLOCK_K, num_stages=STAGES):
         w = tl.load(w_rows + k + offs_k[None, :])  # [BN, BK]
-        x = tl.load(x_ptr + k + offs_k)  # [BK]
+        x = _load_x(x_ptr + k + offs_k, K, GLU)  # [BK]
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     if not EVEN_K and k_full < k_end:  # a ragged K's masked tail (a separate step: the loop's loads stay unmasked)
         k_ok = k_full + offs_k < k_end
         w = tl.load(w_rows + k_full + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + k_full + offs_k, mask=k_ok, other=0.0)
+        x = _load_x(x_ptr + k_full + offs_k, K, GLU, k_ok)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)  # [BN]
     _finish(out, tl.zeros_like(offs_n), offs_n, 1, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits, 4, RAW)
@@ -173,9 +195,10 @@ def _mma(x, w, acc, SWAP: tl.constexpr):
 def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, splits, stride_xm, stride_wn,
                 x_desc, w_desc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr = False,
-                REDUCE_LOADS: tl.constexpr = 4, RAW: tl.constexpr = False):
+                REDUCE_LOADS: tl.constexpr = 4, RAW: tl.constexpr = False, GLU: tl.constexpr = False):
     """y [M, N] = x [M, K] @ W^T, M <= BLOCK_M. Grid (N tiles, K splits). TMA: the tiles come through x_desc
-    ([BM, BK] blocks of x) and w_desc ([BN, BK] blocks of W), which zero-fill past M, N and K."""
+    ([BM, BK] blocks of x) and w_desc ([BN, BK] blocks of W), which zero-fill past M, N and K. GLU: x is
+    [gate ; up] [M, 2K] (`_load_x`)."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -193,15 +216,18 @@ def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, 
         _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K)
     if TMA:  # the padding rows past M cost no traffic: x is about as many bytes as W per program at BM 64
         for k in range(k_start, k_end, BLOCK_K):
-            acc = _mma(x_desc.load([0, k]), w_desc.load([pid_n * BLOCK_N, k]), acc, SWAP)
+            x = x_desc.load([0, k])
+            if GLU:
+                x = silu_mul(x, x_desc.load([0, K + k]))
+            acc = _mma(x, w_desc.load([pid_n * BLOCK_N, k]), acc, SWAP)
     else:
         for k in range(k_start, k_full, BLOCK_K):
-            x = tl.load(x_rows + k + offs_k[None, :])  # [BM, BK]
+            x = _load_x(x_rows + k + offs_k[None, :], K, GLU)  # [BM, BK]
             w = tl.load(w_rows + k + offs_k[None, :])  # [BN, BK]
             acc = _mma(x, w, acc, SWAP)
     if not TMA and not EVEN_K and k_full < k_end:  # a ragged K's masked tail
         k_ok = (k_full + offs_k < k_end)[None, :]
-        x = tl.load(x_rows + k_full + offs_k[None, :], mask=k_ok, other=0.0)
+        x = _load_x(x_rows + k_full + offs_k[None, :], K, GLU, k_ok)
         w = tl.load(w_rows + k_full + offs_k[None, :], mask=k_ok, other=0.0)
         acc = _mma(x, w, acc, SWAP)
     if SWAP:
@@ -219,17 +245,31 @@ class Plan(NamedTuple):
     stages: int
 
 
-def plan(cfg, M, N, K, sms, key):
+def plan(cfg, M, N, K, sms, key, glu=False):
     """The launch of `cfg` for [M, K] x [N, K]^T on `sms` SMs: K split so that N tiles x splits is about
     cfg.waves x sms, every split a whole number of K tiles; stages cut to arch `key`'s shared-memory budget."""
-    block_m = 1 if cfg.kind == "gemv" else max(16, triton.next_power_of_2(M))
+    block_m = _block_m(cfg, M)
     tiles = triton.cdiv(N, cfg.block_n)
     k_tiles = triton.cdiv(K, cfg.block_k)
     splits = max(1, min(k_tiles, round(cfg.waves * sms / tiles)))
     k_per_split = triton.cdiv(k_tiles, splits) * cfg.block_k
-    stage_bytes = (cfg.block_n + block_m) * cfg.block_k * 2
-    stages = max(2, min(cfg.stages, SHARED_BUDGET[key] // stage_bytes))
+    stages = max(2, min(cfg.stages, SHARED_BUDGET[key] // _stage_bytes(cfg, block_m, glu)))
     return Plan(block_m, tiles, triton.cdiv(K, k_per_split), k_per_split, stages)
+
+
+def _block_m(cfg, M):
+    return 1 if cfg.kind == "gemv" else max(16, triton.next_power_of_2(M))
+
+
+def _stage_bytes(cfg, block_m, glu):
+    """Shared memory a pipeline stage takes: a W tile and an x tile (gate and up tiles with glu)."""
+    return (cfg.block_n + block_m * (2 if glu else 1)) * cfg.block_k * 2
+
+
+def glu_fits(cfg, M, key):
+    """Whether `cfg` can form silu(gate) * up on its loads at M rows on arch `key`: one stage of W, gate and up
+    tiles within the arch's shared-memory budget (on sm_120 not at 65-128 rows with 256-wide K tiles)."""
+    return _stage_bytes(cfg, _block_m(cfg, M), True) <= SHARED_BUDGET[key]
 
 
 def reduce_loads(cfg, block_m):
@@ -249,20 +289,24 @@ def config_for(key, M):
     return table.get(M, table[None])
 
 
-def linear_kernel(x, weight, cfg=None, raw=False):
+def linear_kernel(x, weight, cfg=None, raw=False, glu=False):
     """The Triton kernel alone (no cuBLAS fallback): x [M, K] (rows may be strided, unit column stride),
     weight [N, K] row-major, 1 <= M <= 128. cfg: a Config (default: `config_for`). Returns [M, N]; with raw the
-    K-split fp32 partials [splits, M, N] unsummed, for a caller that sums them in its next launch."""
-    M, K = x.shape
-    N = weight.shape[0]
-    if not 1 <= M <= MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"linear_kernel: x {tuple(x.shape)} strides {x.stride()}, weight strides "
-                         f"{weight.stride()}: needs 1 <= M <= {MAX_ROWS} and unit column strides")
+    K-split fp32 partials [splits, M, N] unsummed, for a caller that sums them in its next launch. glu: x is
+    [gate ; up] [M, 2K] and the product is silu(gate) * up @ W^T, the activation formed as the tiles load (the
+    bits of `silu_mul` then this kernel on its output: one launch fewer)."""
+    M = x.shape[0]
+    N, K = weight.shape
+    if (not 1 <= M <= MAX_ROWS or x.shape[1] != (2 if glu else 1) * K or x.stride(1) != 1
+            or weight.stride(1) != 1):
+        raise ValueError(f"linear_kernel: x {tuple(x.shape)} strides {x.stride()}, weight {tuple(weight.shape)} "
+                         f"strides {weight.stride()}: needs 1 <= M <= {MAX_ROWS}, x's columns "
+                         f"{'2 x ' if glu else ''}the weight's and unit column strides")
     key = arch.current(x.device)
     cfg = cfg or config_for(key, M)
     if cfg.kind == "gemv" and M != 1:
         raise ValueError(f"linear_kernel: the gemv config takes one row, got {M}")
-    p = plan(cfg, M, N, K, arch.sm_count(x.device), key)
+    p = plan(cfg, M, N, K, arch.sm_count(x.device), key, glu)
     part = torch.empty(p.splits * M * N if p.splits > 1 or raw else 1, dtype=torch.float32, device=x.device)
     y = part if raw else torch.empty(M, N, dtype=x.dtype, device=x.device)
     counters = arrival_counters("linear", x.device, p.tiles)
@@ -273,15 +317,16 @@ def linear_kernel(x, weight, cfg=None, raw=False):
     if cfg.kind == "gemv":
         _gemv_kernel[(p.tiles, p.splits)](x, weight, y, part, counters, N, K, p.k_per_split, p.splits,
                                           weight.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                          EVEN_K=even_k, STAGES=p.stages, PDL=use_pdl, RAW=raw, **launch)
+                                          EVEN_K=even_k, STAGES=p.stages, PDL=use_pdl, RAW=raw, GLU=glu,
+                                          **launch)
     else:
         x_desc, w_desc = _descriptors(x, weight, p.block_m, cfg) if cfg.tma and tma_ok(x, weight) else (None, None)
         _dot_kernel[(p.tiles, p.splits)](x, weight, y, part, counters, M, N, K, p.k_per_split, p.splits,
                                          x.stride(0), weight.stride(0), x_desc, w_desc, BLOCK_M=p.block_m,
                                          BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k,
                                          SWAP=cfg.kind == "swap", PDL=use_pdl, TMA=x_desc is not None,
-                                         REDUCE_LOADS=reduce_loads(cfg, p.block_m), RAW=raw, num_stages=p.stages,
-                                         **launch)
+                                         REDUCE_LOADS=reduce_loads(cfg, p.block_m), RAW=raw, GLU=glu,
+                                         num_stages=p.stages, **launch)
     return part.view(p.splits, M, N) if raw else y
 
 
@@ -290,22 +335,22 @@ def tma_ok(x, weight):
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, weight))
 
 
-def kernel_spec(cfg, M, N, K, sms, key, raw=False):
+def kernel_spec(cfg, M, N, K, sms, key, raw=False, glu=False):
     """(kernel, signature, constexprs, options) of the kernel `linear_kernel` launches under `cfg` for bf16 x [M, K]
-    (contiguous) and weight [N, K] on `sms` SMs, with programmatic dependent launch as on the GPU, compiled for arch
-    `key` (aot.compile_for)."""
-    p = plan(cfg, M, N, K, sms, key)
+    (contiguous; [M, 2K] with glu) and weight [N, K] on `sms` SMs, with programmatic dependent launch as on the GPU,
+    compiled for arch `key` (aot.compile_for)."""
+    p = plan(cfg, M, N, K, sms, key, glu)
     signature = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*fp32" if raw else "*bf16", part_ptr="*fp32",
                      count_ptr="*i32", N="i32", K="i32", k_per_split="i32", splits="i32")
     options = dict(arch=key, num_warps=cfg.warps, aligned=True, divisible=("N", "K", "k_per_split"))
     if cfg.kind == "gemv":
         constexprs = dict(stride_wn=K, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-                          STAGES=p.stages, PDL=True, RAW=raw)
+                          STAGES=p.stages, PDL=True, RAW=raw, GLU=glu)
         return _gemv_kernel, signature, constexprs, options
     signature = dict(signature, M="i32")
-    constexprs = dict(stride_xm=K, stride_wn=K, BLOCK_M=p.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    constexprs = dict(stride_xm=2 * K if glu else K, stride_wn=K, BLOCK_M=p.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                       EVEN_K=K % cfg.block_k == 0, SWAP=cfg.kind == "swap", PDL=True, TMA=cfg.tma,
-                      REDUCE_LOADS=reduce_loads(cfg, p.block_m), RAW=raw)
+                      REDUCE_LOADS=reduce_loads(cfg, p.block_m), RAW=raw, GLU=glu)
     if cfg.tma:
         signature.update(x_desc=f"tensordesc<bf16[{p.block_m}, {cfg.block_k}]>",
                          w_desc=f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>")
@@ -335,12 +380,19 @@ def adopted(device, M, N, K):
     return ADOPTED[key].get((N, K), {}).get(bucket)
 
 
-def linear(x, weight):
-    """See `ops.linear.linear`: the Triton kernel where `ADOPTED` lists this shape and M bucket for 16-bit operands
-    (what it was measured with), else cuBLAS. x: [M, K]; weight: [N, K]. Returns [M, N]."""
-    M, K = x.shape
-    cfg = adopted(x.device, M, weight.shape[0], K)
+def kernel_config(x, weight):
+    """The Config `linear` runs x [M, *] @ weight [N, K]^T with: the adopted entry for the shape and M bucket, for
+    16-bit operands of one dtype (what it was measured with) and unit column strides; None where cuBLAS runs."""
+    N, K = weight.shape
+    cfg = adopted(x.device, x.shape[0], N, K)
     if (cfg is None or x.dtype not in (torch.float16, torch.bfloat16) or x.dtype != weight.dtype or x.stride(1) != 1
             or weight.stride(1) != 1):
-        return F.linear(x, weight)
-    return linear_kernel(x, weight, cfg)
+        return None
+    return cfg
+
+
+def linear(x, weight):
+    """See `ops.linear.linear`: the Triton kernel where `kernel_config` gives one, else cuBLAS. x: [M, K]; weight:
+    [N, K]. Returns [M, N]."""
+    cfg = kernel_config(x, weight)
+    return F.linear(x, weight) if cfg is None else linear_kernel(x, weight, cfg)
