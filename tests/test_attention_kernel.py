@@ -125,6 +125,7 @@ TWO_PASS_CASES = [  # B, T, H, lens, tree kind, num_splits (None: the launcher's
     (2, 33, 2, [40, 131], "causal", 3),
     (1, 7, 8, [90], "padded", 1),
     (2, 16, 8, [200, 17], "star", 5),  # more splits than the short sequence's tiles: empty splits
+    (1, 40, 2, [75], "wide", 2),  # two mask words a token
 ]
 
 
@@ -144,6 +145,23 @@ def test_two_pass_matches_reference(B, T, H, lens, kind, splits, dtype):
     assert out.shape == (B, T, H, 512) and out.dtype == dtype
     assert not out.isnan().any()
     assert rel_err(out, ref) < bound(dtype)
+
+
+@requires_triton
+@pytest.mark.parametrize("two_pass", [False, True], ids=["split kernel", "two passes"])
+def test_cache_past_the_lengths_is_never_read_into_the_output(two_pass):
+    """NaN in every cache row past each sequence's length (the two passes load clamped rows there, unmasked):
+    the output is the reference's."""
+    from triton_kernels.mla_attention import mla_attention
+
+    dtype = kernel_dtypes()[0]
+    q, kv, cache_lens, mask = make_case(2, 5, 4, [23, 50], "wide", dtype, device(), seed=5)
+    for b, length in enumerate(cache_lens.tolist()):
+        kv[b, length:] = float("nan")
+    config = Config(splits=2, two_pass=(True if gpu() else SMALL_TWO_PASS) if two_pass else False)
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, config=config)
+    ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
+    assert not out.isnan().any() and rel_err(out, ref) < bound(dtype)
 
 
 @pytest.mark.parametrize("key,T,causal,config,expected", [

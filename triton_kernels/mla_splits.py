@@ -56,10 +56,15 @@ def program_range(length, T, pid_m, pid_s, num_splits, H: tl.constexpr, CAUSAL: 
 
 
 @triton.jit
-def visible(offs_m, offs_n, end, tree_start, T, b, mask_ptr, H: tl.constexpr, CAUSAL: tl.constexpr):
+def visible(offs_m, offs_n, end, tree_start, T, b, mask_ptr, H: tl.constexpr, CAUSAL: tl.constexpr,
+            GATHER: tl.constexpr = True):
     """[BM, BN] which entries offs_n each query row offs_m (row = t*H + h) sees, of those before `end`: the prefix
     (before tree_start), and of the last T entries (the tree) the ones its token's mask bits allow (mask_ptr:
-    [B, T, ceil(T/32)] int32 words) or, CAUSAL, entries up to its own token's."""
+    [B, T, ceil(T/32)] int32 words) or, CAUSAL, entries up to its own token's.
+
+    GATHER: each entry's word loaded in one [BM, BN] gather; else the row's words one at a time ([BM] loads). The
+    split kernel gathers (the word loop costs it 22-25 KB more shared memory on sm_120, past 101,376 B at 32x32);
+    the scores pass loops (its 128x64 tile on sm_120: 167 registers a thread, 197 with the gather)."""
     node = offs_n - tree_start  # [BN] new-token index of each entry (< 0: prefix)
     in_tree = node >= 0
     n_ok = offs_n < end
@@ -68,9 +73,18 @@ def visible(offs_m, offs_n, end, tree_start, T, b, mask_ptr, H: tl.constexpr, CA
         seen = node[None, :] <= t_row[:, None]
     else:
         node_c = tl.maximum(node, 0)
-        word_ptr = mask_ptr + (b * T + t_row)[:, None] * ((T + 31) // 32) + (node_c // 32)[None, :]
-        words = tl.load(word_ptr, mask=(offs_m < T * H)[:, None] & (in_tree & n_ok)[None, :], other=0)
-        seen = ((words >> (node_c % 32)[None, :]) & 1) != 0
+        words = (T + 31) // 32
+        if GATHER:
+            word_ptr = mask_ptr + (b * T + t_row)[:, None] * words + (node_c // 32)[None, :]
+            bits = tl.load(word_ptr, mask=(offs_m < T * H)[:, None] & (in_tree & n_ok)[None, :], other=0)
+            bits = bits >> (node_c % 32)[None, :]
+        else:
+            word_of, bit = node_c // 32, node_c % 32  # [BN]
+            row_words = mask_ptr + (b * T + tl.minimum(t_row, T - 1)) * words  # [BM]; rows past T*H never stored
+            bits = tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.int32)
+            for w in range(0, words):
+                bits = tl.where((word_of == w)[None, :], tl.load(row_words + w)[:, None] >> bit[None, :], bits)
+        seen = (bits & 1) != 0
     return n_ok[None, :] & (~in_tree[None, :] | seen)
 
 

@@ -57,17 +57,17 @@ def _scores_kernel(q_ptr, kv_ptr, lens_ptr, mask_ptr, p_ptr, m_ptr, l_ptr, T, ro
     pdl.wait(PDL)
     length = tl.load(lens_ptr + b)
     if pid_n * BLOCK_N < length:
-        n_ok = offs_n < length
-        q_rows = q_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 576 + offs_k[None, :]
-        k_rows = kv_ptr + (b.to(tl.int64) * rows_kb + offs_n)[:, None] * 576 + offs_k[None, :]
+        # Rows past `rows` and entries past the length are clamped, not masked, so that the loads stay unmasked:
+        # those rows are never stored, and a tile holding the sequence's end is masked below.
+        q_rows = q_ptr + (b.to(tl.int64) * rows + tl.minimum(offs_m, rows - 1))[:, None] * 576 + offs_k[None, :]
+        k_rows = kv_ptr + (b.to(tl.int64) * rows_kb + tl.minimum(offs_n, length - 1))[:, None] * 576 + offs_k[None, :]
         s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, 576, BLOCK_K, num_stages=STAGES):
-            q = tl.load(q_rows + k0, mask=m_ok[:, None], other=0.0)
-            k = tl.load(k_rows + k0, mask=n_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), s)
+            s = tl.dot(tl.load(q_rows + k0), tl.trans(tl.load(k_rows + k0)), s)
         s = s * sm_scale_log2
         if (pid_n + 1) * BLOCK_N > length - T:  # a tile holding tree entries or the sequence's end
-            s = tl.where(visible(offs_m, offs_n, length, length - T, T, b, mask_ptr, H, CAUSAL), s, float("-inf"))
+            seen = visible(offs_m, offs_n, length, length - T, T, b, mask_ptr, H, CAUSAL, GATHER=False)
+            s = tl.where(seen, s, float("-inf"))
         m = tl.max(s, 1)  # [BM]; -inf where the row sees nothing here
         m = tl.where(m > float("-inf"), m, -1.0e30)  # finite: exp2(m - M) is 0, not nan
         p = tl.exp2(s - m[:, None])
@@ -113,16 +113,18 @@ def _values_kernel(p_ptr, m_ptr, l_ptr, kv_ptr, lens_ptr, out_ptr, o_part_ptr, l
     big_m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     for t in range(first, end):
         big_m = tl.maximum(big_m, tl.load(stats + (t - first) * rows, mask=m_ok, other=-1.0e30))
-    p_rows = p_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * p_cols + offs_n[None, :]
-    v_rows = kv_ptr + (b.to(tl.int64) * rows_kb + offs_n)[:, None] * 576 + offs_d[None, :]
+    # Clamped, not masked (unmasked loads): rows past `rows` are never stored, and past the length p is 0 (pass 1
+    # stored exp2(-inf)), so the clamped entries' values (finite: they are the last entry's) add nothing.
+    p_rows = p_ptr + (b.to(tl.int64) * rows + tl.minimum(offs_m, rows - 1))[:, None] * p_cols + offs_n[None, :]
+    v_base = kv_ptr + b.to(tl.int64) * rows_kb * 576 + offs_d[None, :]
     big_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for t in tl.range(first, end, num_stages=STAGES):
         at = (b.to(tl.int64) * n_tiles + t) * rows + offs_m
         rescale = tl.exp2(tl.load(m_ptr + at, mask=m_ok, other=-1.0e30) - big_m)  # [BM]
         big_l += rescale * tl.load(l_ptr + at, mask=m_ok, other=0.0)
-        p = tl.load(p_rows + t * BLOCK_N, mask=m_ok[:, None], other=0.0)
-        v = tl.load(v_rows + t * BLOCK_N * 576, mask=(t * BLOCK_N + offs_n < length)[:, None], other=0.0)
+        p = tl.load(p_rows + t * BLOCK_N)
+        v = tl.load(v_base + tl.minimum(t * BLOCK_N + offs_n, length - 1)[:, None] * 576)
         acc = tl.dot((p.to(tl.float32) * rescale[:, None]).to(v.dtype), v, acc)
     o = acc / tl.where(big_l > 0, big_l, 1.0)[:, None]
     if DIRECT:
