@@ -64,7 +64,8 @@ def visible(offs_m, offs_n, end, tree_start, T, b, mask_ptr, H: tl.constexpr, CA
 
     GATHER: each entry's word loaded in one [BM, BN] gather; else the row's words one at a time ([BM] loads). The
     split kernel gathers (the word loop costs it 22-25 KB more shared memory on sm_120, past 101,376 B at 32x32);
-    the scores pass loops (its 128x64 tile on sm_120: 167 registers a thread, 197 with the gather)."""
+    the scores pass loops (its 128x64 tile on sm_120: 168 registers a thread, 255 with the gather; up to 1.25x
+    faster on the proxy, bench/results/attention_two_pass_h100.md)."""
     node = offs_n - tree_start  # [BN] new-token index of each entry (< 0: prefix)
     in_tree = node >= 0
     n_ok = offs_n < end

@@ -57,13 +57,16 @@ def _scores_kernel(q_ptr, kv_ptr, lens_ptr, mask_ptr, p_ptr, m_ptr, l_ptr, T, ro
     pdl.wait(PDL)
     length = tl.load(lens_ptr + b)
     if pid_n * BLOCK_N < length:
-        # Rows past `rows` and entries past the length are clamped, not masked, so that the loads stay unmasked:
-        # those rows are never stored, and a tile holding the sequence's end is masked below.
-        q_rows = q_ptr + (b.to(tl.int64) * rows + tl.minimum(offs_m, rows - 1))[:, None] * 576 + offs_k[None, :]
-        k_rows = kv_ptr + (b.to(tl.int64) * rows_kb + tl.minimum(offs_n, length - 1))[:, None] * 576 + offs_k[None, :]
+        # masked loads: clamped rows (as the values pass loads) took 1.1-2x as long here on the proxy
+        # (bench/results/attention_two_pass_h100.md)
+        n_ok = offs_n < length
+        q_rows = q_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 576 + offs_k[None, :]
+        k_rows = kv_ptr + (b.to(tl.int64) * rows_kb + offs_n)[:, None] * 576 + offs_k[None, :]
         s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, 576, BLOCK_K, num_stages=STAGES):
-            s = tl.dot(tl.load(q_rows + k0), tl.trans(tl.load(k_rows + k0)), s)
+            q = tl.load(q_rows + k0, mask=m_ok[:, None], other=0.0)
+            k = tl.load(k_rows + k0, mask=n_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), s)
         s = s * sm_scale_log2
         if (pid_n + 1) * BLOCK_N > length - T:  # a tile holding tree entries or the sequence's end
             seen = visible(offs_m, offs_n, length, length - T, T, b, mask_ptr, H, CAUSAL, GATHER=False)
