@@ -363,7 +363,7 @@ def test_attention_tuner_times_the_two_pass_kernels_and_the_split_kernel(monkeyp
         assert tuner.plan(info).two_pass is None and tuner.plan(info).splits == 7
         asked = tuner.plan(info, mla_attention.Config(two_pass=True))  # the file's count is the split kernel's
         min_rows, tiles, per_sm = mla_attention.TWO_PASS["sm_120"]
-        model = mla_two_pass.default_splits(tiles, 17 * 8, 1, 96, arch.sm_count("cpu"), per_sm)
+        model = mla_two_pass.default_splits(tiles, 17 * 8, 1, 96, arch.sm_count(tune.device()), per_sm)
         assert asked.two_pass == tiles and asked.splits == model != 7
 
 
