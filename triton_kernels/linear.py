@@ -348,8 +348,8 @@ def kernel_spec(cfg, M, N, K, sms, key, raw=False, glu=False):
                           STAGES=p.stages, PDL=True, RAW=raw, GLU=glu)
         return _gemv_kernel, signature, constexprs, options
     signature = dict(signature, M="i32")
-    constexprs = dict(stride_xm=2 * K if glu else K, stride_wn=K, BLOCK_M=p.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      EVEN_K=K % cfg.block_k == 0, SWAP=cfg.kind == "swap", PDL=True, TMA=cfg.tma,
+    constexprs = dict(stride_xm=2 * K if glu else K, stride_wn=K, BLOCK_M=p.block_m, BLOCK_N=cfg.block_n,
+                      BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, SWAP=cfg.kind == "swap", PDL=True, TMA=cfg.tma,
                       REDUCE_LOADS=reduce_loads(cfg, p.block_m), RAW=raw, GLU=glu)
     if cfg.tma:
         signature.update(x_desc=f"tensordesc<bf16[{p.block_m}, {cfg.block_k}]>",
