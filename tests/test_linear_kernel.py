@@ -220,6 +220,8 @@ def test_glu_fits_the_shared_memory_budget():
     assert lk.glu_fits(lk.GEMV, 1, "sm_120")
     stages = [lk.plan(C("swap", 64, 128, 4, 4, 1), 33, 7168, 256, 170, "sm_120", glu).stages for glu in (False, True)]
     assert stages == [3, 2]  # the stages cut to the budget with the up tile counted
+    with arch.using("sm_120"), pytest.raises(ValueError, match="no room"):
+        lk.linear_kernel(torch.zeros(65, 512), torch.zeros(8, 256), wide, glu=True)
 
 
 def test_linear_kernel_rejects_what_it_cannot_run():

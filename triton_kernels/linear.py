@@ -306,6 +306,8 @@ def linear_kernel(x, weight, cfg=None, raw=False, glu=False):
     cfg = cfg or config_for(key, M)
     if cfg.kind == "gemv" and M != 1:
         raise ValueError(f"linear_kernel: the gemv config takes one row, got {M}")
+    if glu and not glu_fits(cfg, M, key):
+        raise ValueError(f"linear_kernel: {cfg} at {M} rows has no room for the gate and up tiles on {key}")
     p = plan(cfg, M, N, K, arch.sm_count(x.device), key, glu)
     part = torch.empty(p.splits * M * N if p.splits > 1 or raw else 1, dtype=torch.float32, device=x.device)
     y = part if raw else torch.empty(M, N, dtype=x.dtype, device=x.device)
