@@ -68,21 +68,19 @@ class Attention(nn.Module):
         self._bind_down_views()
         return self
 
-    def project(self, x, meta, kv):
-        """x: [N, D] -> q_nope [N, H, 128], q_pe [N, H, 64]; writes the N new latent cache entries into kv. With
-        a q_a projection its norm runs in the same launch as the cache write."""
+    def project(self, down, meta, kv, x=None):
+        """down: the down projection's output [N, (q_lora +) 576] ([q_a ;] kv_a of the normed hidden x, which only a
+        model without q_a needs) -> q_nope [N, H, 128], q_pe [N, H, 64], and the `ops.LatentWrite` of the N new
+        entries into this layer's cache kv (kv_a's part), which `absorb_query` writes beside the query."""
         cfg = self.cfg
-        qa, ckv = ops.linear(x, self.down_proj_weight).split([cfg.q_lora_rank or 0, cfg.cache_entry_dim], -1)
-        latent = (kv, ckv, self.kv_a_layernorm.weight, cfg.latent_norm_eps, meta.positions, self.inv_freq,
-                  self.rope_factor, meta.starts)
+        qa, ckv = down.split([cfg.q_lora_rank or 0, cfg.cache_entry_dim], -1)
         if cfg.q_lora_rank:
-            q = ops.linear(ops.write_latent(*latent, q_latent=qa, q_norm_weight=self.q_a_layernorm.weight),
-                           self.q_b_proj.weight)
+            q = ops.norm_linear(qa, self.q_a_layernorm.weight, cfg.latent_norm_eps, self.q_b_proj.weight)[1]
         else:
-            ops.write_latent(*latent)
             q = ops.linear(x, self.q_proj.weight)
-        q = q.view(x.shape[0], self.heads, cfg.qk_head_dim)
-        return q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
+        q = q.view(down.shape[0], self.heads, cfg.qk_head_dim)
+        write = ops.LatentWrite(kv, ckv, self.kv_a_layernorm.weight, cfg.latent_norm_eps, meta.starts)
+        return *q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1), write
 
     def absorption_weights(self):
         """(W_UK [H, 128, 512], W_UV [H, 128, 512]): views of kv_b_proj, which maps a latent c to k_nope and v."""
@@ -92,10 +90,14 @@ class Attention(nn.Module):
 
     def forward(self, x, meta, kv):
         """x: [N = B*T, D] normed hidden; kv: this layer's cache [B, L_max, 576]. Returns [N, D] (partial)."""
-        cfg, N = self.cfg, x.shape[0]
-        q_nope, q_pe = self.project(x, meta, kv)
+        return self.attend(ops.linear(x, self.down_proj_weight), meta, kv, x)
+
+    def attend(self, down, meta, kv, x=None):
+        """`forward` from the down projection's output (`project`)."""
+        cfg, N = self.cfg, down.shape[0]
+        q_nope, q_pe, write = self.project(down, meta, kv, x)
         w_uk, w_uv = self.absorption_weights()
-        q = ops.absorb_query(q_nope, q_pe, w_uk, meta.positions, self.inv_freq, self.rope_factor)
+        q = ops.absorb_query(q_nope, q_pe, w_uk, meta.positions, self.inv_freq, self.rope_factor, write)
         o_lat = ops.mla_attention(q.view(meta.B, meta.T, self.heads, cfg.cache_entry_dim), kv, meta.lens_after,
                                   meta.tree_mask, cfg.softmax_scale, cfg.kv_lora_rank)
         o = ops.absorb_output(o_lat.reshape(N, self.heads, cfg.kv_lora_rank), w_uv)
@@ -210,12 +212,18 @@ class DecoderLayer(nn.Module):
         """The residual stream arrives as h + delta (delta: the previous layer's MLP output, or None) so that
         each residual add runs fused with the norm after it. Returns (h, delta) the same way. Unless ranks are
         joined (whose all-reduce takes one sum), a MoE layer's delta is its (routed, shared) pair, which the
-        next norm sums in the same launch (`add_rms_norm`)."""
-        if delta is None:
-            x = ops.rms_norm(h, self.input_layernorm.weight, self.eps)
+        next norm sums in the same launch (`add_rms_norm`). With a q_a projection the input norm's only reader is
+        the q_a/kv_a projection: both run as one op (`norm_linear`)."""
+        if self.self_attn.cfg.q_lora_rank:
+            h, down = norm_linear(delta, h, self.input_layernorm.weight, self.eps, self.self_attn.down_proj_weight)
+            attn = self.self_attn.attend(down, meta, kv)
         else:
-            h, x = add_rms_norm(delta, h, self.input_layernorm.weight, self.eps)
-        attn = self.par.all_reduce(self.self_attn(x, meta, kv))
+            if delta is None:
+                x = ops.rms_norm(h, self.input_layernorm.weight, self.eps)
+            else:
+                h, x = add_rms_norm(delta, h, self.input_layernorm.weight, self.eps)
+            attn = self.self_attn(x, meta, kv)
+        attn = self.par.all_reduce(attn)
         h, x = ops.add_rms_norm(attn, h, self.post_attention_layernorm.weight, self.eps)
         if isinstance(self.mlp, MoE) and not self.par.joined and SUM_SHARED_IN_NORM:
             return h, self.mlp(x, summed=False)
@@ -227,6 +235,15 @@ def add_rms_norm(delta, h, weight, eps):
     if isinstance(delta, tuple):
         return ops.add_rms_norm(delta[0], h, weight, eps, extra=delta[1])
     return ops.add_rms_norm(delta, h, weight, eps)
+
+
+def norm_linear(delta, h, norm_weight, eps, weight):
+    """ops.norm_linear of h + delta (delta: None, a tensor or a MoE's (routed, shared) pair) -> (h, projection)."""
+    if delta is None:
+        return ops.norm_linear(h, norm_weight, eps, weight)
+    if isinstance(delta, tuple):
+        return ops.norm_linear(delta[0], norm_weight, eps, weight, residual=h, extra=delta[1])
+    return ops.norm_linear(delta, norm_weight, eps, weight, residual=h)
 
 
 @dataclass
@@ -297,10 +314,14 @@ class KimiModel(nn.Module):
             if i in hidden_layers:
                 # h + delta, rounded as the next norm does it, in one launch (its normed output is unused)
                 kept[i] = add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[0]
-        h = add_rms_norm(delta, h, self.norm.weight, self.cfg.rms_norm_eps)[1].view(B, T, -1)
-        if logit_rows is not None:
+        eps = self.cfg.rms_norm_eps
+        if logit_rows is None:  # the final norm's only reader is the lm_head: one op
+            logits = norm_linear(delta, h, self.norm.weight, eps, self.lm_head.weight)[1].view(B, T, -1)
+        else:
+            h = add_rms_norm(delta, h, self.norm.weight, eps)[1].view(B, T, -1)
             h = h.gather(1, logit_rows[..., None].expand(-1, -1, h.shape[-1]))
-        logits = self.par.all_gather_last(ops.linear(h, self.lm_head.weight))
+            logits = ops.linear(h, self.lm_head.weight)
+        logits = self.par.all_gather_last(logits)
         hidden = torch.cat([kept[i] for i in hidden_layers], -1).view(B, T, -1) if hidden_layers else None
         return ForwardOutput(logits, hidden)
 

@@ -26,7 +26,7 @@ from model.model import ForwardOutput
 from spec.drafter import DFlashDrafter
 
 DEFAULT_BUCKETS = (0, 8, 16, 32, 64, 128)
-VERIFY_KERNEL_OPS = ("attention", "write_latent", "moe")  # the ops on the verify path that have Triton kernels
+VERIFY_KERNEL_OPS = ("attention", "absorb_query", "moe")  # the ops on the verify path that have Triton kernels
 DRAFT_KERNEL_OPS = ("draft_topk", "tree_build")  # the same for the draft + tree build (their references loop)
 
 

@@ -105,7 +105,7 @@ def sm120_resources():
     (needs real @triton.jit objects: no interpreter)."""
     from triton_kernels.absorb import OUTPUT_TILES, _absorb_output_kernel, _absorb_query_kernel
     from triton_kernels.aot import compile_for
-    from triton_kernels.glue import _head_norm_rope_kernel, _rms_norm_kernel, _rope_kernel, _write_latent_kernel
+    from triton_kernels.glue import _head_norm_rope_kernel, _rms_norm_kernel, _rope_kernel
     from triton_kernels.router import BLOCK_E, LOGITS_TILE, SELECT_WARPS, _logits_kernel, _select_kernel
 
     return [
@@ -114,11 +114,6 @@ def sm120_resources():
         compile_for(_rope_kernel, dict(x_ptr="*bf16", pos_ptr="*i64", freq_ptr="*fp32", out_ptr="*bf16",
                                        stride_xn="i32", stride_xh="i32", H="i32", factor="fp32"),
                     dict(HALF=32, BLOCK_H=64, PDL=True)),
-        compile_for(_write_latent_kernel, dict(ckv_ptr="*bf16", w_ptr="*bf16", pos_ptr="*i64", freq_ptr="*fp32",
-                                               starts_ptr="*i32", kv_ptr="*bf16", q_ptr="*bf16", qw_ptr="*bf16",
-                                               qout_ptr="*bf16", T="i32", Q="i32", stride_ckv="i32", stride_q="i32",
-                                               stride_kb="i64", eps="fp32", factor="fp32"),
-                    dict(R=512, HALF=32, BLOCK_Q=2048, PDL=True), num_warps=8),
         compile_for(_head_norm_rope_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", pos_ptr="*i64", freq_ptr="*fp32",
                                                  out_ptr="*bf16", stride_xn="i32", stride_xh="i32", H="i32", eps="fp32",
                                                  factor="fp32"), dict(HALF=64, BLOCK_H=8, PDL=True)),
@@ -134,8 +129,11 @@ def sm120_resources():
         compile_for(_absorb_query_kernel, dict(qn_ptr="*bf16", qp_ptr="*bf16", w_ptr="*bf16", pos_ptr="*i64",
                                                freq_ptr="*fp32", out_ptr="*bf16", N="i32", H="i32", stride_qn="i32",
                                                stride_qnh="i32", stride_qp="i32", stride_qph="i32", stride_wh="i32",
-                                               stride_wd="i32", factor="fp32"),
-                    dict(DN=128, R=512, HALF=32, BLOCK_N=16, BLOCK_C=64, PDL=True), aligned=True),
+                                               stride_wd="i32", factor="fp32", ckv_ptr="*bf16", lw_ptr="*bf16",
+                                               starts_ptr="*i32", kv_ptr="*bf16", T="i32", stride_ckv="i32",
+                                               stride_kb="i64", eps="fp32"),
+                    dict(DN=128, R=512, HALF=32, BLOCK_N=16, BLOCK_C=64, WRITE=True, LATENT=512, PDL=True),
+                    aligned=True),
         *(compile_for(_absorb_output_kernel, dict(o_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", N="i32", H="i32",
                                                   stride_on="i32", stride_oh="i32", stride_wh="i32", stride_wd="i32"),
                       dict(R=512, DV=128, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_K=block_k, PDL=True),
@@ -177,30 +175,27 @@ def test_add_rms_norm_matches_reference(M, D, dtype, extra, fp32_x):
 
 @requires_triton
 @pytest.mark.parametrize("dtype", kernel_dtypes())
-@pytest.mark.parametrize("Q", [0, 200])
-def test_write_latent_matches_reference(dtype, Q):
-    """Q > 0: the query latent (a width that is not a power of two) is normed in the same launch."""
-    from ops.latent import write_latent_torch
-    from triton_kernels.glue import write_latent
+@pytest.mark.parametrize("B,T", [(3, 5), (2, 20)])
+def test_absorb_query_writes_the_latent_entries(dtype, B, T):
+    """With a LatentWrite the query kernel also writes the new tokens' entries [norm(c) ; rope(k_pe)] (ckv's rows
+    strided, as the model's q_a/kv_a output is; 40 tokens span three query blocks), and nothing else."""
+    from ops.absorb import LatentWrite, absorb_query_torch
+    from triton_kernels.absorb import absorb_query
 
-    B, T, L = 3, 5, 40
-    gen = torch.Generator().manual_seed(7)
-    proj = torch.randn(B * T, 700 + Q, generator=gen).to(dtype).to(DEV)  # rows strided, as the model's
-    q_latent, ckv = proj[:, 100 : 100 + Q], proj[:, 100 + Q : 676 + Q]
+    L, N = 48, B * T
+    gen = torch.Generator().manual_seed(7 + T)
+    ckv = torch.randn(N, 700, generator=gen).to(dtype).to(DEV)[:, 100:676]
     w = torch.rand(512, generator=gen).to(dtype).to(DEV)
-    q_w = torch.rand(Q, generator=gen).to(dtype).to(DEV) if Q else None
-    positions = torch.randint(0, 200000, (B * T,), generator=gen).to(DEV)
+    positions = torch.randint(0, 200000, (N,), generator=gen).to(DEV)
     inv_freq = (1.0 / 10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)).to(DEV)
-    starts = torch.tensor([0, 17, 35], dtype=torch.int32).to(DEV)
+    starts = torch.tensor([0, 17, 25][:B], dtype=torch.int32).to(DEV)
     cache = torch.randn(B, L, 576, generator=gen).to(dtype).to(DEV)
     ref = cache.clone()
-    q_args = (q_latent, q_w) if Q else (None, None)
-    q_out = write_latent(cache, ckv, w, 1e-6, positions, inv_freq, 1.1, starts, *q_args)
-    q_ref = write_latent_torch(ref, ckv, w, 1e-6, positions, inv_freq, 1.1, starts, *q_args)
-    if Q:
-        assert q_out.shape == (B * T, Q) and rel_err(q_out, q_ref) < 5e-3
-    else:
-        assert q_out is None and q_ref is None
+    q = torch.randn(N, 2, 96, generator=gen).to(dtype).to(DEV)
+    w_uk = (torch.randn(2, 32, 128, generator=gen) / 6).to(dtype).to(DEV)
+    args = (q[..., :32], q[..., 32:], w_uk, positions, inv_freq, 1.1)
+    out = absorb_query(*args, LatentWrite(cache, ckv, w, 1e-6, starts))
+    assert rel_err(out, absorb_query_torch(*args, LatentWrite(ref, ckv, w, 1e-6, starts))) < 5e-3
     written = torch.zeros(B, L, dtype=torch.bool)
     for b, s in enumerate(starts.tolist()):
         written[b, s:s + T] = True
@@ -234,16 +229,18 @@ def test_head_norm_rope_rejects_mismatched_shapes():
                            torch.ones(32))
 
 
-def test_write_latent_rejects_a_query_latent_without_its_norm_weight():
+def test_absorb_query_rejects_a_latent_write_that_does_not_fit():
     import ops
 
-    cache, ckv = torch.zeros(1, 4, 576), torch.zeros(2, 576)
-    args = (cache, ckv, torch.ones(512), 1e-6, torch.zeros(2, dtype=torch.int64), torch.ones(32), 1.0,
-            torch.zeros(1, dtype=torch.int32))
-    with pytest.raises(ValueError, match="q_latent"):
-        ops.write_latent(*args, q_latent=torch.zeros(2, 8))
-    with pytest.raises(ValueError, match="q_latent"):
-        ops.write_latent(*args, q_latent=torch.zeros(3, 8), q_norm_weight=torch.ones(8))
+    q, w_uk, positions = torch.zeros(4, 2, 96), torch.zeros(2, 32, 128), torch.zeros(4, dtype=torch.int64)
+    write = ops.LatentWrite(torch.zeros(2, 8, 576), torch.zeros(4, 576), torch.ones(512), 1e-6,
+                            torch.zeros(2, dtype=torch.int32))
+    args = (q[..., :32], q[..., 32:], w_uk, positions, torch.ones(32), 1.0)
+    ops.absorb_query(*args, write)
+    for bad in (write._replace(ckv=torch.zeros(3, 576)), write._replace(starts=torch.zeros(3, dtype=torch.int32)),
+                write._replace(norm_weight=torch.ones(500))):
+        with pytest.raises(ValueError, match="write"):
+            ops.absorb_query(*args, bad)
 
 
 @requires_triton
@@ -280,6 +277,44 @@ def test_mlp_forms_the_activation_in_the_down_projection(M, monkeypatch):
     monkeypatch.setattr(linear, "kernel_config", lambda x, w: cfg if w is down else None)
     monkeypatch.setattr(glue, "_silu_mul_kernel", None)  # launching it would fail
     assert torch.equal(glue.mlp(x, gate_up, down), expected)
+
+
+@requires_triton
+@pytest.mark.parametrize("M,max_d", [(1, None), (1, 64), (3, None)], ids=["fused", "too-wide", "rows"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_linear_fuses_one_row_on_the_gemv(M, max_d, residual, monkeypatch):
+    """One row on a gemv config within NORM_IN_GEMV_MAX_D: one launch of the gemv with the norm prologue (the norm
+    kernels would fail); otherwise the norm kernel then the projection. Both against the torch reference."""
+    from ops.norm import norm_linear_torch
+    from triton_kernels import glue, linear
+
+    dtype, D = kernel_dtypes()[0], 96
+    gen = torch.Generator().manual_seed(M + D)
+    x, r, e = (torch.randn(M, D, generator=gen).to(dtype).to(DEV) for _ in range(3))
+    nw = (1 + torch.randn(D, generator=gen) / 4).to(dtype).to(DEV)
+    w = (torch.randn(40, D, generator=gen) / 10).to(dtype).to(DEV)
+    cfg = linear.Config("gemv", 16, 64, 4, 3, 2) if M == 1 else linear.Config("dot", 32, 64, 4, 4, 2)
+    monkeypatch.setattr(linear, "kernel_config", lambda x, weight: cfg if weight is w else None)
+    monkeypatch.setitem(glue.NORM_IN_GEMV_MAX_D, arch.current(x.device), max_d or D)
+    fused = M == 1 and max_d is None
+    if fused:
+        monkeypatch.setattr(glue, "_rms_norm_kernel", None)
+        monkeypatch.setattr(glue, "_add_rms_norm_kernel", None)
+    args = (x, nw, 1e-6, w) + ((r, e) if residual else ())
+    h, y = glue.norm_linear(*args)
+    h_ref, y_ref = norm_linear_torch(*args)
+    assert torch.equal(h, h_ref) if residual else h is x
+    assert y.shape == (M, 40) and rel_err(y, y_ref) < 1e-2
+
+
+def test_norm_linear_rejects_what_does_not_fit():
+    x, nw, w = torch.zeros(2, 8), torch.ones(8), torch.zeros(4, 8)
+    assert ops.norm_linear(x, nw, 1e-6, w)[1].shape == (2, 4)
+    for args, kw in [((x, torch.ones(7), 1e-6, w), {}), ((x, nw, 1e-6, torch.zeros(4, 6)), {}),
+                     ((x, nw, 1e-6, w.double()), {}), ((x, nw, 1e-6, w), dict(extra=x)),
+                     ((x, nw, 1e-6, w), dict(residual=torch.zeros(3, 8))), ((x[0], nw, 1e-6, w), {})]:
+        with pytest.raises(ValueError, match="norm_linear"):
+            ops.norm_linear(*args, **kw)
 
 
 @requires_triton

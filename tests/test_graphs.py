@@ -21,7 +21,7 @@ _spec = importlib.util.spec_from_file_location("bench_step", Path(__file__).pare
 bench_step = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_step)
 
-TORCH = dict(attention="torch", write_latent="torch", moe="torch", draft_topk="torch", tree_build="torch",
+TORCH = dict(attention="torch", absorb_query="torch", moe="torch", draft_topk="torch", tree_build="torch",
              accept="torch", compact="torch")
 
 
@@ -213,9 +213,9 @@ def test_eligibility(tiny):
     with ops.using(moe="torch"):
         ok, why = eligibility(fake_cuda_model())
         assert not ok and "moe" in why
-    with ops.using(attention="torch", write_latent="torch"):
+    with ops.using(attention="torch", absorb_query="torch"):
         ok, why = eligibility(fake_cuda_model())
-        assert not ok and "attention, write_latent" in why
+        assert not ok and "attention, absorb_query" in why
     assert not eligibility(fake_cuda_model(joined=True))[0]
     chain = torch.ones(3, 3, dtype=torch.bool).tril()
     expect = torch.eye(40, dtype=torch.bool)  # padded rows see themselves only

@@ -111,6 +111,49 @@ def test_linear_kernel_glu_is_the_kernel_on_silu_mul(cfg, M, N, K):
         lk.linear_kernel(act, w, cfg, glu=True)
 
 
+NORM_CASES = [CASES[0], CASES[1], CASES[9], CASES[10]]  # ragged K, pdl (GPU), K under one tile, 3 ragged splits
+
+
+@requires_triton
+@pytest.mark.parametrize("residual,extra,x_fp32", [(False, False, False), (True, False, False), (True, True, True)],
+                         ids=["rms", "add", "add_extra_fp32"])
+@pytest.mark.parametrize("cfg,M,N,K", NORM_CASES, ids=lambda v: v.kind if isinstance(v, lk.Config) else str(v))
+def test_gemv_norm_prologue_is_the_norm_then_the_kernel(cfg, M, N, K, residual, extra, x_fp32):
+    """norm: the gemv computes rms_norm((x (+ extra)) (+ residual)) as it loads x: h as glue's norm kernel stores
+    it, and y the kernel's on the norm kernel's output (bit for bit in the interpreter; on a GPU the rstd's sum
+    runs in another order, so y may move by a last bit)."""
+    from triton_kernels import glue
+
+    dtype = kernel_dtypes()[0]
+    gen = torch.Generator().manual_seed(K + N)
+    x, r, e = (torch.randn(1, K, generator=gen).to(DEV) for _ in range(3))
+    x = x if x_fp32 else x.to(dtype)
+    r, e = r.to(dtype), e.to(dtype)
+    nw = (1 + torch.randn(K, generator=gen) / 4).to(dtype).to(DEV)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(DEV)
+    h_out = torch.empty(1, K, dtype=dtype, device=DEV) if residual else None
+    norm = lk.Norm(nw, 1e-6, r if residual else None, e if extra else None, h_out)
+    y = lk.linear_kernel(x, w, cfg, norm=norm)
+    if residual:
+        h, normed = glue.add_rms_norm(x, r, nw, 1e-6, e if extra else None)
+        assert torch.equal(h_out, h)
+    else:
+        normed = glue.rms_norm(x, nw, 1e-6)
+    chain = lk.linear_kernel(normed, w, cfg)
+    assert y.dtype == dtype and (torch.equal(y, chain) if not y.is_cuda else rel_err(y, chain) < 2e-3)
+    assert rel_err(y, torch.nn.functional.linear(normed.float(), w.float())) < 1e-2
+
+
+def test_norm_prologue_refuses_other_kernels():
+    x, w, nw = torch.randn(1, 8), torch.randn(4, 8), torch.ones(8)
+    for cfg, kw in [(lk.SWAP, {}), (lk.GEMV, dict(raw=True))]:
+        with pytest.raises(ValueError, match="norm prologue"):
+            lk.linear_kernel(x, w, cfg, norm=lk.Norm(nw, 1e-6), **kw)
+    with pytest.raises(ValueError, match="norm prologue"):
+        lk.linear_kernel(torch.randn(1, 2 * lk.NORM_MAX_K), torch.randn(4, 2 * lk.NORM_MAX_K), lk.GEMV,
+                         norm=lk.Norm(torch.ones(2 * lk.NORM_MAX_K), 1e-6))
+
+
 @requires_triton
 def test_linear_kernel_weight_rows_strided():
     """A weight view whose rows are further apart than K (a slice of a wider buffer)."""
@@ -251,9 +294,12 @@ def sm120_resources():
     specs |= {(cfg, M, False, True) for cfg, M in downs if lk.glu_fits(cfg, M, "sm_120")}  # as glue.mlp runs them
     out = []
     for cfg, M, raw, glu in sorted(specs):
-        kernel, signature, constexprs, options = lk.kernel_spec(cfg, M, 7168, 7168, 170, "sm_120", raw, glu)
-        res = compile_for(kernel, signature, constexprs, **options)
-        out.append(dict(config=list(cfg), glu=glu, block_m=constexprs.get("BLOCK_M", 1), **vars(res)))
+        norms = [None] + ([lk.Norm(None, 0, True, True)] if cfg.kind == "gemv" and not raw else [])
+        for norm in norms:  # with glue.norm_linear's prologue: K = the hidden size, residual and extra
+            kernel, signature, constexprs, options = lk.kernel_spec(cfg, M, 7168, 7168, 170, "sm_120", raw, glu, norm)
+            res = compile_for(kernel, signature, constexprs, **options)
+            out.append(dict(config=list(cfg), glu=glu, norm=norm is not None, block_m=constexprs.get("BLOCK_M", 1),
+                            **vars(res)))
     return out
 
 

@@ -18,9 +18,10 @@ def naive_attention(attn, x, meta, kv):
     """The expanded MLA of the paper, causal, in fp32: per-head keys k_nope = W_UK c and scores q_nope.k_nope +
     q_pe.k_pe over the cache entries [c ; k_pe] the absorbed form writes; the head output is W_UV sum_j p_j c_j."""
     cfg, R = attn.cfg, attn.cfg.kv_lora_rank
-    q_nope, q_pe = attn.project(x, meta, kv)
-    q_pe = ops.apply_rope(q_pe, meta.positions, attn.inv_freq, attn.rope_factor)
+    q_nope, q_pe, write = attn.project(ops.linear(x, attn.down_proj_weight), meta, kv, x)
     w_uk, w_uv = attn.absorption_weights()
+    ops.absorb_query(q_nope, q_pe, w_uk, meta.positions, attn.inv_freq, attn.rope_factor, write)  # the entries
+    q_pe = ops.apply_rope(q_pe, meta.positions, attn.inv_freq, attn.rope_factor)
     o_lat = torch.empty(meta.B, meta.T, attn.heads, R)
     causal = torch.ones(meta.T, meta.T, dtype=torch.bool).tril()
     for b, length in enumerate(meta.lens_after.tolist()):

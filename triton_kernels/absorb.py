@@ -1,6 +1,6 @@
 """MLA's absorbed projections as Triton kernels (`ops.absorb`): per-head skinny GEMMs that cuBLAS runs as batched
-GEMMs of a few rows, with the query's RoPE and the [latent ; rope] concatenation folded into the query kernel and
-the head-major output written in place."""
+GEMMs of a few rows, with the query's RoPE, the [latent ; rope] concatenation and the new tokens' cache entries
+folded into the query kernel and the head-major output written in place."""
 
 import math
 
@@ -9,14 +9,18 @@ import triton
 import triton.language as tl
 
 from triton_kernels import arch, pdl
-from triton_kernels.glue import rope_pairs
+from triton_kernels.glue import rope_pairs, write_latent_rows
 
 
 @triton.jit
 def _absorb_query_kernel(qn_ptr, qp_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, N, H, stride_qn, stride_qnh,
-                         stride_qp, stride_qph, stride_wh, stride_wd, factor, DN: tl.constexpr, R: tl.constexpr,
-                         HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                         stride_qp, stride_qph, stride_wh, stride_wd, factor,
+                         ckv_ptr, lw_ptr, starts_ptr, kv_ptr, T, stride_ckv, stride_kb, eps,
+                         DN: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_C: tl.constexpr, WRITE: tl.constexpr = False, LATENT: tl.constexpr = 1,
                          PDL: tl.constexpr = False):
+    """Grid (heads, R / BLOCK_C latent columns, N / BLOCK_N tokens). WRITE: program (0, 0, n) also writes the cache
+    entries of its tokens (`glue.write_latent_rows`, latent width LATENT), with the same positions and rope."""
     pdl.enter(PDL)
     h, pid_c, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -35,6 +39,10 @@ def _absorb_query_kernel(qn_ptr, qp_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, N, H
         angle = pos[:, None] * tl.load(freq_ptr + offs_i)[None, :]  # [BN, HALF]
         rope_pairs(qp_ptr + rows * stride_qp + h * stride_qph + 2 * offs_i[None, :], out_row + R + 2 * offs_i[None, :],
                    angle, factor, n_ok, ty)
+        if WRITE:
+            if h == 0:
+                write_latent_rows(ckv_ptr, lw_ptr, pos_ptr, freq_ptr, starts_ptr, kv_ptr, offs_n, offs_n < N, T,
+                                  stride_ckv, stride_kb, eps, factor, LATENT, HALF)
 
 
 @triton.jit
@@ -68,9 +76,10 @@ def _block_n(N):
     return 16 if N <= 16 else 64
 
 
-def absorb_query(q_nope, q_pe, w_uk, positions, inv_freq, attention_factor):
+def absorb_query(q_nope, q_pe, w_uk, positions, inv_freq, attention_factor, write=None):
     """See `ops.absorb.absorb_query`. q_nope [N, H, dn], q_pe [N, H, dr] (last dims contiguous); w_uk [H, dn, R]
-    (last dim contiguous). dn, R/64 and dr/2 must be powers of two (128, 512, 32 for K2.6)."""
+    (last dim contiguous). dn, R/64 and dr/2 must be powers of two (128, 512, 32 for K2.6). write: an
+    `ops.absorb.LatentWrite`, whose entries the same launch writes (its latent width a power of two)."""
     N, H, dn = q_nope.shape
     R, half = w_uk.shape[2], q_pe.shape[2] // 2
     if q_nope.stride(2) != 1 or q_pe.stride(2) != 1 or w_uk.stride(2) != 1 or R % 64:
@@ -81,9 +90,24 @@ def absorb_query(q_nope, q_pe, w_uk, positions, inv_freq, attention_factor):
         _absorb_query_kernel[(H, R // 64, triton.cdiv(N, block_n))](
             q_nope, q_pe, w_uk, positions, inv_freq.float().contiguous(), out, N, H, q_nope.stride(0),
             q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), w_uk.stride(0), w_uk.stride(1),
-            float(attention_factor), DN=dn, R=R, HALF=half, BLOCK_N=block_n, BLOCK_C=64,
+            float(attention_factor), *_write_args(write, N, q_nope), DN=dn, R=R, HALF=half, BLOCK_N=block_n,
+            BLOCK_C=64, WRITE=write is not None, LATENT=1 if write is None else write.norm_weight.shape[0],
             **pdl.options(q_nope))
     return out
+
+
+def _write_args(write, N, placeholder):
+    """The query kernel's (ckv, norm weight, starts, cache, T, ckv row stride, cache sequence stride, eps) for a
+    LatentWrite (placeholders without one)."""
+    if write is None:
+        return placeholder, placeholder, placeholder, placeholder, 1, 0, 0, 0.0
+    latent = write.norm_weight.shape[0]
+    cache, ckv = write.kv_cache, write.ckv if write.ckv.stride(1) == 1 else write.ckv.contiguous()
+    if latent & (latent - 1) or cache.stride(2) != 1 or cache.stride(1) != cache.shape[2]:
+        raise ValueError(f"absorb_query (triton): the latent width {latent} must be a power of two and each cache "
+                         f"row contiguous [L_max, {cache.shape[2]}]")
+    return (ckv, write.norm_weight, write.starts, cache, N // write.starts.shape[0], ckv.stride(0), cache.stride(0),
+            float(write.eps))
 
 
 def absorb_output(o_lat, w_uv):

@@ -1,5 +1,6 @@
-"""Row-wise kernels of the layer glue, one launch each: RMSNorm (alone or fused with the residual add), interleaved
-RoPE, the latent cache write (norm + rope + store) and SwiGLU's silu(gate) * up.
+"""Row-wise kernels of the layer glue, one launch each: RMSNorm (alone, fused with the residual add, or in the next
+projection's gemv: `norm_linear`), interleaved RoPE, SwiGLU's silu(gate) * up, and the latent cache entries' norm +
+rope + store (`write_latent_rows`, run inside `absorb.absorb_query`'s launch).
 
 The torch references (`ops.norm.rms_norm_torch`, `ops.rope.apply_rope_torch`) launch 8-15 small kernels per
 call; a K2.6 layer ran four norms and two ropes, so under a CUDA graph those launches, not the bytes, set the
@@ -42,8 +43,12 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, D, eps, BLOCK_
     ok = offs < D
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_D]
     w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+    rstd = linear.inv_rms(x, D, eps)
     tl.store(out_ptr + row * stride_out + offs, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _norm_warps(block):
+    return 8 if block >= 4096 else 4
 
 
 def rms_norm(x, weight, eps):
@@ -57,7 +62,7 @@ def rms_norm(x, weight, eps):
     if rows.shape[0]:
         block = triton.next_power_of_2(D)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), D, D, eps, BLOCK_D=block,
-                                           num_warps=8 if block >= 4096 else 4, **pdl.options(x))
+                                           num_warps=_norm_warps(block), **pdl.options(x))
     return out
 
 
@@ -66,18 +71,14 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, e_ptr, w_ptr, h_ptr, out_ptr, D, eps, BLO
                          EXTRA: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_D)
-    ok = offs < D
+    offs = row * D + tl.arange(0, BLOCK_D)
+    ok = tl.arange(0, BLOCK_D) < D
     ty = h_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * D + offs, mask=ok, other=0.0).to(ty).to(tl.float32)  # an fp32 x rounded first
-    if EXTRA:  # x + extra first, rounded as torch's add
-        x = (x + tl.load(e_ptr + row * D + offs, mask=ok, other=0.0).to(tl.float32)).to(ty).to(tl.float32)
-    h = (x + tl.load(r_ptr + row * D + offs, mask=ok, other=0.0).to(tl.float32)).to(ty)  # rounded as torch's add
-    tl.store(h_ptr + row * D + offs, h, mask=ok)
+    h = linear.residual_sum(x_ptr + offs, r_ptr + offs, e_ptr + offs, ok, ty, True, EXTRA)
+    tl.store(h_ptr + offs, h, mask=ok)
     h = h.to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / D + eps)
-    tl.store(out_ptr + row * D + offs, (h * rstd * w).to(ty), mask=ok)
+    w = tl.load(w_ptr + tl.arange(0, BLOCK_D), mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (h * linear.inv_rms(h, D, eps) * w).to(ty), mask=ok)
 
 
 def add_rms_norm(x, residual, weight, eps, extra=None):
@@ -90,9 +91,33 @@ def add_rms_norm(x, residual, weight, eps, extra=None):
     if x.numel():
         block = triton.next_power_of_2(D)
         _add_rms_norm_kernel[(x.numel() // D,)](x, residual, extra, weight, h, out, D, eps, BLOCK_D=block,
-                                                 EXTRA=extra is not x, num_warps=8 if block >= 4096 else 4,
+                                                 EXTRA=extra is not x, num_warps=_norm_warps(block),
                                                  **pdl.options(residual))
     return h, out
+
+
+# Per arch, the widest row whose norm the gemv computes in its prologue (every program sums the whole row alone)
+# rather than the norm kernel in a launch of its own.
+NORM_IN_GEMV_MAX_D = {"sm_90": linear.NORM_MAX_K, "sm_120": linear.NORM_MAX_K}
+
+
+def norm_linear(x, norm_weight, eps, weight, residual=None, extra=None):
+    """See `ops.norm.norm_linear`. x (, residual, extra): [M, D]; norm_weight: [D]; weight: [N, D]. One row on the
+    skinny GEMM's gemv up to NORM_IN_GEMV_MAX_D: the norm in the gemv's prologue (`linear_kernel(norm=...)`: one
+    launch); else the norm kernel, then `linear.linear`."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cfg = linear.kernel_config(x if residual is None else residual, weight)
+    max_d = NORM_IN_GEMV_MAX_D[arch.current(x.device)]
+    if x.shape[0] == 1 and cfg is not None and cfg.kind == "gemv" and x.shape[1] <= max_d:
+        h = x if residual is None else torch.empty_like(residual)
+        args = [t if t is None else t.contiguous() for t in (residual, extra)]
+        y = linear.linear_kernel(x, weight, cfg, norm=linear.Norm(norm_weight, eps, *args, h=h))
+        return h, y
+    if residual is None:
+        return x, linear.linear(rms_norm(x, norm_weight, eps), weight)
+    h, normed = add_rms_norm(x, residual, norm_weight, eps, extra)
+    return h, linear.linear(normed, weight)
 
 
 @triton.jit
@@ -160,58 +185,25 @@ def head_norm_rope(x, norm_weight, eps, positions, inv_freq, attention_factor=1.
 
 
 @triton.jit
-def _write_latent_kernel(ckv_ptr, w_ptr, pos_ptr, freq_ptr, starts_ptr, kv_ptr, q_ptr, qw_ptr, qout_ptr, T, Q,
-                         stride_ckv, stride_q, stride_kb, eps, factor, R: tl.constexpr, HALF: tl.constexpr,
-                         BLOCK_Q: tl.constexpr, PDL: tl.constexpr = False):
-    pdl.enter(PDL)
-    n = tl.program_id(0)
-    b = n // T
-    src = ckv_ptr + n.to(tl.int64) * stride_ckv
-    dst = kv_ptr + b.to(tl.int64) * stride_kb + (tl.load(starts_ptr + b).to(tl.int64) + n % T) * (R + 2 * HALF)
+def write_latent_rows(ckv_ptr, w_ptr, pos_ptr, freq_ptr, starts_ptr, kv_ptr, rows, ok, T, stride_ckv, stride_kb, eps,
+                      factor, R: tl.constexpr, HALF: tl.constexpr):
+    """Cache entries [rms_norm(c) ; rope(k_pe)] of the kv_a projection's rows `rows` [BN] (where ok): row b*T + t
+    goes to kv_ptr's sequence b at starts[b] + t. Rounded to ckv's dtype first (as the references' outputs), then
+    stored in the cache's."""
+    b = rows // T
+    src = ckv_ptr + rows.to(tl.int64)[:, None] * stride_ckv  # [BN, 1]
+    slot = tl.load(starts_ptr + b, mask=ok, other=0).to(tl.int64) + rows % T
+    dst = kv_ptr + b.to(tl.int64)[:, None] * stride_kb + slot[:, None] * (R + 2 * HALF)
     ty = kv_ptr.dtype.element_ty
-    offs = tl.arange(0, R)
-    c = tl.load(src + offs).to(tl.float32)  # [R]
+    src_ty = ckv_ptr.dtype.element_ty
+    offs = tl.arange(0, R)[None, :]
+    c = tl.load(src + offs, mask=ok[:, None], other=0.0).to(tl.float32)  # [BN, R]
     w = tl.load(w_ptr + offs).to(tl.float32)
-    latent = c * (1.0 / tl.sqrt(tl.sum(c * c, 0) / R + eps)) * w
-    tl.store(dst + offs, latent.to(ckv_ptr.dtype.element_ty).to(ty))
-    offs_i = tl.arange(0, HALF)
-    angle = tl.load(pos_ptr + n).to(tl.float32) * tl.load(freq_ptr + offs_i)  # [HALF]
-    # rounded to ckv's dtype first (as the reference's rope output), then stored into the cache's
-    rope_pairs(src + R + 2 * offs_i, dst + R + 2 * offs_i, angle, factor, offs_i < HALF, ckv_ptr.dtype.element_ty)
-    if BLOCK_Q > 0:  # the query latent's norm, [Q] -> qout row n
-        offs_q = tl.arange(0, BLOCK_Q)
-        q = tl.load(q_ptr + n.to(tl.int64) * stride_q + offs_q, mask=offs_q < Q, other=0.0).to(tl.float32)
-        qw = tl.load(qw_ptr + offs_q, mask=offs_q < Q, other=0.0).to(tl.float32)
-        q = q * (1.0 / tl.sqrt(tl.sum(q * q, 0) / Q + eps)) * qw
-        tl.store(qout_ptr + n.to(tl.int64) * Q + offs_q, q.to(qout_ptr.dtype.element_ty), mask=offs_q < Q)
-
-
-def write_latent(kv_cache, ckv, norm_weight, eps, positions, inv_freq, attention_factor, starts, q_latent=None,
-                 q_norm_weight=None):
-    """See `ops.latent.write_latent`: norm + rope + cache write of [B*T, R + P] rows, and the optional query
-    latent's norm, in one launch. R and P/2 must be powers of two (512 and 32 for K2.6)."""
-    R, half = norm_weight.shape[0], inv_freq.shape[0]
-    if R & (R - 1) or half & (half - 1):
-        raise ValueError(f"write_latent (triton): latent {R} and rope pairs {half} must be powers of two")
-    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != kv_cache.shape[2]:
-        raise ValueError("write_latent (triton): each cache row must be contiguous [L_max, R + P]")
-    if ckv.stride(1) != 1:
-        ckv = ckv.contiguous()
-    q_out = None
-    q, qw, Q = ckv, norm_weight, 0  # placeholders when there is no query latent (BLOCK_Q = 0 skips them)
-    if q_latent is not None:
-        q = q_latent if q_latent.stride(1) == 1 else q_latent.contiguous()
-        qw, Q = q_norm_weight, q_latent.shape[1]
-        q_out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
-    block_q = triton.next_power_of_2(Q) if Q else 0
-    if ckv.shape[0]:
-        _write_latent_kernel[(ckv.shape[0],)](ckv, norm_weight, positions, inv_freq.float().contiguous(), starts,
-                                              kv_cache, q, qw, q_out if q_out is not None else ckv,
-                                              ckv.shape[0] // starts.shape[0], Q, ckv.stride(0), q.stride(0),
-                                              kv_cache.stride(0), eps, float(attention_factor), R=R, HALF=half,
-                                              BLOCK_Q=block_q, num_warps=8 if block_q >= 1024 else 4,
-                                              **pdl.options(ckv))
-    return q_out
+    latent = c * (1.0 / tl.sqrt(tl.sum(c * c, 1) / R + eps))[:, None] * w
+    tl.store(dst + offs, latent.to(src_ty).to(ty), mask=ok[:, None])
+    offs_i = tl.arange(0, HALF)[None, :]
+    angle = tl.load(pos_ptr + rows, mask=ok, other=0).to(tl.float32)[:, None] * tl.load(freq_ptr + offs_i)
+    rope_pairs(src + R + 2 * offs_i, dst + R + 2 * offs_i, angle, factor, ok[:, None], src_ty)
 
 
 @triton.jit

@@ -140,6 +140,58 @@ def silu_mul(gate, up):
 
 
 @triton.jit
+def residual_sum(x_ptrs, r_ptrs, e_ptrs, mask, ty: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr):
+    """(x (+ extra)) (+ residual) in ty, each add rounded to ty as torch's separate adds are (an fp32 x rounded to
+    ty first). Without RESIDUAL, x alone in ty. Shared by glue's norm kernels and the gemv's norm prologue."""
+    if mask is None:
+        x = tl.load(x_ptrs).to(ty)
+        if EXTRA:
+            x = (x.to(tl.float32) + tl.load(e_ptrs).to(tl.float32)).to(ty)
+        if RESIDUAL:
+            x = (x.to(tl.float32) + tl.load(r_ptrs).to(tl.float32)).to(ty)
+    else:
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(ty)
+        if EXTRA:
+            x = (x.to(tl.float32) + tl.load(e_ptrs, mask=mask, other=0.0).to(tl.float32)).to(ty)
+        if RESIDUAL:
+            x = (x.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(ty)
+    return x
+
+
+@triton.jit
+def inv_rms(h, D, eps):
+    """1 / sqrt(mean(h^2) + eps) of the fp32 row h [BLOCK_D] (zeros past D)."""
+    return 1.0 / tl.sqrt(tl.sum(h * h, 0) / D + eps)
+
+
+@triton.jit
+def _normed_x(x_ptr, r_ptr, e_ptr, nw_ptr, offs, rstd, ty: tl.constexpr, RESIDUAL: tl.constexpr,
+              EXTRA: tl.constexpr, mask=None):
+    """Columns offs of rms_norm(h) (h: `residual_sum`'s row, rstd its `inv_rms`), rounded as the norm kernels
+    round it."""
+    h = residual_sum(x_ptr + offs, r_ptr + offs, e_ptr + offs, mask, ty, RESIDUAL, EXTRA).to(tl.float32)
+    if mask is None:
+        w = tl.load(nw_ptr + offs).to(tl.float32)
+    else:
+        w = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return (h * rstd * w).to(ty)
+
+
+@triton.jit
+def _norm_prologue(x_ptr, r_ptr, e_ptr, h_ptr, K, eps, store, ty: tl.constexpr, BLOCK_D: tl.constexpr,
+                   RESIDUAL: tl.constexpr, EXTRA: tl.constexpr):
+    """The rstd of the row h = (x (+ extra)) (+ residual) [K], which every program computes alone; with RESIDUAL
+    the program where `store` also writes h to h_ptr (the residual stream's next value)."""
+    offs = tl.arange(0, BLOCK_D)
+    ok = offs < K
+    h = residual_sum(x_ptr + offs, r_ptr + offs, e_ptr + offs, ok, ty, RESIDUAL, EXTRA)
+    if RESIDUAL:
+        if store:
+            tl.store(h_ptr + offs, h, mask=ok)
+    return inv_rms(h.to(tl.float32), K, eps)
+
+
+@triton.jit
 def _load_x(x_ptrs, K, GLU: tl.constexpr, mask=None):
     """x's tile at x_ptrs, or with GLU silu(gate) * up of the [gate ; up] row halves K apart (`silu_mul`)."""
     if mask is None:
@@ -155,27 +207,43 @@ def _load_x(x_ptrs, K, GLU: tl.constexpr, mask=None):
 
 @triton.jit(do_not_specialize=["splits"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, splits, stride_wn,
+                 r_ptr, e_ptr, nw_ptr, h_ptr, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
-                 PDL: tl.constexpr, RAW: tl.constexpr = False, GLU: tl.constexpr = False):
+                 PDL: tl.constexpr, RAW: tl.constexpr = False, GLU: tl.constexpr = False,
+                 NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False, EXTRA: tl.constexpr = False,
+                 BLOCK_D: tl.constexpr = 1):
     """One row: y [1, N] = x [1, K] @ W^T. Grid (N tiles, K splits). RAW: each split's fp32 partial [N] stored
-    at part_ptr + split * N for the caller to sum (no y, no counter). GLU: x is [gate ; up] [1, 2K] (`_load_x`)."""
+    at part_ptr + split * N for the caller to sum (no y, no counter). GLU: x is [gate ; up] [1, 2K] (`_load_x`).
+    NORM: the product is rms_norm(h) @ W^T (norm weight nw_ptr), h = (x (+ extra)) (+ residual) (`residual_sum`):
+    each program computes the row's rstd first, program (0, 0) stores h (with RESIDUAL) at h_ptr."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    ty: tl.constexpr = w_ptr.dtype.element_ty
     # columns past N are clamped, not masked, so the weight loads stay unmasked (pipelined)
     w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn  # [BN, 1]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_start, k_end, k_full = _split_range(split, k_per_split, K, BLOCK_K)
     if PDL:
         _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K)
+    rstd = 0.0
+    if NORM:
+        rstd = _norm_prologue(x_ptr, r_ptr, e_ptr, h_ptr, K, eps, (pid_n == 0) & (split == 0), ty, BLOCK_D,
+                              RESIDUAL, EXTRA)
     for k in tl.range(k_start, k_full, BLOCK_K, num_stages=STAGES):
         w = tl.load(w_rows + k + offs_k[None, :])  # [BN, BK]
-        x = _load_x(x_ptr + k + offs_k, K, GLU)  # [BK]
+        if NORM:
+            x = _normed_x(x_ptr, r_ptr, e_ptr, nw_ptr, k + offs_k, rstd, ty, RESIDUAL, EXTRA)
+        else:
+            x = _load_x(x_ptr + k + offs_k, K, GLU)  # [BK]
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     if not EVEN_K and k_full < k_end:  # a ragged K's masked tail (a separate step: the loop's loads stay unmasked)
         k_ok = k_full + offs_k < k_end
         w = tl.load(w_rows + k_full + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-        x = _load_x(x_ptr + k_full + offs_k, K, GLU, k_ok)
+        if NORM:
+            x = _normed_x(x_ptr, r_ptr, e_ptr, nw_ptr, k_full + offs_k, rstd, ty, RESIDUAL, EXTRA, k_ok)
+        else:
+            x = _load_x(x_ptr + k_full + offs_k, K, GLU, k_ok)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)  # [BN]
     _finish(out, tl.zeros_like(offs_n), offs_n, 1, N, y_ptr, part_ptr, count_ptr, pid_n, split, splits, 4, RAW)
@@ -289,12 +357,27 @@ def config_for(key, M):
     return table.get(M, table[None])
 
 
-def linear_kernel(x, weight, cfg=None, raw=False, glu=False):
+class Norm(NamedTuple):
+    """The gemv's norm prologue (`_gemv_kernel` NORM): x is replaced by rms_norm(h), h = (x (+ extra)) (+ residual),
+    and h (with a residual) is stored into `h`, a tensor of x's shape in the weight's dtype."""
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    extra: torch.Tensor | None = None
+    h: torch.Tensor | None = None
+
+
+NORM_MAX_K = 8192  # the norm prologue holds the whole row in registers: [next power of two of K] a program
+
+
+def linear_kernel(x, weight, cfg=None, raw=False, glu=False, norm=None):
     """The Triton kernel alone (no cuBLAS fallback): x [M, K] (rows may be strided, unit column stride),
     weight [N, K] row-major, 1 <= M <= 128. cfg: a Config (default: `config_for`). Returns [M, N]; with raw the
     K-split fp32 partials [splits, M, N] unsummed, for a caller that sums them in its next launch. glu: x is
     [gate ; up] [M, 2K] and the product is silu(gate) * up @ W^T, the activation formed as the tiles load (the
-    bits of `silu_mul` then this kernel on its output: one launch fewer)."""
+    bits of `silu_mul` then this kernel on its output: one launch fewer). norm: a `Norm`, for the gemv at K <=
+    NORM_MAX_K: the product is rms_norm((x (+ extra)) (+ residual)) @ W^T, each program computing the row's rstd
+    (the norm kernel's launch saved; the rstd's sum may round apart from the norm kernel's, its order differing)."""
     M = x.shape[0]
     N, K = weight.shape
     if (not 1 <= M <= MAX_ROWS or x.shape[1] != (2 if glu else 1) * K or x.stride(1) != 1
@@ -308,9 +391,12 @@ def linear_kernel(x, weight, cfg=None, raw=False, glu=False):
         raise ValueError(f"linear_kernel: the gemv config takes one row, got {M}")
     if glu and not glu_fits(cfg, M, key):
         raise ValueError(f"linear_kernel: {cfg} at {M} rows has no room for the gate and up tiles on {key}")
+    if norm is not None and (cfg.kind != "gemv" or glu or raw or K > NORM_MAX_K):
+        raise ValueError(f"linear_kernel: the norm prologue runs on the gemv alone (no glu, no raw), K <= "
+                         f"{NORM_MAX_K}; got {cfg}, K {K}, glu {glu}, raw {raw}")
     p = plan(cfg, M, N, K, arch.sm_count(x.device), key, glu)
     part = torch.empty(p.splits * M * N if p.splits > 1 or raw else 1, dtype=torch.float32, device=x.device)
-    y = part if raw else torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = part if raw else torch.empty(M, N, dtype=weight.dtype if norm else x.dtype, device=x.device)
     counters = arrival_counters("linear", x.device, p.tiles)
     even_k = K % cfg.block_k == 0
     # PTX prefetch and grid-dependency control (not interpretable): where the table measured it, or on the chain
@@ -318,9 +404,9 @@ def linear_kernel(x, weight, cfg=None, raw=False, glu=False):
     launch = dict(num_warps=cfg.warps, **({"launch_pdl": True} if use_pdl else {}))
     if cfg.kind == "gemv":
         _gemv_kernel[(p.tiles, p.splits)](x, weight, y, part, counters, N, K, p.k_per_split, p.splits,
-                                          weight.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                          EVEN_K=even_k, STAGES=p.stages, PDL=use_pdl, RAW=raw, GLU=glu,
-                                          **launch)
+                                          weight.stride(0), *_norm_args(norm, x), BLOCK_N=cfg.block_n,
+                                          BLOCK_K=cfg.block_k, EVEN_K=even_k, STAGES=p.stages, PDL=use_pdl, RAW=raw,
+                                          GLU=glu, **_norm_constexprs(norm, K), **launch)
     else:
         x_desc, w_desc = _descriptors(x, weight, p.block_m, cfg) if cfg.tma and tma_ok(x, weight) else (None, None)
         _dot_kernel[(p.tiles, p.splits)](x, weight, y, part, counters, M, N, K, p.k_per_split, p.splits,
@@ -332,22 +418,40 @@ def linear_kernel(x, weight, cfg=None, raw=False, glu=False):
     return part.view(p.splits, M, N) if raw else y
 
 
+def _norm_args(norm, x):
+    """The gemv's (r_ptr, e_ptr, nw_ptr, h_ptr, eps) for `norm` (x stands in for the pointers it does not read)."""
+    if norm is None:
+        return x, x, x, x, 0.0
+    residual = x if norm.residual is None else norm.residual
+    extra = x if norm.extra is None else norm.extra
+    return residual, extra, norm.weight, x if norm.h is None else norm.h, float(norm.eps)
+
+
+def _norm_constexprs(norm, K):
+    if norm is None:
+        return dict(NORM=False, RESIDUAL=False, EXTRA=False, BLOCK_D=1)
+    return dict(NORM=True, RESIDUAL=norm.residual is not None, EXTRA=norm.extra is not None,
+                BLOCK_D=triton.next_power_of_2(K))
+
+
 def tma_ok(x, weight):
     """Whether tensor descriptors can cover x and weight: 16-byte aligned bases and row strides."""
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, weight))
 
 
-def kernel_spec(cfg, M, N, K, sms, key, raw=False, glu=False):
+def kernel_spec(cfg, M, N, K, sms, key, raw=False, glu=False, norm=None):
     """(kernel, signature, constexprs, options) of the kernel `linear_kernel` launches under `cfg` for bf16 x [M, K]
     (contiguous; [M, 2K] with glu) and weight [N, K] on `sms` SMs, with programmatic dependent launch as on the GPU,
-    compiled for arch `key` (aot.compile_for)."""
+    compiled for arch `key` (aot.compile_for). norm: a `Norm` whose residual and extra say whether they are given
+    (their values unused)."""
     p = plan(cfg, M, N, K, sms, key, glu)
     signature = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*fp32" if raw else "*bf16", part_ptr="*fp32",
                      count_ptr="*i32", N="i32", K="i32", k_per_split="i32", splits="i32")
     options = dict(arch=key, num_warps=cfg.warps, aligned=True, divisible=("N", "K", "k_per_split"))
     if cfg.kind == "gemv":
+        signature.update(r_ptr="*bf16", e_ptr="*bf16", nw_ptr="*bf16", h_ptr="*bf16", eps="fp32")
         constexprs = dict(stride_wn=K, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-                          STAGES=p.stages, PDL=True, RAW=raw, GLU=glu)
+                          STAGES=p.stages, PDL=True, RAW=raw, GLU=glu, **_norm_constexprs(norm, K))
         return _gemv_kernel, signature, constexprs, options
     signature = dict(signature, M="i32")
     constexprs = dict(stride_xm=2 * K if glu else K, stride_wn=K, BLOCK_M=p.block_m, BLOCK_N=cfg.block_n,
