@@ -443,9 +443,10 @@ def kernel_spec(cfg, M, N, K, sms, key, raw=False, glu=False, norm=None):
     """(kernel, signature, constexprs, options) of the kernel `linear_kernel` launches under `cfg` for bf16 x [M, K]
     (contiguous; [M, 2K] with glu) and weight [N, K] on `sms` SMs, with programmatic dependent launch as on the GPU,
     compiled for arch `key` (aot.compile_for). norm: a `Norm` whose residual and extra say whether they are given
-    (their values unused)."""
+    (their values unused); with extra x is fp32, as a MoE layer's routed sums are."""
     p = plan(cfg, M, N, K, sms, key, glu)
-    signature = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*fp32" if raw else "*bf16", part_ptr="*fp32",
+    x_type = "*fp32" if norm is not None and norm.extra is not None else "*bf16"
+    signature = dict(x_ptr=x_type, w_ptr="*bf16", y_ptr="*fp32" if raw else "*bf16", part_ptr="*fp32",
                      count_ptr="*i32", N="i32", K="i32", k_per_split="i32", splits="i32")
     options = dict(arch=key, num_warps=cfg.warps, aligned=True, divisible=("N", "K", "k_per_split"))
     if cfg.kind == "gemv":
