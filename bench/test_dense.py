@@ -5,6 +5,8 @@ device), M = 1-65 rows, `ops.linear` (the Triton GEMM where `linear`'s table ado
 cuBLAS (`F.linear`). Weights cold in L2: each call reads its own copy, rotating through >= 256 MiB of copies, all
 calls of a case in one CUDA graph (median of 10 replays). Bytes: the weight; FLOPs: 2 M N K.
 
+Norm + projection (`ops.norm_linear`) at one row, fused and as two ops, weights rotated as above.
+
 Glue: the router (scores, grouped top-8), the absorbed query (with its RoPE) and output, the norms and the
 drafter's per-head norm + RoPE at 1-129 rows: 20 calls back to back in one CUDA graph, `do_bench`'s method
 (L2 flushed before each replay), median / 20, so a figure is the op's in-step cost (kernel and launch gap).
@@ -89,6 +91,43 @@ def test_linear(benchmark, ceilings, weights, N, K, M, impl):
                                      for i in range(max(MIN_CALLS, len(copies)))])
     record(benchmark, ceilings, us, f"linear {N}x{K} M={M} {impl}", nbytes=N * K * 2, flops=2 * M * N * K,
            used_by=", ".join(SHAPES[N, K]), rel_err=err)
+    assert err < 1e-2
+
+
+NORM_LINEAR = [(N, K, impl) for N, K in ((2112, 7168), (1536, 1536), (20480, 7168)) for impl in ("fused", "chain")]
+
+
+@pytest.mark.parametrize("N,K,impl", NORM_LINEAR, ids=[f"{N}x{K}-{impl}" for N, K, impl in NORM_LINEAR])
+def test_norm_linear(benchmark, ceilings, weights, N, K, impl):
+    """One row through a norm and the projection that reads it: `ops.norm_linear` (fused: the norm in the gemv's
+    prologue) against the norm kernel then `ops.linear` (chain). At the hidden size as the layer's input norm runs
+    it (a MoE's fp32 routed sums + shared output + residual), at q_a's width as its norm alone."""
+    copies = weights(N, K, 1 if benchmark.disabled else max(2, math.ceil(ROTATE_BYTES / (N * K * 2))))
+    gen = torch.Generator("cuda").manual_seed(N)
+    x, r, e = (torch.randn(1, K, device="cuda", generator=gen) for _ in range(3))
+    nw = (1 + torch.randn(K, device="cuda", generator=gen) / 4).bfloat16()
+    add = K == 7168
+    x, r, e = (x, r.bfloat16(), e.bfloat16()) if add else (x.bfloat16(), None, None)
+
+    def fused(w):
+        return ops.norm_linear(x, nw, 1e-6, w, r, e)[1]
+
+    def chain(w):
+        normed = ops.add_rms_norm(x, r, nw, 1e-6, e)[1] if add else ops.rms_norm(x, nw, 1e-6)
+        return ops.linear(normed, w)
+
+    fn = fused if impl == "fused" else chain
+    with ops.using(linear="triton", norm_linear="triton", add_rms_norm="triton", rms_norm="triton"):
+        out = fn(copies[0])
+        if benchmark.disabled:
+            return
+        with ops.using(norm_linear="torch"):
+            err = rel_err(out, ops.norm_linear(x, nw, 1e-6, copies[0], r, e)[1])
+        us = bench_graph(benchmark, [lambda w=copies[i % len(copies)]: fn(w)
+                                     for i in range(max(MIN_CALLS, len(copies)))])
+    inputs = K * ((4 + 2 + 2 + 2) if add else 2) + K * 2  # x (fp32 with the add), residual, extra, h; norm weight
+    record(benchmark, ceilings, us, f"norm_linear {N}x{K} M=1 {impl}", nbytes=N * K * 2 + inputs, flops=2 * N * K,
+           rel_err=err)
     assert err < 1e-2
 
 
