@@ -199,7 +199,7 @@ def write_latent_rows(ckv_ptr, w_ptr, pos_ptr, freq_ptr, starts_ptr, kv_ptr, row
     offs = tl.arange(0, R)[None, :]
     c = tl.load(src + offs, mask=ok[:, None], other=0.0).to(tl.float32)  # [BN, R]
     w = tl.load(w_ptr + offs).to(tl.float32)
-    latent = c * (1.0 / tl.sqrt(tl.sum(c * c, 1) / R + eps))[:, None] * w
+    latent = c * linear.inv_rms(c, R, eps, 1)[:, None] * w
     tl.store(dst + offs, latent.to(src_ty).to(ty), mask=ok[:, None])
     offs_i = tl.arange(0, HALF)[None, :]
     angle = tl.load(pos_ptr + rows, mask=ok, other=0).to(tl.float32)[:, None] * tl.load(freq_ptr + offs_i)

@@ -159,9 +159,9 @@ def residual_sum(x_ptrs, r_ptrs, e_ptrs, mask, ty: tl.constexpr, RESIDUAL: tl.co
 
 
 @triton.jit
-def inv_rms(h, D, eps):
-    """1 / sqrt(mean(h^2) + eps) of the fp32 row h [BLOCK_D] (zeros past D)."""
-    return 1.0 / tl.sqrt(tl.sum(h * h, 0) / D + eps)
+def inv_rms(h, D, eps, AXIS: tl.constexpr = 0):
+    """1 / sqrt(mean(h^2) + eps) of the fp32 rows of h along AXIS (D values each; zeros past D)."""
+    return 1.0 / tl.sqrt(tl.sum(h * h, AXIS) / D + eps)
 
 
 @triton.jit
