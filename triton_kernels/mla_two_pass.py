@@ -57,7 +57,7 @@ def _scores_kernel(q_ptr, kv_ptr, lens_ptr, mask_ptr, p_ptr, m_ptr, l_ptr, T, ro
     pdl.wait(PDL)
     length = tl.load(lens_ptr + b)
     if pid_n * BLOCK_N < length:
-        # masked loads: clamped rows (as the values pass loads) took 1.1-2x as long here on the proxy
+        # masked loads, not clamped rows as the values pass: 1.1-2x faster here (attention_two_pass_h100.md)
         # (bench/results/attention_two_pass_h100.md)
         n_ok = offs_n < length
         q_rows = q_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 576 + offs_k[None, :]
