@@ -208,27 +208,6 @@ def test_linear_kernel_replays_in_a_cuda_graph():
             assert rel_err(out, ref) < 1e-2
 
 
-@requires_gpu
-@pytest.mark.parametrize("cfg,M,N,K", CASES, ids=lambda v: v.kind if isinstance(v, lk.Config) else str(v))
-def test_whole_prefetch_changes_no_bit(cfg, M, N, K, monkeypatch):
-    """The programs' L2 prefetch of their whole weight range before the wait (the default at these sizes) gives
-    the same bits as the prefetch of the first two tiles: it only warms the cache."""
-    x, w, _ = operands(M, N, K, torch.bfloat16, M + K)
-    whole = lk.linear_kernel(x, w, cfg)
-    monkeypatch.setitem(lk.PREFETCH_WHOLE_L2_SHARE, arch.current(x.device), 0)
-    assert torch.equal(lk.linear_kernel(x, w, cfg), whole)
-
-
-def test_whole_prefetch_takes_weights_within_its_share_of_the_l2(monkeypatch):
-    monkeypatch.setattr(arch, "l2_bytes", lambda device: 1 << 20)
-    key = arch.current("cpu")
-    monkeypatch.setitem(lk.PREFETCH_WHOLE_L2_SHARE, key, 0.5)
-    assert lk.prefetch_whole(torch.empty(256, 1024, dtype=torch.bfloat16))  # 512 KB: half the L2
-    assert not lk.prefetch_whole(torch.empty(257, 1024, dtype=torch.bfloat16))
-    monkeypatch.setitem(lk.PREFETCH_WHOLE_L2_SHARE, key, 0)
-    assert not lk.prefetch_whole(torch.empty(1, 64, dtype=torch.bfloat16))
-
-
 @pytest.mark.parametrize("M,N,K", [(1, 20480, 7168), (33, 2112, 7168), (65, 128, 7168), (9, 1536, 1536)])
 def test_plan(M, N, K):
     """Splits fill about `waves` programs per SM, each a whole number of K tiles; stages fit the budget."""

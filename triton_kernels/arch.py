@@ -127,14 +127,6 @@ def sm_count(device):
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def l2_bytes(device):
-    """Bytes of L2 cache of a CUDA device (of the GPU at hand, also under an override); 0 elsewhere."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.get_device_properties(device).L2_cache_size
-
-
 def shared_limit(arch=None):
     """Bytes of shared memory a block may use on `arch` (None: the arch in force on the current device)."""
     return SHARED_LIMIT[arch or current()]

@@ -112,18 +112,14 @@ def _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, tile, split, splits, RE
 
 
 @triton.jit
-def _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K: tl.constexpr, WHOLE: tl.constexpr):
+def _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K: tl.constexpr):
     """Under programmatic dependent launch the program may start before the previous kernel ends: ask L2 for
-    its weight tiles (constant data, one PTX prefetch per 128-byte line): with WHOLE every [BN, BK] tile of its K
-    range, else the first two. Then wait for the previous grid before anything reads x or writes (y, partials and
-    counters may reuse its memory), then let the next kernel launch (triton_kernels/pdl.py)."""
+    the first two [BN, BK] weight tiles of its K range (constant data, one PTX prefetch per 128-byte line), then
+    wait for the previous grid before anything reads x or writes (y, partials and counters may reuse its
+    memory), then let the next kernel launch (triton_kernels/pdl.py)."""
     lines = tl.arange(0, BLOCK_K // 64) * 64  # [BK / 64] line starts (64 bf16 a line)
-    if WHOLE:
-        for k in range(k_start, k_end, BLOCK_K):
-            pdl.prefetch_l2(w_rows + tl.minimum(k + lines, k_end - 1)[None, :])
-    else:
-        for t in tl.static_range(2):
-            pdl.prefetch_l2(w_rows + tl.minimum(k_start + t * BLOCK_K + lines, k_end - 1)[None, :])
+    for t in tl.static_range(2):
+        pdl.prefetch_l2(w_rows + tl.minimum(k_start + t * BLOCK_K + lines, k_end - 1)[None, :])
     pdl.enter(True)
 
 
@@ -215,7 +211,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, sp
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
                  PDL: tl.constexpr, RAW: tl.constexpr = False, GLU: tl.constexpr = False,
                  NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False, EXTRA: tl.constexpr = False,
-                 BLOCK_D: tl.constexpr = 1, PREFETCH_WHOLE: tl.constexpr = False):
+                 BLOCK_D: tl.constexpr = 1):
     """One row: y [1, N] = x [1, K] @ W^T. Grid (N tiles, K splits). RAW: each split's fp32 partial [N] stored
     at part_ptr + split * N for the caller to sum (no y, no counter). GLU: x is [gate ; up] [1, 2K] (`_load_x`).
     NORM: the product is rms_norm(h) @ W^T (norm weight nw_ptr), h = (x (+ extra)) (+ residual) (`residual_sum`):
@@ -229,7 +225,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, sp
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_start, k_end, k_full = _split_range(split, k_per_split, K, BLOCK_K)
     if PDL:
-        _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K, PREFETCH_WHOLE)
+        _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K)
     rstd = 0.0
     if NORM:
         rstd = _norm_prologue(x_ptr, r_ptr, e_ptr, h_ptr, K, eps, (pid_n == 0) & (split == 0), ty, BLOCK_D,
@@ -267,8 +263,7 @@ def _mma(x, w, acc, SWAP: tl.constexpr):
 def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, splits, stride_xm, stride_wn,
                 x_desc, w_desc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr = False,
-                REDUCE_LOADS: tl.constexpr = 4, RAW: tl.constexpr = False, GLU: tl.constexpr = False,
-                PREFETCH_WHOLE: tl.constexpr = False):
+                REDUCE_LOADS: tl.constexpr = 4, RAW: tl.constexpr = False, GLU: tl.constexpr = False):
     """y [M, N] = x [M, K] @ W^T, M <= BLOCK_M. Grid (N tiles, K splits). TMA: the tiles come through x_desc
     ([BM, BK] blocks of x) and w_desc ([BN, BK] blocks of W), which zero-fill past M, N and K. GLU: x is
     [gate ; up] [M, 2K] (`_load_x`)."""
@@ -286,7 +281,7 @@ def _dot_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split, 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start, k_end, k_full = _split_range(split, k_per_split, K, BLOCK_K)
     if PDL:
-        _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K, PREFETCH_WHOLE)
+        _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K)
     if TMA:  # the padding rows past M cost no traffic: x is about as many bytes as W per program at BM 64
         for k in range(k_start, k_end, BLOCK_K):
             x = x_desc.load([0, k])
@@ -372,17 +367,6 @@ class Norm(NamedTuple):
     h: torch.Tensor | None = None
 
 
-# The share of the L2 that a weight may take for its programs to prefetch all of it (not its first two tiles only)
-# before they wait for the previous kernel; 0: off.
-PREFETCH_WHOLE_L2_SHARE = {"sm_90": 0.5, "sm_120": 0.5}
-
-
-def prefetch_whole(weight):
-    """Whether the programs reading `weight` prefetch all their tiles into L2 before their wait."""
-    share = PREFETCH_WHOLE_L2_SHARE[arch.current(weight.device)]
-    return weight.numel() * weight.element_size() <= share * arch.l2_bytes(weight.device)
-
-
 NORM_MAX_K = 8192  # the norm prologue holds the whole row in registers: [next power of two of K] a program
 
 
@@ -417,8 +401,7 @@ def linear_kernel(x, weight, cfg=None, raw=False, glu=False, norm=None):
     even_k = K % cfg.block_k == 0
     # PTX prefetch and grid-dependency control (not interpretable): where the table measured it, or on the chain
     use_pdl = x.is_cuda and (cfg.pdl or pdl.active(x))
-    launch = dict(num_warps=cfg.warps, PREFETCH_WHOLE=use_pdl and prefetch_whole(weight),
-                  **({"launch_pdl": True} if use_pdl else {}))
+    launch = dict(num_warps=cfg.warps, **({"launch_pdl": True} if use_pdl else {}))
     if cfg.kind == "gemv":
         _gemv_kernel[(p.tiles, p.splits)](x, weight, y, part, counters, N, K, p.k_per_split, p.splits,
                                           weight.stride(0), *_norm_args(norm, x), BLOCK_N=cfg.block_n,
@@ -469,13 +452,12 @@ def kernel_spec(cfg, M, N, K, sms, key, raw=False, glu=False, norm=None):
     if cfg.kind == "gemv":
         signature.update(r_ptr="*bf16", e_ptr="*bf16", nw_ptr="*bf16", h_ptr="*bf16", eps="fp32")
         constexprs = dict(stride_wn=K, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-                          STAGES=p.stages, PDL=True, RAW=raw, GLU=glu, PREFETCH_WHOLE=True,
-                          **_norm_constexprs(norm, K))
+                          STAGES=p.stages, PDL=True, RAW=raw, GLU=glu, **_norm_constexprs(norm, K))
         return _gemv_kernel, signature, constexprs, options
     signature = dict(signature, M="i32")
     constexprs = dict(stride_xm=2 * K if glu else K, stride_wn=K, BLOCK_M=p.block_m, BLOCK_N=cfg.block_n,
                       BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0, SWAP=cfg.kind == "swap", PDL=True, TMA=cfg.tma,
-                      REDUCE_LOADS=reduce_loads(cfg, p.block_m), RAW=raw, GLU=glu, PREFETCH_WHOLE=True)
+                      REDUCE_LOADS=reduce_loads(cfg, p.block_m), RAW=raw, GLU=glu)
     if cfg.tma:
         signature.update(x_desc=f"tensordesc<bf16[{p.block_m}, {cfg.block_k}]>",
                          w_desc=f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>")
