@@ -115,9 +115,9 @@ def _finish(acc, m, n, M, N, y_ptr, part_ptr, count_ptr, tile, split, splits, RE
 def _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K: tl.constexpr):
     """Under programmatic dependent launch the program may start before the previous kernel ends: ask L2 for
     the first two [BN, BK] weight tiles of its K range (constant data, one PTX prefetch per 128-byte line; the whole
-    range made the step 1-2.5% slower: bench/results/one_row_chain_h100.md), then
-    wait for the previous grid before anything reads x or writes (y, partials and counters may reuse its
-    memory), then let the next kernel launch (triton_kernels/pdl.py)."""
+    range made the step 1-2.5% slower: bench/results/one_row_chain_h100.md), then wait for the previous grid
+    before anything reads x or writes (y, partials and counters may reuse its memory), then let the next kernel
+    launch (triton_kernels/pdl.py)."""
     lines = tl.arange(0, BLOCK_K // 64) * 64  # [BK / 64] line starts (64 bf16 a line)
     for t in tl.static_range(2):
         pdl.prefetch_l2(w_rows + tl.minimum(k_start + t * BLOCK_K + lines, k_end - 1)[None, :])
