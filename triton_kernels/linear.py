@@ -141,21 +141,24 @@ def silu_mul(gate, up):
 
 
 @triton.jit
+def _load(ptrs, mask=None):
+    """tl.load of ptrs, masked (zeros elsewhere) where a mask is given; unmasked loads stay pipelined."""
+    if mask is None:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
 def residual_sum(x_ptrs, r_ptrs, e_ptrs, mask, ty: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr):
     """(x (+ extra)) (+ residual) in ty, each add rounded to ty as torch's separate adds are (an fp32 x rounded to
     ty first). Without RESIDUAL, x alone in ty. Shared by glue's norm kernels and the gemv's norm prologue."""
-    if mask is None:
-        x = tl.load(x_ptrs).to(ty)
-        if EXTRA:
-            x = (x.to(tl.float32) + tl.load(e_ptrs).to(tl.float32)).to(ty)
-        if RESIDUAL:
-            x = (x.to(tl.float32) + tl.load(r_ptrs).to(tl.float32)).to(ty)
-    else:
-        x = tl.load(x_ptrs, mask=mask, other=0.0).to(ty)
-        if EXTRA:
-            x = (x.to(tl.float32) + tl.load(e_ptrs, mask=mask, other=0.0).to(tl.float32)).to(ty)
-        if RESIDUAL:
-            x = (x.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(ty)
+    x = _load(x_ptrs, mask).to(ty)
+    if EXTRA:
+        x = (x.to(tl.float32) + _load(e_ptrs, mask).to(tl.float32)).to(ty)
+    if RESIDUAL:
+        x = (x.to(tl.float32) + _load(r_ptrs, mask).to(tl.float32)).to(ty)
     return x
 
 
@@ -171,11 +174,7 @@ def _normed_x(x_ptr, r_ptr, e_ptr, nw_ptr, offs, rstd, ty: tl.constexpr, RESIDUA
     """Columns offs of rms_norm(h) (h: `residual_sum`'s row, rstd its `inv_rms`), rounded as the norm kernels
     round it."""
     h = residual_sum(x_ptr + offs, r_ptr + offs, e_ptr + offs, mask, ty, RESIDUAL, EXTRA).to(tl.float32)
-    if mask is None:
-        w = tl.load(nw_ptr + offs).to(tl.float32)
-    else:
-        w = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return (h * rstd * w).to(ty)
+    return (h * rstd * _load(nw_ptr + offs, mask).to(tl.float32)).to(ty)
 
 
 @triton.jit
@@ -195,14 +194,9 @@ def _norm_prologue(x_ptr, r_ptr, e_ptr, h_ptr, K, eps, store, ty: tl.constexpr, 
 @triton.jit
 def _load_x(x_ptrs, K, GLU: tl.constexpr, mask=None):
     """x's tile at x_ptrs, or with GLU silu(gate) * up of the [gate ; up] row halves K apart (`silu_mul`)."""
-    if mask is None:
-        x = tl.load(x_ptrs)
-        if GLU:
-            x = silu_mul(x, tl.load(x_ptrs + K))
-    else:
-        x = tl.load(x_ptrs, mask=mask, other=0.0)
-        if GLU:
-            x = silu_mul(x, tl.load(x_ptrs + K, mask=mask, other=0.0))
+    x = _load(x_ptrs, mask)
+    if GLU:
+        x = silu_mul(x, _load(x_ptrs + K, mask))
     return x
 
 
