@@ -166,11 +166,6 @@ class MoeTuner:
                 add(f"{name} waves{waves:g}", dict(base, **{name: kernel(k, waves=waves)}))
         if M <= 16:
             add(f"decode {not base.get('decode', False)}", dict(base, decode=not base.get("decode", False)))
-        if base.get("decode", False):  # both GEMMs in one launch, down taking gate/up's launch settings
-            from triton_kernels import moe_decode
-
-            add(f"one launch {not base.get('one_launch', False)}",
-                moe_decode.alike(base) if not base.get("one_launch", False) else dict(base, one_launch=False))
         add(f"pdl {not base.get('pdl', False)}", dict(base, pdl=not base.get("pdl", False)))
         add("BM16" if base["BM"] == 8 else "BM8 swap", dict(base, BM=16) if base["BM"] == 8 else
             dict(base, BM=8, gate_up=kernel(g, swap=True), down=kernel(d, swap=True)))

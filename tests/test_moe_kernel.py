@@ -124,20 +124,17 @@ def test_moe_keep_sums(decode):
 @pytest.mark.parametrize("BM,kmajor,swap,D,I,down", [(8, True, True, 576, 96, dict(BN=32, tiles=2)),
                                                      (16, False, False, 384, 320, dict(BN=64, tiles=3))],
                          ids=["kmajor_bm8", "slab_bm16_down_split"])
-@pytest.mark.parametrize("one_launch", [False, True], ids=["two_launches", "one_launch"])
-def test_moe_decode_sums_are_zeroed_again(BM, kmajor, swap, D, I, down, one_launch):
+def test_moe_decode_sums_are_zeroed_again(BM, kmajor, swap, D, I, down):
     """The decode path's fp32 sums and arrival counters (gate/up split over K's 3 slabs; down's top-k pairs, and
     its 2 slabs split too in the second case) are zero again after each call, so consecutive calls with other
     tokens and routings stay right; a hidden size not a multiple of the 256-wide slab, an intermediate not one
-    of the gate/up tile, several down tiles a program, and a repeated expert. In one launch (moe_decode), its
-    tickets and ready counters too."""
+    of the gate/up tile, several down tiles a program, and a repeated expert."""
     from triton_kernels.counters import arrival_counters
 
     E = 5
     kernel = dict(BN=32 if BM == 16 else 64, waves=8, num_warps=4, num_stages=2, swap=swap, lop3=True,
                   prescale=swap, scales_ahead=True)
-    cfg = {"BM": BM, "kmajor": kmajor, "decode": True, "one_launch": one_launch, "gate_up": kernel,
-           "down": dict(kernel, **down)}
+    cfg = {"BM": BM, "kmajor": kmajor, "decode": True, "gate_up": kernel, "down": dict(kernel, **down)}
     raw = make_experts(E, D, I, seed=8)
     prepared = moe_layout.prepare_moe(*raw, kmajor=kmajor)
     for M, seed in ((3, 8), (1, 9)):
@@ -147,26 +144,6 @@ def test_moe_decode_sums_are_zeroed_again(BM, kmajor, swap, D, I, down, one_laun
         out = moe_w4a16.moe(x, ids, weights, prepared, config=cfg)
         assert rel_err(out, moe_torch(x.float(), ids, weights, PackedExperts(*raw))) < 1e-2, M
         assert not arrival_counters("moe_w4a16", device(), 0).any(), M
-
-
-@pytest.mark.parametrize("change,message", [(dict(decode=False), "decode path"),
-                                            (dict(down=dict(num_warps=8)), "num_warps"),
-                                            (dict(down=dict(maxnreg=128)), "maxnreg")],
-                         ids=["no_decode", "warps", "maxnreg"])
-def test_moe_one_launch_refuses_unlike_configs(change, message):
-    """One kernel has one set of launch settings: `one_launch` refuses an entry whose gate/up and down configs
-    differ on them, and one off the decode path, before any launch; `moe_decode.alike` makes them agree."""
-    from triton_kernels import moe_decode
-
-    kernel = dict(BN=32, waves=8, num_warps=4, num_stages=2)
-    cfg = moe_configs.with_overrides({"BM": 16, "decode": True, "one_launch": True, "gate_up": kernel,
-                                      "down": kernel}, change)
-    raw = make_experts(4, 256, 64, seed=1)
-    ids, weights = make_routing(1, 4, 2, seed=1)
-    with pytest.raises(ValueError, match=message):
-        moe_w4a16.moe(torch.zeros(1, 256, dtype=torch.float16), ids, weights, moe_layout.prepare_moe(*raw), config=cfg)
-    if "decode" not in change:
-        assert moe_decode.apart(moe_decode.alike(cfg)) == []
 
 
 @requires_triton
@@ -441,27 +418,17 @@ GRAPH_OVERRIDES = {"default": {}, "prescale": moe_configs.PRESCALE, "bm16": moe_
                    "mma_v2": moe_configs.MMA_V2, "mma_v2_prescale": moe_configs.MMA_V2_PRESCALE}
 
 
-def graph_entry(cfg, override):
-    """Entry cfg with a GRAPH_OVERRIDES override, or "one_launch": a decode entry in one launch (moe_decode)."""
-    from triton_kernels import moe_decode
-
-    if override == "one_launch":
-        return moe_decode.alike(cfg) if cfg.get("decode", False) else cfg
-    return moe_configs.with_overrides(cfg, GRAPH_OVERRIDES[override])
-
-
 @requires_gpu
-@pytest.mark.parametrize("override", [*GRAPH_OVERRIDES, "one_launch"])
+@pytest.mark.parametrize("override", list(GRAPH_OVERRIDES))
 def test_moe_entries_in_a_graph_gpu(override):
     """The entries of the arch in force (on sm_90: the two-launch decode path with programmatic dependent launch up
-    to M = 4, the device-split gate/up with the persistent down to 33, the routing pass above), as they are, with
-    each override the tables apply (moe_configs), and with the decode entries in one launch, at the TP8 expert
-    shape on 16 experts, M = 1, 3, 24 and 100, eager and replayed three times in a CUDA graph (where launches
-    overlap, and the decode path's sums, counters and tickets must be zero again after each replay), against the
-    fp32 reference."""
+    to M = 4, the device-split gate/up with the persistent down to 33, the routing pass above), as they are and with
+    each override the tables apply (moe_configs), at the TP8 expert shape on 16 experts, M = 1, 3, 24 and 100,
+    eager and replayed three times in a CUDA graph (where launches overlap, and the decode path's sums and counters
+    must be zero again after each replay), against the fp32 reference."""
     raw = make_experts(16, 7168, 256, seed=7)
     for M in (1, 3, 24, 100):
-        cfg = graph_entry(moe_configs.config_for(device(), M), override)
+        cfg = moe_configs.with_overrides(moe_configs.config_for(device(), M), GRAPH_OVERRIDES[override])
         prepared = moe_layout.prepare_moe(*raw, kmajor=cfg.get("kmajor", False))
         ids, weights = make_routing(M, 16, 8, seed=M)
         x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16)
@@ -491,7 +458,6 @@ from triton_kernels import arch, tuning
 os.environ.pop(tuning.ENV_VAR, None)  # the shipped tuned files, whatever file the caller names
 from triton_kernels.aot import compile_for
 from triton_kernels.moe_configs import CONFIGS, config_for
-from triton_kernels.moe_decode import alike
 from triton_kernels.moe_w4a16 import compile_specs
 tables, target = sys.argv[1], sys.argv[2]
 with arch.using(tables):
@@ -499,11 +465,8 @@ with arch.using(tables):
     entries = [(max_m, config_for(torch.device("cpu"), max_m or 1000, intermediate=I), I)
                for max_m, _ in CONFIGS[tables] for I in (256, 2048)]
     tuning.use(None)
-    shipped = [(max_m, cfg, int(I)) for I, rows in (tuning.table("moe", tables) or {}).items()
-               for max_m, cfg in rows if cfg]  # the shipped tuned file's
-    in_force = shipped or entries
-    entries += shipped + [(max_m, alike(cfg), I) for max_m, cfg, I in in_force
-                          if cfg.get("decode") and not cfg.get("one_launch")]  # decode entries in one launch too
+    entries += [(max_m, cfg, int(I)) for I, rows in (tuning.table("moe", tables) or {}).items()
+                for max_m, cfg in rows if cfg]  # the shipped tuned file's
 print(json.dumps([dict(max_m=max_m, I=I, kernel=kernel.__name__, maxnreg=options["maxnreg"],
                        **vars(compile_for(kernel, signature, constexprs, **dict(options, arch=target))))
                   for max_m, cfg, I in entries
@@ -512,16 +475,12 @@ print(json.dumps([dict(max_m=max_m, I=I, kernel=kernel.__name__, maxnreg=options
 
 
 def test_sm120_configs_fit():
-    """Every sm_120 entry (TP8 and EP8 intermediate sizes; the Python table's and the shipped tuned file's; the
-    decode entries in force also in one launch) compiles for sm_120 as the JIT specialises it, within sm_120's
-    shared memory and without spills. Runs in a subprocess: under TRITON_INTERPRET=1 the kernels are interpreter
-    objects that cannot be compiled."""
+    """Every sm_120 entry (TP8 and EP8 intermediate sizes; the Python table's and the shipped tuned file's)
+    compiles for sm_120 as the JIT specialises it, within sm_120's shared memory and without spills. Runs in a
+    subprocess: under TRITON_INTERPRET=1 the kernels are interpreter objects that cannot be compiled."""
     results = compiled_in_child(RESOURCES, "sm_120", "sm_120")
-    tuned = [cfg for rows in (tuning.table("moe", "sm_120") or {}).values() for _, cfg in rows if cfg]
-    one_launch = sum(r["kernel"] == "_decode_moe_kernel" for r in results)
-    assert one_launch >= 2  # the Python table's decode entry at both sizes, at least
-    two_launches = 2 * len(moe_configs.CONFIGS["sm_120"]) + len(tuned) - sum(c.get("one_launch", False) for c in tuned)
-    assert len(results) - one_launch == 2 * two_launches
+    tuned = sum(cfg is not None for rows in (tuning.table("moe", "sm_120") or {}).values() for _, cfg in rows)
+    assert len(results) == 2 * (2 * len(moe_configs.CONFIGS["sm_120"]) + tuned)
     for res in results:
         assert res["shared"] <= arch.SHARED_LIMIT["sm_120"] and res["spill_bytes"] == 0, res
 

@@ -46,25 +46,12 @@ def _tile_scales(s_base, tile, s_row, D, BN: tl.constexpr, EVEN_N: tl.constexpr)
 
 
 @triton.jit
-def prefetch_words(w_base, group, slab, w_row, stride_wn, BN: tl.constexpr, KMAJOR: tl.constexpr,
-                   TILES: tl.constexpr):
-    """Ask L2 for the words of slab `slab` of N tiles TILES * group .. TILES * group + TILES - 1 (PTX prefetch:
-    not interpretable); they do not depend on h, so a program asks for them before it waits for h."""
-    for t in tl.static_range(TILES):
-        if KMAJOR:  # a column's slab: 32 words, one 128-byte line
-            pdl.prefetch_l2(w_base + tile_cols(group * TILES + t, stride_wn, BN, KMAJOR) + slab * _SLAB_WORDS)
-        else:
-            lines = w_base + tile_cols(group * TILES + t, stride_wn, BN, KMAJOR, 32)[None, :]  # [1, BN / 32]
-            prefetch_slab(lines, slab, w_row)
-
-
-@triton.jit
-def down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, pid_n, pid_k, D, I, n_slabs,
-               n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wn, TOP_K: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr, KMAJOR: tl.constexpr,
-               TILES: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr,
-               EVEN_K: tl.constexpr, SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr,
-               ONE_SLAB: tl.constexpr, PDL: tl.constexpr, PRESCALE: tl.constexpr):
+def _down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, pid_n, pid_k, D, I, n_slabs,
+                n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wn, TOP_K: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr, KMAJOR: tl.constexpr,
+                TILES: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr,
+                EVEN_K: tl.constexpr, SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr,
+                ONE_SLAB: tl.constexpr, PDL: tl.constexpr, PRESCALE: tl.constexpr):
     """The work of one `_down_kernel` program: block `rows` [BM] (pair ids `pair`, expert e), N tiles TILES * pid_n
     .. TILES * pid_n + TILES - 1, K split pid_k."""
     DTYPE = h_ptr.dtype.element_ty
@@ -76,7 +63,12 @@ def down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, pid_n, 
     first = pid_k * n_slabs_per_split
     end = tl.minimum(first + n_slabs_per_split, n_slabs)
     if PDL:
-        prefetch_words(w_base, pid_n, first, w_row, stride_wn, BN, KMAJOR, TILES)
+        for t in tl.static_range(TILES):
+            if KMAJOR:  # a column's slab: 32 words, one 128-byte line
+                pdl.prefetch_l2(w_base + tile_cols(pid_n * TILES + t, stride_wn, BN, KMAJOR) + first * _SLAB_WORDS)
+            else:
+                lines = w_base + tile_cols(pid_n * TILES + t, stride_wn, BN, KMAJOR, 32)[None, :]  # [1, BN / 32]
+                prefetch_slab(lines, first, w_row)
         pdl.enter(PDL)  # then the next kernel may launch (it waits for this one)
     last = pid_n * TILES + TILES - 1  # this program's last N tile
     sc_tile = 0  # ONE_SLAB with AHEAD: the scales [BN, 8] of the tile being computed
@@ -108,7 +100,7 @@ def down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, pid_n, 
 
 
 @triton.jit
-def down_sums(sums, y_row, counter, tile0, D, arrivals, BN: tl.constexpr, TILES: tl.constexpr, EVEN_N: tl.constexpr):
+def _down_sums(sums, y_row, counter, tile0, D, arrivals, BN: tl.constexpr, TILES: tl.constexpr, EVEN_N: tl.constexpr):
     """DECODE's reduction over top-k: the last of `arrivals` programs (the token's pairs x K splits) to arrive at
     `counter` reads the token's fp32 sums of N tiles tile0 .. tile0 + TILES - 1 once, writes them to y_row in its
     dtype, and zeroes them and the counter for the next launch (no memset and no cast launch)."""
@@ -134,7 +126,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, counter_ptr, weights_ptr, 
     """out[token, n] += topk_weight * (h @ W_down^T)[slot, n] for block pid 0's rows, N tiles TILES * pid 1 ..
     TILES * pid 1 + TILES - 1 (one after the other), K split pid 2 (layout arguments and SWAP as in
     `_gate_up_kernel`). With DECODE, out is the zeroed fp32 sums [M, D] and the last program of a token's
-    tiles writes y [M, D] (`down_sums`). ONE_SLAB (K within one slab, one split): no K loop, so the tile loop
+    tiles writes y [M, D] (`_down_sums`). ONE_SLAB (K within one slab, one split): no K loop, so the tile loop
     is the innermost and Triton's pipeliner stages tile t + 1's words while tile t is computed; with AHEAD the
     scales of tile t + 1 load during tile t. PDL: launched while the gate/up kernel runs, a program asks L2 for its
     first slab's words (they do not depend on h), then waits for the gate/up kernel before reading h."""
@@ -143,14 +135,14 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, counter_ptr, weights_ptr, 
     if e < 0:
         return
     pair = block_pairs(sorted_ptr, rows, pid_b, BM, DECODE)
-    down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, pid_n, pid_k, D, I, n_slabs,
-               n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wn, TOP_K, BM, BN, False, KMAJOR,
-               TILES, MAGIC, MAGIC_VALUE, WIDE, EVEN_K, SWAP, LOP3, AHEAD, ONE_SLAB, PDL, PRESCALE)
+    _down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, pid_n, pid_k, D, I, n_slabs,
+                n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wn, TOP_K, BM, BN, False, KMAJOR,
+                TILES, MAGIC, MAGIC_VALUE, WIDE, EVEN_K, SWAP, LOP3, AHEAD, ONE_SLAB, PDL, PRESCALE)
     if DECODE:
         token0 = pid_b // TOP_K
-        down_sums(out_ptr + token0 * D, y_ptr + token0 * D,
-                  counter_ptr + token0 * tl.num_programs(1) + pid_n, pid_n * TILES, D, TOP_K * tl.num_programs(2),
-                  BN, TILES, False)
+        _down_sums(out_ptr + token0 * D, y_ptr + token0 * D,
+                   counter_ptr + token0 * tl.num_programs(1) + pid_n, pid_n * TILES, D, TOP_K * tl.num_programs(2),
+                   BN, TILES, False)
 
 
 def down_constexprs(d, BM, top_k, dtype, tiles, slabs, decode, even_k, kmajor, use_pdl, ptx=True):
@@ -191,9 +183,9 @@ def _persistent_down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_pt
     nb = tl.load(nb_ptr)
     for item in range(pid, nb * GROUPS * split, G):
         b, grp, j, rows, e, pair = work_item(item, split, block_expert_ptr, sorted_ptr, GROUPS, BM)
-        down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, grp, j, D, I, n_slabs,
-                   n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wn, TOP_K, BM, BN, EVEN_N, KMAJOR,
-                   TILES, MAGIC, MAGIC_VALUE, WIDE, EVEN_K, SWAP, LOP3, AHEAD, ONE_SLAB, False, PRESCALE)
+        _down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, grp, j, D, I, n_slabs,
+                    n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wn, TOP_K, BM, BN, EVEN_N, KMAJOR,
+                    TILES, MAGIC, MAGIC_VALUE, WIDE, EVEN_K, SWAP, LOP3, AHEAD, ONE_SLAB, False, PRESCALE)
 
 
 def persistent_down_constexprs(d, BM, top_k, dtype, D, tiles, slabs, even_k, kmajor, use_pdl, ptx=True):

@@ -48,44 +48,22 @@ def _gate_up_slabs(w_base, s_base, a_rows, w_cols, s_cols, valid, n_mask, col_ma
 
 
 @triton.jit
-def gate_up_tile(x_ptr, w_ptr, s_ptr, pair, e, tile, split, D, I, n_slabs, n_slabs_per_split, stride_we, stride_se,
-                 w_row, s_row, stride_wn, up_w, up_s, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 KMAJOR: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr,
-                 EVEN_K: tl.constexpr, SWAP: tl.constexpr, LOP3: tl.constexpr, AHEAD: tl.constexpr,
-                 PRESCALE: tl.constexpr):
-    """The gate and up partial tiles [BM, BN] (SWAP: [BN, BM]) of pairs `pair` [BM] (expert e) at N tile `tile` of
-    the intermediate over K split `split`: -> (acc_g, acc_u, the tile's gate columns n [BN], n < I)."""
-    token = tokens_of(pair, TOP_K)
-    n, n_mask, w_cols, s_cols = tile_columns(tile, I, stride_wn, BN, KMAJOR, False)  # gate columns n
-    w_base, s_base = expert_bases(w_ptr, s_ptr, e, stride_we, stride_se)
-    _, col_mask = orient(pair, n_mask, SWAP)
-    first = split * n_slabs_per_split
-    end = tl.minimum(first + n_slabs_per_split, n_slabs)
-    acc_g, acc_u = _gate_up_slabs(w_base, s_base, x_ptr + token * D, w_cols, s_cols, pair >= 0, n_mask, col_mask,
-                                  first, end, D, w_row, s_row, up_w, up_s, BM, BN, MAGIC, MAGIC_VALUE, WIDE,
-                                  x_ptr.dtype.element_ty, EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
-    return acc_g, acc_u, n, n_mask
-
-
-@triton.jit
-def gate_up_sums(acc_g, acc_u, first_row, sums, counter, h_row, n, n_mask, split_k, I, SWAP: tl.constexpr):
+def _gate_up_sums(acc_g, acc_u, first_row, sums, counter, h_row, n, n_mask, split_k, I, SWAP: tl.constexpr):
     """DECODE's split-K epilogue: add the first rows [BN] of the partials acc_g, acc_u [BM, BN] (SWAP: [BN, BM];
     first_row broadcasts to them) into the pair's zeroed fp32 sums [2 I] at columns n [BN]; the last of split_k
     splits to arrive at `counter` reads those sums once, writes h = silu(gate) * up to h_row, and zeroes the sums
-    and the counter for the next launch (no memset: CUDA graphs replay it as is). -> whether this split was last."""
+    and the counter for the next launch (no memset: CUDA graphs replay it as is)."""
     axis: tl.constexpr = 1 if SWAP else 0
     tl.atomic_add(sums + n, tl.sum(tl.where(first_row, acc_g, 0.0), axis), mask=n_mask, sem="relaxed")
     tl.atomic_add(sums + I + n, tl.sum(tl.where(first_row, acc_u, 0.0), axis), mask=n_mask, sem="relaxed")
     tl.debug_barrier()  # every thread's additions precede the arrival that releases them
-    last = tl.atomic_add(counter, 1, sem="acq_rel") == split_k - 1
-    if last:
+    if tl.atomic_add(counter, 1, sem="acq_rel") == split_k - 1:
         g = tl.load(sums + n, mask=n_mask, other=0.0, cache_modifier=".cg")  # [BN]
         u = tl.load(sums + I + n, mask=n_mask, other=0.0, cache_modifier=".cg")
         tl.store(h_row + n, (g / (1.0 + tl.exp(-g)) * u).to(h_row.dtype.element_ty), mask=n_mask)
         tl.store(sums + n, tl.zeros_like(g), mask=n_mask)
         tl.store(sums + I + n, tl.zeros_like(u), mask=n_mask)
         tl.store(counter, 0)
-    return last
 
 
 @triton.jit(do_not_specialize=["n_slabs_per_split", "split_k", "stride_part"])
@@ -113,19 +91,23 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, counter_ptr, sorted_pt
     if e < 0:
         return
     pair = block_pairs(sorted_ptr, rows, pid_b, BM, DECODE)
-    acc_g, acc_u, n, n_mask = gate_up_tile(x_ptr, w_ptr, s_ptr, pair, e, pid_n, pid_k, D, I, n_slabs,
-                                           n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wn, up_w,
-                                           up_s, TOP_K, BM, BN, KMAJOR, MAGIC, MAGIC_VALUE, WIDE, EVEN_K, SWAP, LOP3,
-                                           AHEAD, PRESCALE)
     DTYPE = x_ptr.dtype.element_ty
+    token = tokens_of(pair, TOP_K)
+    n, n_mask, w_cols, s_cols = tile_columns(pid_n, I, stride_wn, BN, KMAJOR, False)  # gate columns n
+    w_base, s_base = expert_bases(w_ptr, s_ptr, e, stride_we, stride_se)
     two_i = 2 * I  # up columns are n + I
     R, C = orient(rows.to(tl.int64), n, SWAP)  # tile indices: [BM, 1], [1, BN] (SWAP: [1, BM], [BN, 1])
     _, col_mask = orient(rows, n_mask, SWAP)
+    first = pid_k * n_slabs_per_split
+    end = tl.minimum(first + n_slabs_per_split, n_slabs)
+    acc_g, acc_u = _gate_up_slabs(w_base, s_base, x_ptr + token * D, w_cols, s_cols, pair >= 0, n_mask, col_mask,
+                                  first, end, D, w_row, s_row, up_w, up_s, BM, BN, MAGIC, MAGIC_VALUE, WIDE, DTYPE,
+                                  EVEN_K, SWAP, LOP3, AHEAD, PRESCALE)
     out = R * I + C  # [BM, BN] (SWAP: [BN, BM])
     if SPLIT and DECODE:
-        gate_up_sums(acc_g, acc_u, R == pid_b * BM, part_ptr + pid_b * two_i,
-                     counter_ptr + pid_b * tl.num_programs(1) + pid_n, h_ptr + (pid_b * BM).to(tl.int64) * I, n,
-                     n_mask, split_k, I, SWAP)
+        _gate_up_sums(acc_g, acc_u, R == pid_b * BM, part_ptr + pid_b * two_i,
+                      counter_ptr + pid_b * tl.num_programs(1) + pid_n, h_ptr + (pid_b * BM).to(tl.int64) * I, n,
+                      n_mask, split_k, I, SWAP)
     elif SPLIT:
         part = part_ptr + pid_k.to(tl.int64) * stride_part + R * two_i + C
         tl.store(part, acc_g, mask=col_mask)

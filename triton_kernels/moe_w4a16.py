@@ -10,8 +10,7 @@ Three launches per `moe` call and a cast, no host synchronisation:
 With a `decode` config (few tokens) there are two launches: no routing pass (block b of the GEMMs holds pair b
 alone), and the K splits of gate/up and the top-k pairs of a token in down add into fp32 sums that stay zeroed
 between calls (`decode_scratch`); the last program to arrive at a tile's counter finishes it (h, or the output
-in x's dtype: no cast) and zeroes the sums and the counter again. With `one_launch` the two GEMMs share one launch
-(`moe_decode.py`).
+in x's dtype: no cast) and zeroes the sums and the counter again.
 The weights' layout: `moe_layout.py`; the configs: `moe_configs.py`.
 """
 
@@ -25,7 +24,6 @@ from triton_kernels import arch, pdl
 from triton_kernels.aot import mma_v2_only
 from triton_kernels.counters import arrival_counters
 from triton_kernels.moe_configs import config_for
-from triton_kernels.moe_decode import SYNC, check_config, decode_moe, decode_spec
 from triton_kernels.moe_down import down, down_spec, persistent_down
 from triton_kernels.moe_gate_up import gate_up, gate_up_spec, planned_gate_up
 from triton_kernels.moe_layout import UNPACK
@@ -98,19 +96,17 @@ def route(topk_ids, scratch, E, BM, capacity, nb_max, use_pdl=False):
 def decode_scratch(device, M, top_k, D, I, gu_tiles, dn_tiles):
     """Zeroed scratch of the decode path, in one buffer that the kernels leave zeroed (counters.arrival_counters,
     owner "moe_w4a16"): gate/up counters [M k, gu_tiles] and down counters [M, dn_tiles] (int32), the pairs'
-    fp32 gate/up sums [M k, 2 I], the tokens' fp32 output sums [M, D] and the one launch's tickets and ready
-    counters [moe_decode.SYNC + M k] (int32). Sized for max(M, DECODE_ROWS) tokens so that the CUDA graphs of the
-    small buckets all capture the same buffer (a larger M grows it)."""
+    fp32 gate/up sums [M k, 2 I] and the tokens' fp32 output sums [M, D]. Sized for max(M, DECODE_ROWS)
+    tokens so that the CUDA graphs of the small buckets all capture the same buffer (a larger M grows it)."""
     def sizes(m):  # each section rounded up to 128 bytes (aligned vector loads)
-        words = (m * top_k * gu_tiles, m * dn_tiles, m * top_k * 2 * I, m * D, SYNC + m * top_k)
-        return [triton.cdiv(n, 32) * 32 for n in words]
+        return [triton.cdiv(n, 32) * 32 for n in (m * top_k * gu_tiles, m * dn_tiles, m * top_k * 2 * I, m * D)]
 
     buf = arrival_counters("moe_w4a16", device, sum(sizes(max(M, DECODE_ROWS))))
     ends = list(itertools.accumulate(sizes(M)))
     gu_counters, dn_counters = buf[: ends[0]], buf[ends[0] : ends[1]]
     sums = buf[ends[1] : ends[2]].view(torch.float32)[: M * top_k * 2 * I].view(M * top_k, 2 * I)
     out = buf[ends[2] : ends[3]].view(torch.float32)[: M * D].view(M, D)
-    return gu_counters, dn_counters, sums, out, buf[ends[3] : ends[4]]
+    return gu_counters, dn_counters, sums, out
 
 
 def k_split(n_slabs, work, sms, waves):
@@ -145,8 +141,6 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
                          f"kmajor={experts.kmajor}")
     g, d = cfg["gate_up"], cfg["down"]
     BM, decode = cfg["BM"], cfg.get("decode", False)
-    if cfg.get("one_launch", False):
-        check_config(cfg)
     nb_max = P if decode else triton.cdiv(P, BM) + min(E, P)
     capacity = nb_max * BM
     sms = arch.sm_count(x.device)
@@ -172,13 +166,8 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
     if decode:  # no routing pass, no memset, no cast: zeroed sums and counters that the kernels zero again
         sorted_pairs = block_expert = topk_ids
         y = torch.empty((M, D), dtype=x.dtype, device=dev)
-        gu_counters, dn_counters, part, out, sync = decode_scratch(dev, M, top_k, D, I, gu_tiles, dn_tiles)
+        gu_counters, dn_counters, part, out = decode_scratch(dev, M, top_k, D, I, gu_tiles, dn_tiles)
         counters = gu_counters
-        if cfg.get("one_launch", False):
-            with mma_v2_only(g.get("mma_v2", False)):
-                decode_moe(x, experts, topk_ids, topk_weights, h, part, gu_counters, out, y, dn_counters, sync, cfg,
-                           ((gu_split, gu_per_split), (dn_split, dn_per_split)), dn_per_cta, ptx, use_pdl)
-            return y
     else:
         n_counters = nb_max * gu_tiles if gu_split > 1 or planned else 0
         scratch = torch.empty(M * D + n_counters, dtype=torch.float32, device=dev)  # zeroed by _route_kernel
@@ -203,9 +192,7 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
 
 
 def compile_specs(cfg, dtype=torch.bfloat16, top_k=8, key="sm_120", D=7168, I=256):
-    """[(kernel, signature, constexprs, options)] of the kernels that `moe` launches under entry `cfg` at hidden D /
-    intermediate I (the two GEMMs, or with `one_launch` the one kernel), compiled for arch `key` as the JIT
-    specialises them: `aot.compile_for(*spec[:3], **spec[3])` reports their resources without a GPU."""
-    if cfg.get("one_launch", False) and cfg.get("decode", False):
-        return [decode_spec(cfg, top_k, dtype, key, D, I)]
+    """[(kernel, signature, constexprs, options)] of the two GEMM kernels that `moe` launches under entry `cfg` at
+    hidden D / intermediate I, compiled for arch `key` as the JIT specialises them: `aot.compile_for(*spec[:3],
+    **spec[3])` reports their resources without a GPU."""
     return [gate_up_spec(cfg, top_k, dtype, key, D, I), down_spec(cfg, top_k, dtype, key, D, I)]

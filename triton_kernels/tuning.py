@@ -228,7 +228,7 @@ _MOE_KERNEL = dict(BN=_int, waves=_num, num_warps=_int, num_stages=_int, maxnreg
                    persistent=_bool)
 _KERNEL_KEYS = ("BN", "waves", "num_warps", "num_stages")
 _OBJECT = _doc(lambda v: isinstance(v, dict), "an object")
-_MOE = dict(BM=_int, kmajor=_bool, decode=_bool, one_launch=_bool, pdl=_bool, gate_up=_OBJECT, down=_OBJECT)
+_MOE = dict(BM=_int, kmajor=_bool, decode=_bool, pdl=_bool, gate_up=_OBJECT, down=_OBJECT)
 _LINEAR = dict(kind=_doc(lambda v: v in ("gemv", "dot", "swap"), '"gemv", "dot" or "swap"'), block_n=_int,
                block_k=_int, warps=_int, stages=_int, waves=_num, pdl=_bool, tma=_bool)
 _TILES = _doc(lambda v: (isinstance(v, list) and len(v) == 5 and all(_int(x) for x in v[:4]) and _bool(v[4])),
