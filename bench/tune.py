@@ -166,9 +166,6 @@ class MoeTuner:
                 add(f"{name} waves{waves:g}", dict(base, **{name: kernel(k, waves=waves)}))
         if M <= 16:
             add(f"decode {not base.get('decode', False)}", dict(base, decode=not base.get("decode", False)))
-        if base.get("decode", False):  # down summing a token's pairs in registers (no sums, atomics or counter)
-            by_token = not d.get("by_token", False)
-            add(f"down by_token {by_token}", dict(base, down=kernel(d, by_token=by_token)))
         add(f"pdl {not base.get('pdl', False)}", dict(base, pdl=not base.get("pdl", False)))
         add("BM16" if base["BM"] == 8 else "BM8 swap", dict(base, BM=16) if base["BM"] == 8 else
             dict(base, BM=8, gate_up=kernel(g, swap=True), down=kernel(d, swap=True)))

@@ -124,20 +124,17 @@ def test_moe_keep_sums(decode):
 @pytest.mark.parametrize("BM,kmajor,swap,D,I,down", [(8, True, True, 576, 96, dict(BN=32, tiles=2)),
                                                      (16, False, False, 384, 320, dict(BN=64, tiles=3))],
                          ids=["kmajor_bm8", "slab_bm16_down_split"])
-@pytest.mark.parametrize("by_token", [False, True], ids=["down_sums", "down_by_token"])
-def test_moe_decode_sums_are_zeroed_again(BM, kmajor, swap, D, I, down, by_token):
+def test_moe_decode_sums_are_zeroed_again(BM, kmajor, swap, D, I, down):
     """The decode path's fp32 sums and arrival counters (gate/up split over K's 3 slabs; down's top-k pairs, and
     its 2 slabs split too in the second case) are zero again after each call, so consecutive calls with other
     tokens and routings stay right; a hidden size not a multiple of the 256-wide slab, an intermediate not one
-    of the gate/up tile, several down tiles a program, and a repeated expert. With down `by_token`, a program
-    sums its token's pairs over both slabs in registers."""
+    of the gate/up tile, several down tiles a program, and a repeated expert."""
     from triton_kernels.counters import arrival_counters
 
     E = 5
     kernel = dict(BN=32 if BM == 16 else 64, waves=8, num_warps=4, num_stages=2, swap=swap, lop3=True,
                   prescale=swap, scales_ahead=True)
-    cfg = {"BM": BM, "kmajor": kmajor, "decode": True, "gate_up": kernel,
-           "down": dict(kernel, **down, by_token=by_token)}
+    cfg = {"BM": BM, "kmajor": kmajor, "decode": True, "gate_up": kernel, "down": dict(kernel, **down)}
     raw = make_experts(E, D, I, seed=8)
     prepared = moe_layout.prepare_moe(*raw, kmajor=kmajor)
     for M, seed in ((3, 8), (1, 9)):
@@ -354,9 +351,6 @@ def test_moe_rejects_config_for_another_layout():
                       config={**cfg, "down": dict(cfg["down"], tiles=3)})
     with pytest.raises(ValueError, match="config for kmajor"):
         moe_w4a16.moe(x, ids, weights, moe_layout.prepare_moe(*raw, kmajor=False), config={**cfg, "kmajor": True})
-    with pytest.raises(ValueError, match="by_token needs the decode path"):
-        moe_w4a16.moe(x, ids, weights, moe_layout.prepare_moe(*raw, kmajor=False),
-                      config={**cfg, "down": dict(cfg["down"], by_token=True)})
 
 
 @requires_triton
@@ -424,28 +418,17 @@ GRAPH_OVERRIDES = {"default": {}, "prescale": moe_configs.PRESCALE, "bm16": moe_
                    "mma_v2": moe_configs.MMA_V2, "mma_v2_prescale": moe_configs.MMA_V2_PRESCALE}
 
 
-def graph_entry(cfg, override):
-    """Entry cfg with a GRAPH_OVERRIDES override, or "by_token": a decode entry's down by token."""
-    if override == "by_token":
-        return moe_configs.with_overrides(cfg, BY_TOKEN) if cfg.get("decode", False) else cfg
-    return moe_configs.with_overrides(cfg, GRAPH_OVERRIDES[override])
-
-
-BY_TOKEN = dict(down=dict(by_token=True))
-
-
 @requires_gpu
-@pytest.mark.parametrize("override", [*GRAPH_OVERRIDES, "by_token"])
+@pytest.mark.parametrize("override", list(GRAPH_OVERRIDES))
 def test_moe_entries_in_a_graph_gpu(override):
     """The entries of the arch in force (on sm_90: the two-launch decode path with programmatic dependent launch up
-    to M = 4, the device-split gate/up with the persistent down to 33, the routing pass above), as they are, with
-    each override the tables apply (moe_configs), and with the decode entries' down by token, at the TP8 expert
-    shape on 16 experts, M = 1, 3, 24 and 100, eager and replayed three times in a CUDA graph (where launches
-    overlap, and the decode path's sums and counters must be zero again after each replay), against the fp32
-    reference."""
+    to M = 4, the device-split gate/up with the persistent down to 33, the routing pass above), as they are and with
+    each override the tables apply (moe_configs), at the TP8 expert shape on 16 experts, M = 1, 3, 24 and 100,
+    eager and replayed three times in a CUDA graph (where launches overlap, and the decode path's sums and counters
+    must be zero again after each replay), against the fp32 reference."""
     raw = make_experts(16, 7168, 256, seed=7)
     for M in (1, 3, 24, 100):
-        cfg = graph_entry(moe_configs.config_for(device(), M), override)
+        cfg = moe_configs.with_overrides(moe_configs.config_for(device(), M), GRAPH_OVERRIDES[override])
         prepared = moe_layout.prepare_moe(*raw, kmajor=cfg.get("kmajor", False))
         ids, weights = make_routing(M, 16, 8, seed=M)
         x = torch.randn(M, 7168, device="cuda").to(torch.bfloat16)
@@ -474,7 +457,7 @@ import torch
 from triton_kernels import arch, tuning
 os.environ.pop(tuning.ENV_VAR, None)  # the shipped tuned files, whatever file the caller names
 from triton_kernels.aot import compile_for
-from triton_kernels.moe_configs import CONFIGS, config_for, with_overrides
+from triton_kernels.moe_configs import CONFIGS, config_for
 from triton_kernels.moe_w4a16 import compile_specs
 tables, target = sys.argv[1], sys.argv[2]
 with arch.using(tables):
@@ -482,11 +465,8 @@ with arch.using(tables):
     entries = [(max_m, config_for(torch.device("cpu"), max_m or 1000, intermediate=I), I)
                for max_m, _ in CONFIGS[tables] for I in (256, 2048)]
     tuning.use(None)
-    shipped = [(max_m, cfg, int(I)) for I, rows in (tuning.table("moe", tables) or {}).items()
-               for max_m, cfg in rows if cfg]  # the shipped tuned file's
-    by_token = dict(down=dict(by_token=True))  # the decode entries in force with down by token too
-    entries += shipped + [(max_m, with_overrides(cfg, by_token), I) for max_m, cfg, I in shipped or entries
-                          if cfg.get("decode") and not cfg["down"].get("by_token")]
+    entries += [(max_m, cfg, int(I)) for I, rows in (tuning.table("moe", tables) or {}).items()
+                for max_m, cfg in rows if cfg]  # the shipped tuned file's
 print(json.dumps([dict(max_m=max_m, I=I, kernel=kernel.__name__, maxnreg=options["maxnreg"],
                        **vars(compile_for(kernel, signature, constexprs, **dict(options, arch=target))))
                   for max_m, cfg, I in entries
@@ -495,15 +475,12 @@ print(json.dumps([dict(max_m=max_m, I=I, kernel=kernel.__name__, maxnreg=options
 
 
 def test_sm120_configs_fit():
-    """Every sm_120 entry (TP8 and EP8 intermediate sizes; the Python table's and the shipped tuned file's; the
-    decode entries in force also with down by token) compiles for sm_120 as the JIT specialises it, within
-    sm_120's shared memory and without spills. Runs in a subprocess: under TRITON_INTERPRET=1 the kernels are
-    interpreter objects that cannot be compiled."""
+    """Every sm_120 entry (TP8 and EP8 intermediate sizes; the Python table's and the shipped tuned file's)
+    compiles for sm_120 as the JIT specialises it, within sm_120's shared memory and without spills. Runs in a
+    subprocess: under TRITON_INTERPRET=1 the kernels are interpreter objects that cannot be compiled."""
     results = compiled_in_child(RESOURCES, "sm_120", "sm_120")
     tuned = sum(cfg is not None for rows in (tuning.table("moe", "sm_120") or {}).values() for _, cfg in rows)
-    by_token = sum(r["kernel"] == "_down_by_token_kernel" for r in results)
-    assert by_token >= 2  # the decode entry in force at both sizes, at least
-    assert len(results) == 2 * (2 * len(moe_configs.CONFIGS["sm_120"]) + tuned + by_token)
+    assert len(results) == 2 * (2 * len(moe_configs.CONFIGS["sm_120"]) + tuned)
     for res in results:
         assert res["shared"] <= arch.SHARED_LIMIT["sm_120"] and res["spill_bytes"] == 0, res
 

@@ -2,14 +2,13 @@
 
 An entry: BM (token rows a block: the MMA's M, padded to 16, or with `swap` its N, padded to 8), `kmajor` (the
 weight layout it expects, moe_layout), `decode` (no routing pass: a block per (token, expert) pair, split-K and
-top-k sums the kernels zero again), `pdl` (programmatic dependent launch of the routing pass and the GEMMs), and per
-kernel (`gate_up`, `down`): BN (N tile), waves (K splits aim at about waves x SMs programs, from the expected number
-of experts touched), num_warps, num_stages, `maxnreg` (register cap), `swap` (transposed tiles: weights as the MMA's
-M operand), `lop3` (dequantisation by one PTX lop3), `scales_ahead` (a slab's scales loaded a slab early),
+top-k sums the kernels zero again), `pdl` (programmatic dependent launch of the routing pass and the GEMMs), and
+per kernel (`gate_up`, `down`): BN (N tile), waves (K splits aim at about waves x SMs programs, from the expected
+number of experts touched), num_warps, num_stages, `maxnreg` (register cap), `swap` (transposed tiles: weights as
+the MMA's M operand), `lop3` (dequantisation by one PTX lop3), `scales_ahead` (a slab's scales loaded a slab early),
 `prescale` (weights scaled before the MMA), `mma_v2` (dots compiled to mma.sync, not wgmma); gate/up only:
 `device_split` (persistent grid, K split chosen on the device from the blocks the routing pass filled); down only:
-`tiles` (N tiles a program, one after the other), `persistent` (persistent grid over the filled blocks), `by_token`
-(decode: a program sums a token's k pairs in registers, one N tile).
+`tiles` (N tiles a program, one after the other), `persistent` (persistent grid over the filled blocks).
 """
 
 import functools

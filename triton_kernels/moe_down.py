@@ -46,19 +46,6 @@ def _tile_scales(s_base, tile, s_row, D, BN: tl.constexpr, EVEN_N: tl.constexpr)
 
 
 @triton.jit
-def _prefetch_words(w_base, group, slab, w_row, stride_wn, BN: tl.constexpr, KMAJOR: tl.constexpr,
-                    TILES: tl.constexpr):
-    """Ask L2 for the words of slab `slab` of N tiles TILES * group .. TILES * group + TILES - 1 (PTX prefetch: a
-    program launched with PDL asks for them before it waits, since they do not depend on h)."""
-    for t in tl.static_range(TILES):
-        if KMAJOR:  # a column's slab: 32 words, one 128-byte line
-            pdl.prefetch_l2(w_base + tile_cols(group * TILES + t, stride_wn, BN, KMAJOR) + slab * _SLAB_WORDS)
-        else:
-            lines = w_base + tile_cols(group * TILES + t, stride_wn, BN, KMAJOR, 32)[None, :]  # [1, BN / 32]
-            prefetch_slab(lines, slab, w_row)
-
-
-@triton.jit
 def _down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, pid_n, pid_k, D, I, n_slabs,
                 n_slabs_per_split, stride_we, stride_se, w_row, s_row, stride_wn, TOP_K: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr, KMAJOR: tl.constexpr,
@@ -76,7 +63,12 @@ def _down_block(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, pair, e, rows, pid_n,
     first = pid_k * n_slabs_per_split
     end = tl.minimum(first + n_slabs_per_split, n_slabs)
     if PDL:
-        _prefetch_words(w_base, pid_n, first, w_row, stride_wn, BN, KMAJOR, TILES)
+        for t in tl.static_range(TILES):
+            if KMAJOR:  # a column's slab: 32 words, one 128-byte line
+                pdl.prefetch_l2(w_base + tile_cols(pid_n * TILES + t, stride_wn, BN, KMAJOR) + first * _SLAB_WORDS)
+            else:
+                lines = w_base + tile_cols(pid_n * TILES + t, stride_wn, BN, KMAJOR, 32)[None, :]  # [1, BN / 32]
+                prefetch_slab(lines, first, w_row)
         pdl.enter(PDL)  # then the next kernel may launch (it waits for this one)
     last = pid_n * TILES + TILES - 1  # this program's last N tile
     sc_tile = 0  # ONE_SLAB with AHEAD: the scales [BN, 8] of the tile being computed
@@ -174,67 +166,6 @@ def down(h, experts, out, y, counters, topk_weights, sorted_pairs, block_expert,
         **launch_options(d, use_pdl))
 
 
-@triton.jit
-def _down_by_token_kernel(h_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, ids_ptr, D, I, n_slabs, stride_we, stride_se,
-                          w_row, s_row, stride_wn, TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          KMAJOR: tl.constexpr, MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, WIDE: tl.constexpr,
-                          EVEN_K: tl.constexpr, SWAP: tl.constexpr, LOP3: tl.constexpr, PDL: tl.constexpr = False,
-                          PRESCALE: tl.constexpr = False, MMA_V2: tl.constexpr = False):
-    """The decode path's down by token (`by_token`): y[token, n] = the sum over the token's TOP_K pairs of
-    topk_weight x (h W_down^T)[pair, n], for token pid 0 and N tile pid 1, summed in registers: no fp32 sums,
-    atomics or arrival counter. One loop over (pair, slab), so Triton pipelines the words and h of the next pair
-    while this one computes; each iteration's scales load an iteration early. Pair b's h is row b BM of h. PDL: a
-    program asks L2 for its pairs' first slabs of words before it waits for gate/up."""
-    token, tile = tl.program_id(0), tl.program_id(1)
-    n, n_mask, w_cols, s_cols = tile_columns(tile, D, stride_wn, BN, KMAJOR, False)  # hidden columns n
-    lane = tl.arange(0, BM)
-    first_row, col_mask = orient(lane == 0, n_mask, SWAP)
-    pair0 = token * TOP_K
-    if PDL:
-        for choice in tl.static_range(TOP_K):
-            w_base = expert_bases(w_ptr, s_ptr, tl.load(ids_ptr + pair0 + choice), stride_we, stride_se)[0]
-            _prefetch_words(w_base, tile, 0, w_row, stride_wn, BN, KMAJOR, 1)
-        pdl.enter(PDL)
-    steps = TOP_K * n_slabs
-    sc = slab_scales(expert_bases(w_ptr, s_ptr, tl.load(ids_ptr + pair0), stride_we, stride_se)[1], s_cols, 0, s_row,
-                     n_mask)  # [BN, 8]: the scales of step j
-    total = acc_zeros(BM, BN, SWAP)
-    for j in range(steps):
-        pair, slab = pair0 + j // n_slabs, j % n_slabs
-        w_base, s_base = expert_bases(w_ptr, s_ptr, tl.load(ids_ptr + pair), stride_we, stride_se)
-        ahead = tl.minimum(j + 1, steps - 1)
-        s_ahead = expert_bases(w_ptr, s_ptr, tl.load(ids_ptr + pair0 + ahead // n_slabs), stride_we, stride_se)[1]
-        sc_next = slab_scales(s_ahead, s_cols, ahead % n_slabs, s_row, n_mask)
-        w_ptrs, a_ptrs, s_ptrs, k = slab_ptrs(w_base, s_base, h_ptr + (pair * BM + lane).to(tl.int64) * I, w_cols,
-                                              s_cols, slab, w_row, s_row, SWAP)
-        w0, w1 = load_slab(w_ptrs, w_row, col_mask)  # [16, BN] each (SWAP: [BN, 16])
-        part = slab_dot(acc_zeros(BM, BN, SWAP), a_ptrs, lane == 0, k, I, w0, w1, s_ptrs, n_mask, s_row, sc, MAGIC,
-                        MAGIC_VALUE, WIDE, h_ptr.dtype.element_ty, EVEN_K, SWAP, LOP3, True, PRESCALE)
-        total += part * tl.load(weights_ptr + pair)
-        sc = sc_next
-    y = tl.sum(tl.where(first_row, total, 0.0), 1 if SWAP else 0)  # [BN]: row 0, the only valid one
-    tl.store(y_ptr + token * D + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
-
-
-def down_by_token_constexprs(d, BM, top_k, dtype, even_k, kmajor, use_pdl, ptx=True):
-    """The constexprs of `_down_by_token_kernel` under down config d (its scales always a step ahead)."""
-    f = flags(d, ptx)
-    return dict(TOP_K=top_k, BM=BM, BN=d["BN"], KMAJOR=kmajor, **UNPACK[dtype], EVEN_K=even_k, SWAP=f["SWAP"],
-                LOP3=f["LOP3"], PDL=use_pdl, PRESCALE=f["PRESCALE"], MMA_V2=f["MMA_V2"])
-
-
-def down_by_token(h, experts, y, topk_ids, topk_weights, d, BM, ptx, use_pdl):
-    """Launch `_down_by_token_kernel` (down config d with `by_token`) over the M tokens x the hidden size's N
-    tiles: y [M, D] in its dtype from h (pair b's in row b BM)."""
-    (M, D), I = y.shape, experts.intermediate
-    layout = layout_args(experts.down, experts.down_scale, experts.kmajor)
-    _down_by_token_kernel[(M, triton.cdiv(D, d["BN"]))](
-        h, experts.down, experts.down_scale, y, topk_weights, topk_ids, D, I, experts.down_slabs,
-        experts.down.stride(0), experts.down_scale.stride(0), **layout,
-        **down_by_token_constexprs(d, BM, topk_ids.shape[1], y.dtype, I % SLAB == 0, experts.kmajor, use_pdl, ptx),
-        **launch_options(d, use_pdl))
-
-
 @triton.jit(do_not_specialize=["n_slabs_per_split", "split"])
 def _persistent_down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, nb_ptr,
                             D, I, n_slabs, n_slabs_per_split, split, stride_we, stride_se, w_row, s_row, stride_wn,
@@ -290,12 +221,7 @@ def down_spec(cfg, top_k, dtype, key, D, I):
     slabs, tiles = triton.cdiv(I, SLAB), d.get("tiles", 1)
     x = SIGNATURE_DTYPES[dtype]
     signature = dict(h_ptr=f"*{x}", w_ptr="*i32", s_ptr="*bf16", out_ptr="*fp32")
-    if d.get("by_token", False) and decode:
-        kernel = _down_by_token_kernel
-        signature = dict(h_ptr=f"*{x}", w_ptr="*i32", s_ptr="*bf16", y_ptr=f"*{x}", weights_ptr="*fp32",
-                         ids_ptr="*i32", D="i32", I="i32", n_slabs="i32")
-        constexprs = down_by_token_constexprs(d, BM, top_k, dtype, I % SLAB == 0, kmajor, use_pdl)
-    elif d.get("persistent", False) and not decode:
+    if d.get("persistent", False) and not decode:
         kernel = _persistent_down_kernel
         signature.update(weights_ptr="*fp32", sorted_ptr="*i32", block_expert_ptr="*i32", nb_ptr="*i32", D="i32",
                          I="i32", n_slabs="i32", n_slabs_per_split="i32", split="i32")

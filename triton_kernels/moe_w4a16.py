@@ -10,8 +10,7 @@ Three launches per `moe` call and a cast, no host synchronisation:
 With a `decode` config (few tokens) there are two launches: no routing pass (block b of the GEMMs holds pair b
 alone), and the K splits of gate/up and the top-k pairs of a token in down add into fp32 sums that stay zeroed
 between calls (`decode_scratch`); the last program to arrive at a tile's counter finishes it (h, or the output
-in x's dtype: no cast) and zeroes the sums and the counter again. With down `by_token` a down program sums a
-token's k pairs in registers and writes the output: no down sums or counters.
+in x's dtype: no cast) and zeroes the sums and the counter again.
 The weights' layout: `moe_layout.py`; the configs: `moe_configs.py`.
 """
 
@@ -25,7 +24,7 @@ from triton_kernels import arch, pdl
 from triton_kernels.aot import mma_v2_only
 from triton_kernels.counters import arrival_counters
 from triton_kernels.moe_configs import config_for
-from triton_kernels.moe_down import down, down_by_token, down_spec, persistent_down
+from triton_kernels.moe_down import down, down_spec, persistent_down
 from triton_kernels.moe_gate_up import gate_up, gate_up_spec, planned_gate_up
 from triton_kernels.moe_layout import UNPACK
 
@@ -142,8 +141,6 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
                          f"kmajor={experts.kmajor}")
     g, d = cfg["gate_up"], cfg["down"]
     BM, decode = cfg["BM"], cfg.get("decode", False)
-    if d.get("by_token", False) and not decode:
-        raise ValueError("moe (triton): down by_token needs the decode path (decode: true)")
     nb_max = P if decode else triton.cdiv(P, BM) + min(E, P)
     capacity = nb_max * BM
     sms = arch.sm_count(x.device)
@@ -185,9 +182,7 @@ def moe(x, topk_ids, topk_weights, experts, keep_sums=False, config=None):
             gate_up(x, experts, h, part, counters, sorted_pairs, block_expert, g, BM, top_k, nb_max, gu_split,
                     gu_per_split, decode, ptx, use_pdl)
     with mma_v2_only(d.get("mma_v2", False)):
-        if decode and d.get("by_token", False):
-            down_by_token(h, experts, y, topk_ids, topk_weights, d, BM, ptx, use_pdl)
-        elif not decode and d.get("persistent", False):
+        if not decode and d.get("persistent", False):
             persistent_down(h, experts, out, topk_weights, sorted_pairs, block_expert, nb, d, BM, top_k, dn_per_cta,
                             dn_split, dn_per_split, x.dtype, ptx, use_pdl)
         else:

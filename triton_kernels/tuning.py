@@ -225,7 +225,7 @@ def _doc(check, doc):
 
 _MOE_KERNEL = dict(BN=_int, waves=_num, num_warps=_int, num_stages=_int, maxnreg=_optional(_int), swap=_bool,
                    lop3=_bool, scales_ahead=_bool, prescale=_bool, mma_v2=_bool, device_split=_bool, tiles=_int,
-                   persistent=_bool, by_token=_bool)
+                   persistent=_bool)
 _KERNEL_KEYS = ("BN", "waves", "num_warps", "num_stages")
 _OBJECT = _doc(lambda v: isinstance(v, dict), "an object")
 _MOE = dict(BM=_int, kmajor=_bool, decode=_bool, pdl=_bool, gate_up=_OBJECT, down=_OBJECT)
