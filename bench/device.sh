@@ -2,7 +2,7 @@
 # One device call: bash bench/device.sh PART[:SECONDS] ...   (parts run in the order given, each bounded)
 #   tests:360     every GPU test (12 xdist workers, the 25 slowest listed; the CPU-only compile checks and
 #                 multi-process tests are CI's: TEST_FILTER overrides the -k expression). The suite takes about
-#                 320 s on an H100 (93% of it in 285 s: bench/results/gpu_tests_h100.log)
+#                 270 s on an H100 with the server's wheels installed (bench/results/gpu_tests_h100.log)
 #   warm:90       each sweep case once in 8 processes, no timing: fills Triton's cache for the timed run
 #   sweeps:210    the four sweeps (`pytest bench --benchmark-json`), rendered; or one alone: moe:90, attention:90,
 #                 tree:60, dense:60
