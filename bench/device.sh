@@ -2,7 +2,9 @@
 # One device call: bash bench/device.sh PART[:SECONDS] ...   (parts run in the order given, each bounded)
 #   tests:360     every GPU test (12 xdist workers, the 25 slowest listed; the CPU-only compile checks and
 #                 multi-process tests are CI's: TEST_FILTER overrides the -k expression). The suite takes about
-#                 270 s on an H100 with the server's wheels installed (bench/results/gpu_tests_h100.log)
+#                 270 s on an H100 (bench/results/gpu_tests_h100.log). The server's tests need its wheels: a call
+#                 that carries .whl/ (wheels of fastapi, uvicorn, openai and what they need, for the GPU
+#                 image's Python) has them installed first
 #   warm:90       each sweep case once in 8 processes, no timing: fills Triton's cache for the timed run
 #   sweeps:210    the four sweeps (`pytest bench --benchmark-json`), rendered; or one alone: moe:90, attention:90,
 #                 tree:60, dense:60
@@ -31,6 +33,10 @@ mkdir -p "$R/new" "$R/old" "$R/results"
 TEST_FILTER=${TEST_FILTER:-"not sm120 and not sm90 and not two_gloo and not torchrun"}
 STEP_ARGS=${STEP_ARGS:-"--contexts 4096 --buckets 0,8,16,32,64,128 --iters 10"}
 python -m pip install --no-deps --no-build-isolation -e . >"$R/pip.log" 2>&1 || export PYTHONPATH="$PWD/src:$PWD"
+if compgen -G ".whl/*.whl" >/dev/null; then  # the server's wheels (fastapi, uvicorn, openai: not in the GPU image)
+  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >>"$R/pip.log" 2>&1 &&
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$R/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$R/gpu.txt"
 GPU=$(python -c "import torch; from bench.render import gpu_slug; print(gpu_slug(torch.cuda.get_device_name()))")
