@@ -149,12 +149,22 @@ class MoE(nn.Module):
         self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, par,
                                        dtype, device, "shared expert intermediate")
 
-    def forward(self, x, summed=True):
+    def norm_route(self, delta, h, norm_weight, eps):
+        """The norm before this layer (`add_rms_norm` of h + delta) and the router's choice for its rows, as one
+        op (`ops.norm_route`): (h, x, routing), routing (weights, ids) for `forward`."""
+        cfg = self.cfg
+        h, x, weights, ids = ops.norm_route(delta, h, norm_weight, eps, self.gate.weight,
+                                            self.gate.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group,
+                                            cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob)
+        return h, x, (weights, ids)
+
+    def forward(self, x, routing=None, summed=True):
         """The routed experts' output plus the shared expert's, or with summed=False the pair (routed, shared),
-        for a caller that adds them itself (the next norm)."""
+        for a caller that adds them itself (the next norm). routing: x's rows' (weights, ids) where `norm_route`
+        chose them, else None (the router runs here)."""
         side = _side_stream(x.device)
         if side is None:
-            routed, shared = self.routed(x, not summed), self.shared_experts(x)
+            routed, shared = self.routed(x, routing, not summed), self.shared_experts(x)
             return routed.add_(shared) if summed else (routed, shared)
         # The shared expert's small GEMMs leave most SMs idle; on a second stream they overlap the router and the
         # routed experts (a fork and a join inside a CUDA graph). x outlives the join, so no record_stream.
@@ -162,14 +172,16 @@ class MoE(nn.Module):
         side.wait_stream(main)
         with torch.cuda.stream(side):
             shared = self.shared_experts(x)
-        routed = self.routed(x, not summed)
+        routed = self.routed(x, routing, not summed)
         main.wait_stream(side)
         return routed.add_(shared) if summed else (routed, shared)
 
-    def routed(self, x, keep_sums=False):
+    def routed(self, x, routing=None, keep_sums=False):
         cfg = self.cfg
-        weights, ids = ops.route(x, self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok,
-                                 cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob)
+        if routing is None:
+            routing = ops.route(x, self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok,
+                                cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob)
+        weights, ids = routing
         return ops.moe(x, ids, weights, self.experts.prepared, keep_sums)
 
 
@@ -224,10 +236,13 @@ class DecoderLayer(nn.Module):
                 h, x = add_rms_norm(delta, h, self.input_layernorm.weight, self.eps)
             attn = self.self_attn(x, meta, kv)
         attn = self.par.all_reduce(attn)
-        h, x = ops.add_rms_norm(attn, h, self.post_attention_layernorm.weight, self.eps)
-        if isinstance(self.mlp, MoE) and not self.par.joined and SUM_SHARED_IN_NORM:
-            return h, self.mlp(x, summed=False)
-        return h, self.par.all_reduce(self.mlp(x))
+        if not isinstance(self.mlp, MoE):
+            h, x = ops.add_rms_norm(attn, h, self.post_attention_layernorm.weight, self.eps)
+            return h, self.par.all_reduce(self.mlp(x))
+        h, x, routing = self.mlp.norm_route(attn, h, self.post_attention_layernorm.weight, self.eps)
+        if not self.par.joined and SUM_SHARED_IN_NORM:
+            return h, self.mlp(x, routing, summed=False)
+        return h, self.par.all_reduce(self.mlp(x, routing))
 
 
 def add_rms_norm(delta, h, weight, eps):

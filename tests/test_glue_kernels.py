@@ -382,6 +382,36 @@ def test_router_sums_many_k_splits(monkeypatch):
     assert torch.equal(ids.cpu(), ref_ids.cpu()) and rel_err(weights, ref_weights) < 1e-4
 
 
+@requires_triton
+@pytest.mark.parametrize("M,x_fp32,fused", [(1, False, True), (1, True, True), (1, False, False), (3, False, True)],
+                         ids=["one_row", "one_row_fp32_x", "one_row_unfused", "three_rows"])
+def test_norm_route_is_the_norm_then_the_router(monkeypatch, M, x_fp32, fused):
+    """norm_route: h and the normed rows as glue's add_rms_norm gives them, and the experts and weights that the
+    router picks from those rows (one row: the norm in the logits gemv's prologue, a K off the tile;
+    unfused or several rows: the norm kernel, then `route`)."""
+    from triton_kernels import glue, router
+
+    norm_kernel = glue.add_rms_norm
+    if not fused:
+        monkeypatch.setitem(router.NORM_IN_LOGITS_MAX_D, arch.current(torch.device(DEV)), 0)
+    elif M == 1:
+        monkeypatch.setattr(glue, "add_rms_norm", None)  # the fused path launches no norm kernel
+    dtype = kernel_dtypes()[0]
+    gen = torch.Generator().manual_seed(M + 7)
+    D, E = 1100, 48
+    x = torch.randn(M, D, generator=gen).to(torch.float32 if x_fp32 else dtype).to(DEV)
+    r = torch.randn(M, D, generator=gen).to(dtype).to(DEV)
+    nw = (1 + torch.randn(D, generator=gen) / 4).to(dtype).to(DEV)
+    w = (torch.randn(E, D, generator=gen) / D ** 0.5).to(dtype).to(DEV)
+    bias = (0.1 * torch.randn(E, generator=gen)).to(DEV)
+    h, normed, weights, ids = router.norm_route(x, r, nw, 1e-6, w, bias, 6, 4, 2, 2.5)
+    ref_h, ref_normed = norm_kernel(x, r, nw, 1e-6)
+    assert torch.equal(h, ref_h)
+    assert torch.equal(normed, ref_normed) if not normed.is_cuda else rel_err(normed, ref_normed) < 1e-2
+    ref_weights, ref_ids = route_torch(normed, w, bias, 6, 4, 2, 2.5)
+    assert torch.equal(ids.cpu(), ref_ids.cpu()) and rel_err(weights, ref_weights) < 1e-4
+
+
 def _stable_top_k(x, w, bias, top_k, n_group, topk_group):
     """Reference ids where ties go to the lower group and the lower expert (stable descending sorts)."""
     choice = (x.float() @ w.float().T).sigmoid() + bias.float()  # logits exact, as the kernel's

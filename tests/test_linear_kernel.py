@@ -146,9 +146,9 @@ def test_gemv_norm_prologue_is_the_norm_then_the_kernel(cfg, M, N, K, residual, 
 
 def test_norm_prologue_refuses_other_kernels():
     x, w, nw = torch.randn(1, 8), torch.randn(4, 8), torch.ones(8)
-    for cfg, kw in [(lk.SWAP, {}), (lk.GEMV, dict(raw=True))]:
+    for cfg, x_cols, kw in [(lk.SWAP, 8, {}), (lk.GEMV, 16, dict(glu=True))]:
         with pytest.raises(ValueError, match="norm prologue"):
-            lk.linear_kernel(x, w, cfg, norm=lk.Norm(nw, 1e-6), **kw)
+            lk.linear_kernel(x.repeat(1, x_cols // 8), w, cfg, norm=lk.Norm(nw, 1e-6), **kw)
     with pytest.raises(ValueError, match="norm prologue"):
         lk.linear_kernel(torch.randn(1, 2 * lk.NORM_MAX_K), torch.randn(4, 2 * lk.NORM_MAX_K), lk.GEMV,
                          norm=lk.Norm(torch.ones(2 * lk.NORM_MAX_K), 1e-6))
@@ -294,8 +294,9 @@ def sm120_resources():
     specs |= {(cfg, M, False, True) for cfg, M in downs if lk.glu_fits(cfg, M, "sm_120")}  # as glue.mlp runs them
     out = []
     for cfg, M, raw, glu in sorted(specs):
-        norms = [None] + ([lk.Norm(None, 0, True, True)] if cfg.kind == "gemv" and not raw else [])
-        for norm in norms:  # with glue.norm_linear's prologue: K = the hidden size, residual and extra
+        # with glue.norm_linear's prologue (residual and extra), or the router's (residual, the normed row stored)
+        prologue = lk.Norm(None, 0, True, normed=True) if raw else lk.Norm(None, 0, True, True)
+        for norm in [None] + ([prologue] if cfg.kind == "gemv" else []):  # K = the hidden size
             kernel, signature, constexprs, options = lk.kernel_spec(cfg, M, 7168, 7168, 170, "sm_120", raw, glu, norm)
             res = compile_for(kernel, signature, constexprs, **options)
             out.append(dict(config=list(cfg), glu=glu, norm=norm is not None, block_m=constexprs.get("BLOCK_M", 1),

@@ -178,17 +178,22 @@ def _normed_x(x_ptr, r_ptr, e_ptr, nw_ptr, offs, rstd, ty: tl.constexpr, RESIDUA
 
 
 @triton.jit
-def _norm_prologue(x_ptr, r_ptr, e_ptr, h_ptr, K, eps, store, ty: tl.constexpr, BLOCK_D: tl.constexpr,
-                   RESIDUAL: tl.constexpr, EXTRA: tl.constexpr):
-    """The rstd of the row h = (x (+ extra)) (+ residual) [K], which every program computes alone; with RESIDUAL
-    the program where `store` also writes h to h_ptr (the residual stream's next value)."""
+def _norm_prologue(x_ptr, r_ptr, e_ptr, nw_ptr, h_ptr, xn_ptr, K, eps, store, ty: tl.constexpr,
+                   BLOCK_D: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, NORMED: tl.constexpr):
+    """The rstd of the row h = (x (+ extra)) (+ residual) [K], which every program computes alone; the program
+    where `store` also writes h to h_ptr with RESIDUAL (the residual stream's next value) and rms_norm(h) to xn_ptr
+    with NORMED (for the row's other readers), each rounded as glue's norm kernels round them."""
     offs = tl.arange(0, BLOCK_D)
     ok = offs < K
     h = residual_sum(x_ptr + offs, r_ptr + offs, e_ptr + offs, ok, ty, RESIDUAL, EXTRA)
-    if RESIDUAL:
-        if store:
+    rstd = inv_rms(h.to(tl.float32), K, eps)
+    if store:
+        if RESIDUAL:
             tl.store(h_ptr + offs, h, mask=ok)
-    return inv_rms(h.to(tl.float32), K, eps)
+        if NORMED:
+            w = tl.load(nw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            tl.store(xn_ptr + offs, (h.to(tl.float32) * rstd * w).to(ty), mask=ok)
+    return rstd
 
 
 @triton.jit
@@ -202,15 +207,16 @@ def _load_x(x_ptrs, K, GLU: tl.constexpr, mask=None):
 
 @triton.jit(do_not_specialize=["splits"])
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, splits, stride_wn,
-                 r_ptr, e_ptr, nw_ptr, h_ptr, eps,
+                 r_ptr, e_ptr, nw_ptr, h_ptr, xn_ptr, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
                  PDL: tl.constexpr, RAW: tl.constexpr = False, GLU: tl.constexpr = False,
                  NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False, EXTRA: tl.constexpr = False,
-                 BLOCK_D: tl.constexpr = 1):
+                 NORMED: tl.constexpr = False, BLOCK_D: tl.constexpr = 1):
     """One row: y [1, N] = x [1, K] @ W^T. Grid (N tiles, K splits). RAW: each split's fp32 partial [N] stored
     at part_ptr + split * N for the caller to sum (no y, no counter). GLU: x is [gate ; up] [1, 2K] (`_load_x`).
     NORM: the product is rms_norm(h) @ W^T (norm weight nw_ptr), h = (x (+ extra)) (+ residual) (`residual_sum`):
-    each program computes the row's rstd first, program (0, 0) stores h (with RESIDUAL) at h_ptr."""
+    each program computes the row's rstd first, program (0, 0) stores h (with RESIDUAL) at h_ptr and the normed
+    row (with NORMED) at xn_ptr."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -223,8 +229,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, N, K, k_per_split, sp
         _prefetch_then_wait(w_rows, k_start, k_end, BLOCK_K)
     rstd = 0.0
     if NORM:
-        rstd = _norm_prologue(x_ptr, r_ptr, e_ptr, h_ptr, K, eps, (pid_n == 0) & (split == 0), ty, BLOCK_D,
-                              RESIDUAL, EXTRA)
+        rstd = _norm_prologue(x_ptr, r_ptr, e_ptr, nw_ptr, h_ptr, xn_ptr, K, eps, (pid_n == 0) & (split == 0), ty,
+                              BLOCK_D, RESIDUAL, EXTRA, NORMED)
     for k in tl.range(k_start, k_full, BLOCK_K, num_stages=STAGES):
         w = tl.load(w_rows + k + offs_k[None, :])  # [BN, BK]
         if NORM:
@@ -354,12 +360,14 @@ def config_for(key, M):
 
 class Norm(NamedTuple):
     """The gemv's norm prologue (`_gemv_kernel` NORM): x is replaced by rms_norm(h), h = (x (+ extra)) (+ residual),
-    and h (with a residual) is stored into `h`, a tensor of x's shape in the weight's dtype."""
+    h (with a residual) is stored into `h` and, where given, rms_norm(h) into `normed`: tensors of x's shape in the
+    weight's dtype."""
     weight: torch.Tensor
     eps: float
     residual: torch.Tensor | None = None
     extra: torch.Tensor | None = None
     h: torch.Tensor | None = None
+    normed: torch.Tensor | None = None
 
 
 NORM_MAX_K = 8192  # the norm prologue holds the whole row in registers: [next power of two of K] a program
@@ -386,9 +394,9 @@ def linear_kernel(x, weight, cfg=None, raw=False, glu=False, norm=None):
         raise ValueError(f"linear_kernel: the gemv config takes one row, got {M}")
     if glu and not glu_fits(cfg, M, key):
         raise ValueError(f"linear_kernel: {cfg} at {M} rows has no room for the gate and up tiles on {key}")
-    if norm is not None and (cfg.kind != "gemv" or glu or raw or K > NORM_MAX_K):
-        raise ValueError(f"linear_kernel: the norm prologue runs on the gemv alone (no glu, no raw), K <= "
-                         f"{NORM_MAX_K}; got {cfg}, K {K}, glu {glu}, raw {raw}")
+    if norm is not None and (cfg.kind != "gemv" or glu or K > NORM_MAX_K):
+        raise ValueError(f"linear_kernel: the norm prologue runs on the gemv alone (no glu), K <= {NORM_MAX_K}; "
+                         f"got {cfg}, K {K}, glu {glu}")
     p = plan(cfg, M, N, K, arch.sm_count(x.device), key, glu)
     part = torch.empty(p.splits * M * N if p.splits > 1 or raw else 1, dtype=torch.float32, device=x.device)
     y = part if raw else torch.empty(M, N, dtype=weight.dtype if norm else x.dtype, device=x.device)
@@ -414,19 +422,19 @@ def linear_kernel(x, weight, cfg=None, raw=False, glu=False, norm=None):
 
 
 def _norm_args(norm, x):
-    """The gemv's (r_ptr, e_ptr, nw_ptr, h_ptr, eps) for `norm` (x stands in for the pointers it does not read)."""
+    """The gemv's (r_ptr, e_ptr, nw_ptr, h_ptr, xn_ptr, eps) for `norm` (x stands in for the pointers it does not
+    read)."""
     if norm is None:
-        return x, x, x, x, 0.0
-    residual = x if norm.residual is None else norm.residual
-    extra = x if norm.extra is None else norm.extra
-    return residual, extra, norm.weight, x if norm.h is None else norm.h, float(norm.eps)
+        return x, x, x, x, x, 0.0
+    return (*(x if t is None else t for t in (norm.residual, norm.extra)), norm.weight,
+            *(x if t is None else t for t in (norm.h, norm.normed)), float(norm.eps))
 
 
 def _norm_constexprs(norm, K):
     if norm is None:
-        return dict(NORM=False, RESIDUAL=False, EXTRA=False, BLOCK_D=1)
+        return dict(NORM=False, RESIDUAL=False, EXTRA=False, NORMED=False, BLOCK_D=1)
     return dict(NORM=True, RESIDUAL=norm.residual is not None, EXTRA=norm.extra is not None,
-                BLOCK_D=triton.next_power_of_2(K))
+                NORMED=norm.normed is not None, BLOCK_D=triton.next_power_of_2(K))
 
 
 def tma_ok(x, weight):
@@ -437,15 +445,15 @@ def tma_ok(x, weight):
 def kernel_spec(cfg, M, N, K, sms, key, raw=False, glu=False, norm=None):
     """(kernel, signature, constexprs, options) of the kernel `linear_kernel` launches under `cfg` for bf16 x [M, K]
     (contiguous; [M, 2K] with glu) and weight [N, K] on `sms` SMs, with programmatic dependent launch as on the GPU,
-    compiled for arch `key` (aot.compile_for). norm: a `Norm` whose residual and extra say whether they are given
-    (their values unused); with extra x is fp32, as a MoE layer's routed sums are."""
+    compiled for arch `key` (aot.compile_for). norm: a `Norm` whose residual, extra and normed say whether they are
+    given (their values unused); with extra x is fp32, as a MoE layer's routed sums are."""
     p = plan(cfg, M, N, K, sms, key, glu)
     x_type = "*fp32" if norm is not None and norm.extra is not None else "*bf16"
     signature = dict(x_ptr=x_type, w_ptr="*bf16", y_ptr="*fp32" if raw else "*bf16", part_ptr="*fp32",
                      count_ptr="*i32", N="i32", K="i32", k_per_split="i32", splits="i32")
     options = dict(arch=key, num_warps=cfg.warps, aligned=True, divisible=("N", "K", "k_per_split"))
     if cfg.kind == "gemv":
-        signature.update(r_ptr="*bf16", e_ptr="*bf16", nw_ptr="*bf16", h_ptr="*bf16", eps="fp32")
+        signature.update(r_ptr="*bf16", e_ptr="*bf16", nw_ptr="*bf16", h_ptr="*bf16", xn_ptr="*bf16", eps="fp32")
         constexprs = dict(stride_wn=K, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
                           STAGES=p.stages, PDL=True, RAW=raw, GLU=glu, **_norm_constexprs(norm, K))
         return _gemv_kernel, signature, constexprs, options

@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import arch, pdl
+from triton_kernels import arch, glue, pdl
 from triton_kernels.keys import ordered
-from triton_kernels.linear import MAX_ROWS, Config, linear_kernel
+from triton_kernels.linear import MAX_ROWS, NORM_MAX_K, Config, Norm, linear_kernel
 
 BLOCK_E = 32
 MAX_SPLITS = 16
@@ -28,6 +28,9 @@ MANY_ROWS = {"sm_90": Config("swap", 64, 128, 4, 4, 0.5, tma=True),
              "sm_120": Config("swap", 64, 128, 4, 4, 0.5, tma=True)}
 LOGITS_TILE = {"sm_90": (64, 128), "sm_120": (64, 128)}
 SELECT_WARPS = {"sm_90": 4, "sm_120": 4}  # fastest at 1-129 rows; 1 warp spills on sm_90 and sm_120
+# Per arch, the widest row whose norm (`norm_route`) the one-row logits gemv computes in its prologue rather than
+# glue's norm kernel in a launch of its own.
+NORM_IN_LOGITS_MAX_D = {"sm_90": NORM_MAX_K, "sm_120": NORM_MAX_K}
 
 
 @triton.jit
@@ -136,18 +139,42 @@ def logits(x, gate_weight):
 def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob=True):
     """See `ops.moe.route`. x: [M, D] fp16/bf16/fp32; gate_weight: [E, D] of x's dtype; bias: [E] fp32.
     Returns (weights [M, top_k] fp32, ids [M, top_k] int32)."""
-    M = x.shape[0]
-    E = gate_weight.shape[0]
     x, gate_weight = x.contiguous(), gate_weight.contiguous().to(x.dtype)
-    weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
+    part = logits(x, gate_weight) if x.shape[0] else None
+    return _select(part, x.shape[0], gate_weight.shape[0], bias, top_k, n_group, topk_group, scaling_factor,
+                   norm_topk_prob, x.device)
+
+
+def norm_route(x, residual, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, scaling_factor,
+               norm_topk_prob=True):
+    """See `ops.moe.norm_route`. x: [M, D] of residual's dtype or fp32; residual: [M, D]; norm_weight: [D];
+    gate_weight: [E, D] of residual's dtype. One row up to NORM_IN_LOGITS_MAX_D: the norm in the prologue of
+    the logits' gemv, whose program (0, 0) also stores h and the normed row (the norm kernel's launch saved); else
+    glue.add_rms_norm, then `route`. Returns (h, normed, weights, ids)."""
+    x, residual, gate_weight = x.contiguous(), residual.contiguous(), gate_weight.contiguous()
+    M, D = residual.shape
+    key = arch.current(x.device)
+    if M != 1 or D > NORM_IN_LOGITS_MAX_D[key]:
+        h, normed = glue.add_rms_norm(x, residual, norm_weight, eps)
+        return h, normed, *route(normed, gate_weight, bias, top_k, n_group, topk_group, scaling_factor,
+                                 norm_topk_prob)
+    h, normed = torch.empty_like(residual), torch.empty_like(residual)
+    norm = Norm(norm_weight, eps, residual, h=h, normed=normed)
+    part = linear_kernel(x, gate_weight.to(residual.dtype), ONE_ROW[key], raw=True, norm=norm)
+    return h, normed, *_select(part, M, gate_weight.shape[0], bias, top_k, n_group, topk_group, scaling_factor,
+                               norm_topk_prob, x.device)
+
+
+def _select(part, M, E, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob, device):
+    """The select kernel on the logits' K-split partials [splits, M, E]: (weights, ids) as `route` returns them."""
+    weights = torch.empty(M, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(M, top_k, dtype=torch.int32, device=device)
     if M == 0:
         return weights, ids
-    part = logits(x, gate_weight)
     splits = part.shape[0]
     _select_kernel[(M,)](part, bias.float().contiguous(), weights, ids, M, E, splits, E // n_group, n_group,
                          topk_group, top_k, float(scaling_factor), NORM=bool(norm_topk_prob),
                          BLOCK_E=triton.next_power_of_2(E), BLOCK_G=triton.next_power_of_2(n_group),
                          BLOCK_K=triton.next_power_of_2(top_k), BLOCK_S=triton.next_power_of_2(splits),
-                         num_warps=SELECT_WARPS[arch.current(x.device)], **pdl.options(x))
+                         num_warps=SELECT_WARPS[arch.current(device)], **pdl.options(part))
     return weights, ids

@@ -10,7 +10,7 @@ from ops.attention import mla_attention, pack_tree_mask, tree_mask_dense, write_
 from ops.drafter_attention import drafter_attention
 from ops.linear import linear
 from ops.mlp import mlp
-from ops.moe import PackedExperts, moe, pack_int4, prepare_moe, route, unpack_int4
+from ops.moe import PackedExperts, moe, norm_route, pack_int4, prepare_moe, route, unpack_int4
 from ops.norm import add_rms_norm, norm_linear, rms_norm
 from ops.rope import apply_rope, head_norm_rope, yarn_inv_freq, yarn_mscale
 from ops.tree import Tree, accept, build_tree, compact, draft_topk
@@ -20,7 +20,7 @@ apply_env()
 __all__ = [
     "absorb_output", "absorb_query", "accept", "add_rms_norm", "apply_env", "apply_rope", "build_tree", "compact",
     "current", "dispatch", "draft_topk", "drafter_attention", "env_problem", "has_triton", "head_norm_rope",
-    "LatentWrite", "linear", "mla_attention", "mlp", "moe", "norm_linear", "op_names", "pack_int4", "pack_tree_mask",
-    "PackedExperts", "prepare_moe", "rms_norm", "route", "table", "Tree", "tree_mask_dense", "unpack_int4", "use",
-    "use_kernel_configs", "use_spec", "using", "write_kv", "yarn_inv_freq", "yarn_mscale",
+    "LatentWrite", "linear", "mla_attention", "mlp", "moe", "norm_linear", "norm_route", "op_names", "pack_int4",
+    "pack_tree_mask", "PackedExperts", "prepare_moe", "rms_norm", "route", "table", "Tree", "tree_mask_dense",
+    "unpack_int4", "use", "use_kernel_configs", "use_spec", "using", "write_kv", "yarn_inv_freq", "yarn_mscale",
 ]

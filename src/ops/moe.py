@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from ops._backend import current, dispatch, register
 from ops._checks import check_dims, check_dtype
+from ops.norm import add_rms_norm_torch
 
 GROUP = 32  # INT4 quantisation group along the input dim
 PACK = 8  # nibbles per int32 word
@@ -25,6 +26,36 @@ def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm
         raise ValueError(f"route: bad grouping E={E}, n_group={n_group}, topk_group={topk_group}, top_k={top_k}")
     impl = dispatch("router", x.device, x.dtype)
     return impl(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob)
+
+
+def norm_route(x, residual, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, scaling_factor,
+               norm_topk_prob=True):
+    """`add_rms_norm(x, residual, norm_weight, eps)`, then `route` of its normed rows: the post-attention norm and
+    the router that is the first to read it. The Triton backend runs one row in one launch fewer (the norm in the
+    prologue of the logits' gemv, which also stores h and the normed row): its normed row and logits may differ
+    from the two ops' in a last bit, as the rstd's sum runs in another order.
+
+    x, residual, norm_weight: as `add_rms_norm`'s; gate_weight, bias and the rest as `route`'s. Returns (h [M, D],
+    normed [M, D], weights [M, k] fp32, ids [M, k] int32).
+    """
+    E = gate_weight.shape[0]
+    if (x.dim() != 2 or x.shape != residual.shape or x.dtype not in (residual.dtype, torch.float32)
+            or norm_weight.shape != (x.shape[1],) or gate_weight.shape[1:] != x.shape[1:] or bias.shape != (E,)):
+        raise ValueError(f"norm_route: x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} "
+                         f"{residual.dtype}, norm_weight {tuple(norm_weight.shape)}, gate {tuple(gate_weight.shape)}, "
+                         f"bias {tuple(bias.shape)} do not fit [M, D], [D], [E, D], [E]")
+    if E % n_group or not 0 < topk_group <= n_group or not 0 < top_k <= E:
+        raise ValueError(f"norm_route: bad grouping E={E}, n_group={n_group}, topk_group={topk_group}, top_k={top_k}")
+    impl = dispatch("norm_route", x.device, residual.dtype)
+    return impl(x, residual, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, scaling_factor,
+                norm_topk_prob)
+
+
+def norm_route_torch(x, residual, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, scaling_factor,
+                     norm_topk_prob=True):
+    h, normed = add_rms_norm_torch(x, residual, norm_weight, eps)
+    return h, normed, *route_torch(normed, gate_weight, bias, top_k, n_group, topk_group, scaling_factor,
+                                   norm_topk_prob)
 
 
 def route_torch(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob=True):
@@ -168,5 +199,7 @@ def moe_torch(x, topk_ids, topk_weights, experts, keep_sums=False):
 
 
 register("router", route_torch, "triton_kernels.router:route", triton_dtypes=(torch.float16, torch.bfloat16))
+register("norm_route", norm_route_torch, "triton_kernels.router:norm_route",
+         triton_dtypes=(torch.float16, torch.bfloat16))
 register("moe", moe_torch, "triton_kernels.moe_w4a16:moe", triton_dtypes=(torch.float16, torch.bfloat16))
 register("prepare_moe", prepare_moe_torch, "triton_kernels.moe_layout:prepare_moe", follows="moe")
