@@ -29,8 +29,9 @@ MANY_ROWS = {"sm_90": Config("swap", 64, 128, 4, 4, 0.5, tma=True),
 LOGITS_TILE = {"sm_90": (64, 128), "sm_120": (64, 128)}
 SELECT_WARPS = {"sm_90": 4, "sm_120": 4}  # fastest at 1-129 rows; 1 warp spills on sm_90 and sm_120
 # Per arch, the widest row whose norm (`norm_route`) the one-row logits gemv computes in its prologue rather than
-# glue's norm kernel in a launch of its own.
-NORM_IN_LOGITS_MAX_D = {"sm_90": NORM_MAX_K, "sm_120": NORM_MAX_K}
+# glue's norm kernel in a launch of its own: the verify at one token 0.7% faster on the proxy, 0.3% slower on
+# sm_90, whose gemv gains more time than the launch saves (bench/results/norm_linear_h100.md).
+NORM_IN_LOGITS_MAX_D = {"sm_90": 0, "sm_120": NORM_MAX_K}
 
 
 @triton.jit
