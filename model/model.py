@@ -225,7 +225,8 @@ class DecoderLayer(nn.Module):
         each residual add runs fused with the norm after it. Returns (h, delta) the same way. Unless ranks are
         joined (whose all-reduce takes one sum), a MoE layer's delta is its (routed, shared) pair, which the
         next norm sums in the same launch (`add_rms_norm`). With a q_a projection the input norm's only reader is
-        the q_a/kv_a projection: both run as one op (`norm_linear`)."""
+        the q_a/kv_a projection: both run as one op (`norm_linear`); a MoE layer's post-attention norm runs with
+        its router, the norm's first reader (`MoE.norm_route`)."""
         if self.self_attn.cfg.q_lora_rank:
             h, down = norm_linear(delta, h, self.input_layernorm.weight, self.eps, self.self_attn.down_proj_weight)
             attn = self.self_attn.attend(down, meta, kv)
