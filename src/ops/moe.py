@@ -31,9 +31,10 @@ def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm
 def norm_route(x, residual, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, scaling_factor,
                norm_topk_prob=True):
     """`add_rms_norm(x, residual, norm_weight, eps)`, then `route` of its normed rows: the post-attention norm and
-    the router that is the first to read it. The Triton backend runs one row in one launch fewer (the norm in the
-    prologue of the logits' gemv, which also stores h and the normed row): its normed row and logits may differ
-    from the two ops' in a last bit, as the rstd's sum runs in another order.
+    the router that is the first to read it. Where its arch's table says so (sm_120), the Triton backend runs one
+    row in one launch fewer (the norm in the prologue of the logits' gemv, which also stores h and the normed row):
+    its normed row and logits may then differ from the two ops' in a last bit, as the rstd's sum runs in another
+    order.
 
     x, residual, norm_weight: as `add_rms_norm`'s; gate_weight, bias and the rest as `route`'s. Returns (h [M, D],
     normed [M, D], weights [M, k] fp32, ids [M, k] int32).
