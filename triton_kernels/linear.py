@@ -182,7 +182,8 @@ def _norm_prologue(x_ptr, r_ptr, e_ptr, nw_ptr, h_ptr, xn_ptr, K, eps, store, ty
                    BLOCK_D: tl.constexpr, RESIDUAL: tl.constexpr, EXTRA: tl.constexpr, NORMED: tl.constexpr):
     """The rstd of the row h = (x (+ extra)) (+ residual) [K], which every program computes alone; the program
     where `store` also writes h to h_ptr with RESIDUAL (the residual stream's next value) and rms_norm(h) to xn_ptr
-    with NORMED (for the row's other readers), each rounded as glue's norm kernels round them."""
+    with NORMED (for the row's other readers: `_normed_x`, which re-reads the row from L1), each rounded as glue's
+    norm kernels round them."""
     offs = tl.arange(0, BLOCK_D)
     ok = offs < K
     h = residual_sum(x_ptr + offs, r_ptr + offs, e_ptr + offs, ok, ty, RESIDUAL, EXTRA)
@@ -191,8 +192,8 @@ def _norm_prologue(x_ptr, r_ptr, e_ptr, nw_ptr, h_ptr, xn_ptr, K, eps, store, ty
         if RESIDUAL:
             tl.store(h_ptr + offs, h, mask=ok)
         if NORMED:
-            w = tl.load(nw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-            tl.store(xn_ptr + offs, (h.to(tl.float32) * rstd * w).to(ty), mask=ok)
+            tl.store(xn_ptr + offs, _normed_x(x_ptr, r_ptr, e_ptr, nw_ptr, offs, rstd, ty, RESIDUAL, EXTRA, ok),
+                     mask=ok)
     return rstd
 
 
