@@ -148,6 +148,22 @@ def test_two_pass_matches_reference(B, T, H, lens, kind, splits, dtype):
 
 
 @requires_triton
+@pytest.mark.parametrize("T,H,lens", [(5, 8, [70]), (9, 4, [45]), (3, 4, [20]), (2, 8, [33])],
+                         ids=["32+8 rows", "32+4 rows", "12 rows", "16 rows"])
+def test_two_pass_short_last_row_block(T, H, lens):
+    """The scores pass's last row block of at most TAIL_M rows (one token's heads past whole 32-row blocks, or
+    all the rows) runs as a TAIL_M-row tile: the output is the reference's."""
+    from triton_kernels.mla_attention import mla_attention
+
+    dtype = kernel_dtypes()[0]
+    q, kv, cache_lens, mask = make_case(1, T, H, lens, "wide", dtype, device(), seed=T * 10 + H)
+    tiles = TwoPassTiles(32, 16, 4, 1, 16, 256, 4, 1)
+    out = mla_attention(q, kv, cache_lens, mask, SCALE, config=Config(splits=2, two_pass=tiles))
+    ref = mla_attention_torch(q.float(), kv.float(), cache_lens, mask, SCALE)
+    assert not out.isnan().any() and rel_err(out, ref) < bound(dtype)
+
+
+@requires_triton
 @pytest.mark.parametrize("two_pass", [False, True], ids=["split kernel", "two passes"])
 def test_cache_past_the_lengths_is_never_read_into_the_output(two_pass):
     """NaN in every cache row past each sequence's length (the two passes load clamped rows there, unmasked):

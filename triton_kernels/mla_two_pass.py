@@ -24,6 +24,7 @@ from triton_kernels import pdl
 from triton_kernels.mla_splits import D_LAT, ENTRY, choose_splits, visible
 
 BLOCK_K = 64  # query/key dims a step of the scores' loop (576 = 9 steps)
+TAIL_M = tl.constexpr(16)  # rows of the scores pass's short last row block (the least a tl.dot takes)
 
 
 class TwoPassTiles(NamedTuple):
@@ -45,41 +46,54 @@ def _scores_kernel(q_ptr, kv_ptr, lens_ptr, mask_ptr, p_ptr, m_ptr, l_ptr, T, ro
                    sm_scale_log2, H: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
     """Tile (pid 0: rows, pid 1: entries) of sequence pid 2: p = exp2(S - m), m and l per row (module docstring);
-    nothing for a tile wholly past the sequence's length."""
+    nothing for a tile wholly past the sequence's length. A last row block of at most TAIL_M rows (a tree of
+    2^k + 1 nodes leaves one token's H rows) runs as a TAIL_M-row tile, not a BLOCK_M one mostly masked."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     b = tl.program_id(2)
     rows = T * H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < rows
     pdl.wait(PDL)
     length = tl.load(lens_ptr + b)
     if pid_n * BLOCK_N < length:
-        # masked loads, not clamped rows as the values pass: 1.1-2x faster here (attention_two_pass_h100.md)
-        # (bench/results/attention_two_pass_h100.md)
-        n_ok = offs_n < length
-        q_rows = q_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 576 + offs_k[None, :]
-        k_rows = kv_ptr + (b.to(tl.int64) * rows_kb + offs_n)[:, None] * 576 + offs_k[None, :]
-        s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, 576, BLOCK_K, num_stages=STAGES):
-            q = tl.load(q_rows + k0, mask=m_ok[:, None], other=0.0)
-            k = tl.load(k_rows + k0, mask=n_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), s)
-        s = s * sm_scale_log2
-        if (pid_n + 1) * BLOCK_N > length - T:  # a tile holding tree entries or the sequence's end
-            seen = visible(offs_m, offs_n, length, length - T, T, b, mask_ptr, H, CAUSAL, GATHER=False)
-            s = tl.where(seen, s, float("-inf"))
-        m = tl.max(s, 1)  # [BM]; -inf where the row sees nothing here
-        m = tl.where(m > float("-inf"), m, -1.0e30)  # finite: exp2(m - M) is 0, not nan
-        p = tl.exp2(s - m[:, None])
-        p_rows = p_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * p_cols + offs_n[None, :]
-        tl.store(p_rows, p.to(p_ptr.dtype.element_ty), mask=m_ok[:, None])
-        stats = (b.to(tl.int64) * n_tiles + pid_n) * rows + offs_m
-        tl.store(m_ptr + stats, m, mask=m_ok)
-        tl.store(l_ptr + stats, tl.sum(p, 1), mask=m_ok)
+        tile = (q_ptr, kv_ptr, mask_ptr, p_ptr, m_ptr, l_ptr, b, pid_n, length, T, rows_kb, p_cols, n_tiles,
+                sm_scale_log2)
+        if rows - pid_m * BLOCK_M <= TAIL_M:
+            _scores_tile(*tile, pid_m * BLOCK_M + tl.arange(0, TAIL_M), H, CAUSAL, BLOCK_N, BLOCK_K, STAGES)
+        else:
+            _scores_tile(*tile, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), H, CAUSAL, BLOCK_N, BLOCK_K, STAGES)
     pdl.release(PDL)
+
+
+@triton.jit
+def _scores_tile(q_ptr, kv_ptr, mask_ptr, p_ptr, m_ptr, l_ptr, b, pid_n, length, T, rows_kb, p_cols, n_tiles,
+                 sm_scale_log2, offs_m, H: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """The scores kernel's work for rows offs_m and entry tile pid_n of sequence b (the tile holds entries)."""
+    rows = T * H
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < rows
+    # masked loads, not clamped rows as the values pass: 1.1-2x faster here (attention_two_pass_h100.md)
+    n_ok = offs_n < length
+    q_rows = q_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 576 + offs_k[None, :]
+    k_rows = kv_ptr + (b.to(tl.int64) * rows_kb + offs_n)[:, None] * 576 + offs_k[None, :]
+    s = tl.zeros([offs_m.shape[0], BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, 576, BLOCK_K, num_stages=STAGES):
+        q = tl.load(q_rows + k0, mask=m_ok[:, None], other=0.0)
+        k = tl.load(k_rows + k0, mask=n_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), s)
+    s = s * sm_scale_log2
+    if (pid_n + 1) * BLOCK_N > length - T:  # a tile holding tree entries or the sequence's end
+        seen = visible(offs_m, offs_n, length, length - T, T, b, mask_ptr, H, CAUSAL, GATHER=False)
+        s = tl.where(seen, s, float("-inf"))
+    m = tl.max(s, 1)  # [BM]; -inf where the row sees nothing here
+    m = tl.where(m > float("-inf"), m, -1.0e30)  # finite: exp2(m - M) is 0, not nan
+    p = tl.exp2(s - m[:, None])
+    p_rows = p_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * p_cols + offs_n[None, :]
+    tl.store(p_rows, p.to(p_ptr.dtype.element_ty), mask=m_ok[:, None])
+    stats = (b.to(tl.int64) * n_tiles + pid_n) * rows + offs_m
+    tl.store(m_ptr + stats, m, mask=m_ok)
+    tl.store(l_ptr + stats, tl.sum(p, 1), mask=m_ok)
 
 
 @triton.jit
