@@ -11,6 +11,7 @@
 #   step:150      the step benchmark (python -m bench.bench_step $STEP_ARGS)
 #   old:230       the benchmarks of the old tree in .old/ (aa1fe5d's bench_moe/attention/tree/linear/glue) on this GPU
 #   old-step:150  the old tree's bench_step.py with the same $STEP_ARGS
+#   old-step120:150  the same on the sm_120 proxy (beside step120 for an A/B of the two trees on that path)
 #   tune:400      python -m bench.tune on $TUNE_ARCH (default sm_120: the proxy on a Hopper GPU), ops $TUNE_OPS
 #                 (default all four, the seconds shared), resuming the package's tuned file for that arch
 #                 (TUNE_FRESH=1: its buckets of those ops measured again); the result is results/tuned_<arch>.json
@@ -127,11 +128,12 @@ old() {  # the shares of SECONDS: MoE 30%, attention 30%, tree 12%, dense projec
   echo "old: done, $(find "$O" -name '*.json' | wc -l) JSON files" | tee -a "$R/summary.md"
 }
 
-old_step() {
+old_step() {  # SECONDS [NAME]: NAME (default "step") names the run's folder and log, as step's
   has_old_tree || return
+  local name=${2:-step}
   # shellcheck disable=SC2086
-  old_tree "$1" python bench/bench_step.py --out "$R/old/step" $STEP_ARGS >"$R/old_step.log" 2>&1
-  echo "old-step: exit $?" | tee -a "$R/summary.md"
+  old_tree "$1" python bench/bench_step.py --out "$R/old/$name" $STEP_ARGS >"$R/old_$name.log" 2>&1
+  echo "old-$name: exit $?" | tee -a "$R/summary.md"
 }
 
 compare() {
@@ -148,7 +150,7 @@ has_old_tree() {
 
 declare -A SECONDS_OF=([tests]=360 [warm]=90 [sweeps]=210 [moe]=90 [attention]=90 [tree]=60 [dense]=60
                        [step]=150 [old]=230 [old-step]=150 [tune]=400 [compare]=60 [tests120]=200
-                       [step120]=150)
+                       [step120]=150 [old-step120]=150)
 [[ " $* " == *" all "* ]] && set -- tests warm sweeps step
 for arg in "$@"; do
   if [ -z "${SECONDS_OF[${arg%%:*}]+x}" ]; then
@@ -171,6 +173,7 @@ for arg in "$@"; do
     tune) tune "$s" ;;
     old) old "$s" ;;
     old-step) old_step "$s" ;;
+    old-step120) proxy old_step "$s" step_sm120_proxy ;;
     compare) compare; compared=1 ;;
   esac
 done
