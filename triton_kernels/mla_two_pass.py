@@ -55,21 +55,23 @@ def _scores_kernel(q_ptr, kv_ptr, lens_ptr, mask_ptr, p_ptr, m_ptr, l_ptr, T, ro
     pdl.wait(PDL)
     length = tl.load(lens_ptr + b)
     if pid_n * BLOCK_N < length:
-        tile = (q_ptr, kv_ptr, mask_ptr, p_ptr, m_ptr, l_ptr, b, pid_n, length, T, rows_kb, p_cols, n_tiles,
-                sm_scale_log2)
         if rows - pid_m * BLOCK_M <= TAIL_M:
-            _scores_tile(*tile, pid_m * BLOCK_M + tl.arange(0, TAIL_M), H, CAUSAL, BLOCK_N, BLOCK_K, STAGES)
+            _scores_tile(q_ptr, kv_ptr, mask_ptr, p_ptr, m_ptr, l_ptr, b, pid_m * BLOCK_M, pid_n, length, T, rows_kb,
+                         p_cols, n_tiles, sm_scale_log2, H, CAUSAL, TAIL_M, BLOCK_N, BLOCK_K, STAGES)
         else:
-            _scores_tile(*tile, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), H, CAUSAL, BLOCK_N, BLOCK_K, STAGES)
+            _scores_tile(q_ptr, kv_ptr, mask_ptr, p_ptr, m_ptr, l_ptr, b, pid_m * BLOCK_M, pid_n, length, T, rows_kb,
+                         p_cols, n_tiles, sm_scale_log2, H, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
     pdl.release(PDL)
 
 
 @triton.jit
-def _scores_tile(q_ptr, kv_ptr, mask_ptr, p_ptr, m_ptr, l_ptr, b, pid_n, length, T, rows_kb, p_cols, n_tiles,
-                 sm_scale_log2, offs_m, H: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+def _scores_tile(q_ptr, kv_ptr, mask_ptr, p_ptr, m_ptr, l_ptr, b, row0, pid_n, length, T, rows_kb, p_cols, n_tiles,
+                 sm_scale_log2, H: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """The scores kernel's work for rows offs_m and entry tile pid_n of sequence b (the tile holds entries)."""
+    """The scores kernel's work for rows [row0, row0 + BLOCK_M) and entry tile pid_n of sequence b (the tile holds
+    entries)."""
     rows = T * H
+    offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < rows
@@ -77,7 +79,7 @@ def _scores_tile(q_ptr, kv_ptr, mask_ptr, p_ptr, m_ptr, l_ptr, b, pid_n, length,
     n_ok = offs_n < length
     q_rows = q_ptr + (b.to(tl.int64) * rows + offs_m)[:, None] * 576 + offs_k[None, :]
     k_rows = kv_ptr + (b.to(tl.int64) * rows_kb + offs_n)[:, None] * 576 + offs_k[None, :]
-    s = tl.zeros([offs_m.shape[0], BLOCK_N], dtype=tl.float32)
+    s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, 576, BLOCK_K, num_stages=STAGES):
         q = tl.load(q_rows + k0, mask=m_ok[:, None], other=0.0)
         k = tl.load(k_rows + k0, mask=n_ok[:, None], other=0.0)
