@@ -11,6 +11,12 @@ GROUP = 32  # INT4 quantisation group along the input dim
 PACK = 8  # nibbles per int32 word
 
 
+def _check_grouping(op, E, n_group, topk_group, top_k):
+    """The router's expert grouping: E experts in n_group groups, topk_group of them kept, top_k experts chosen."""
+    if E % n_group or not 0 < topk_group <= n_group or not 0 < top_k <= E:
+        raise ValueError(f"{op}: bad grouping E={E}, n_group={n_group}, topk_group={topk_group}, top_k={top_k}")
+
+
 def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob=True):
     """DeepSeek-V3 noaux_tc router in fp32.
 
@@ -22,8 +28,7 @@ def route(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm
     E = gate_weight.shape[0]
     if x.shape[-1] != gate_weight.shape[1] or bias.shape != (E,):
         raise ValueError(f"route: x {tuple(x.shape)}, gate {tuple(gate_weight.shape)}, bias {tuple(bias.shape)}")
-    if E % n_group or not 0 < topk_group <= n_group or not 0 < top_k <= E:
-        raise ValueError(f"route: bad grouping E={E}, n_group={n_group}, topk_group={topk_group}, top_k={top_k}")
+    _check_grouping("route", E, n_group, topk_group, top_k)
     impl = dispatch("router", x.device, x.dtype)
     return impl(x, gate_weight, bias, top_k, n_group, topk_group, scaling_factor, norm_topk_prob)
 
@@ -45,8 +50,7 @@ def norm_route(x, residual, norm_weight, eps, gate_weight, bias, top_k, n_group,
         raise ValueError(f"norm_route: x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} "
                          f"{residual.dtype}, norm_weight {tuple(norm_weight.shape)}, gate {tuple(gate_weight.shape)}, "
                          f"bias {tuple(bias.shape)} do not fit [M, D], [D], [E, D], [E]")
-    if E % n_group or not 0 < topk_group <= n_group or not 0 < top_k <= E:
-        raise ValueError(f"norm_route: bad grouping E={E}, n_group={n_group}, topk_group={topk_group}, top_k={top_k}")
+    _check_grouping("norm_route", E, n_group, topk_group, top_k)
     impl = dispatch("norm_route", x.device, residual.dtype)
     return impl(x, residual, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, scaling_factor,
                 norm_topk_prob)
