@@ -79,8 +79,9 @@ CONFIGS = {
 # pipeline for larger tiles; on sm_120 (mma.sync) the pipelined tail uses less shared memory. None: the entry's.
 TAIL_STAGES = {"sm_90": 1, "sm_120": None}
 # Softmax sums kept per column and summed once after the loop (triton_kernels/README.md, MLA attention: row sums
-# once): on sm_120's mma.sync tiles 2 barriers a KV tile fewer and fewer registers in the SASS, untimed; on sm_90
-# the 64-row wgmma tiles would spill more (64 -> 208 B), so sm_90 keeps the row sum a tile.
+# once): on sm_120's mma.sync tiles 2 barriers a KV tile fewer; on the proxy 1.6-9.7% faster than a row sum a tile
+# from 32k entries on, 2% slower at one row over 4k (bench/results/split_sums_once_h100.md). On sm_90 the 64-row
+# wgmma tiles would spill more (64 -> 208 B), so sm_90 keeps the row sum a tile.
 SUMS_ONCE = {"sm_90": False, "sm_120": True}
 # The split kernel in Gluon (`mla_gluon.py`: Hopper, bf16, the 64x64 tiles) by default, where it can run: 1.05-1.5x
 # faster than Triton's at every timed shape (bench/results/attention_gluon_h200_s14_seesaw.json).
