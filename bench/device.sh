@@ -2,7 +2,7 @@
 # One device call: bash bench/device.sh PART[:SECONDS] ...   (parts run in the order given, each bounded)
 #   tests:360     every GPU test (12 xdist workers, the 25 slowest listed; the CPU-only compile checks and
 #                 multi-process tests are CI's: TEST_FILTER overrides the -k expression). The suite takes about
-#                 270 s on an H100 (bench/results/gpu_tests_h100.log). The server's tests need its wheels: a call
+#                 300 s on an H100 (bench/results/gpu_tests_h100.log). The server's tests need its wheels: a call
 #                 that carries .whl/ (wheels of fastapi, uvicorn, openai and what they need, for the GPU
 #                 image's Python) has them installed first
 #   warm:90       each sweep case once in 8 processes, no timing: fills Triton's cache for the timed run
