@@ -392,7 +392,7 @@ def test_norm_route_is_the_norm_then_the_router(monkeypatch, M, x_fp32, fused):
     from triton_kernels import glue, router
 
     norm_kernel = glue.add_rms_norm
-    monkeypatch.setitem(router.NORM_IN_LOGITS_MAX_D, arch.current(torch.device(DEV)), 8192 if fused else 0)
+    monkeypatch.setitem(router.NORM_IN_LOGITS_MAX_D, arch.current(torch.device(DEV)), router.NORM_MAX_K if fused else 0)
     if fused and M == 1:
         monkeypatch.setattr(glue, "add_rms_norm", None)  # the fused path launches no norm kernel
     dtype = kernel_dtypes()[0]
